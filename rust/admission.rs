@@ -1,0 +1,171 @@
+//! Admission: may this request start, and what does it hold while it lives?
+//!
+//! Default mode, "reserve": a request is admitted only if its final length,
+//! ceil((prompt + max_tokens) / block_size) blocks, fits everywhere it must: the
+//! tenant's cap, and the usable pool (total less the overhead reserve) without
+//! touching another tenant's unused floor. The sum of reservations then never
+//! exceeds what exists, so an admitted request never fails to get a page.
+//!
+//! The checks run from the most permanent to the most passing (an invalid request
+//! is invalid forever; a rate limit clears in seconds) and none of them changes
+//! anything: the caller applies an `Admission` only once every check passed.
+
+use crate::error::{RejectReason, Rejection};
+use crate::tenant::Tenant;
+
+/// What the scheduler knows of itself at the moment of the decision.
+#[derive(Clone, Copy, Debug)]
+pub struct Capacity {
+    pub block_size: usize,
+    pub max_seq_len: usize,
+    /// Pool pages less the overhead reserve.
+    pub usable_blocks: usize,
+    /// Sum over tenants of max(reserved, floor).
+    pub committed_blocks: usize,
+    /// Live (admitted, unfinished) requests, all tenants.
+    pub live_requests: usize,
+    /// Most live requests the scheduler holds (running set plus waiting queue).
+    pub max_live_requests: usize,
+}
+
+/// A decision to admit: what to charge.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Admission {
+    /// Blocks reserved for the request's whole life.
+    pub blocks: usize,
+    /// Tokens taken from the tenant's rate-limit bucket.
+    pub rate_cost: f64,
+}
+
+fn reject(
+    tenant: &Tenant,
+    reason: RejectReason,
+    retry_after: Option<f64>,
+    message: String,
+) -> Rejection {
+    Rejection {
+        reason,
+        retry_after,
+        tenant: Some(tenant.config.name.clone()),
+        message,
+    }
+}
+
+/// Decide on a request of `tenant` for `prompt` plus up to `max_tokens` new tokens.
+pub fn decide(
+    tenant: &Tenant,
+    cap: &Capacity,
+    prompt: &[i32],
+    max_tokens: usize,
+    now: f64,
+) -> Result<Admission, Rejection> {
+    use RejectReason::*;
+    let name = &tenant.config.name;
+
+    if prompt.is_empty() {
+        return Err(reject(tenant, Invalid, None, "empty prompt".into()));
+    }
+    if max_tokens == 0 {
+        return Err(reject(
+            tenant,
+            Invalid,
+            None,
+            "max_tokens must be at least 1".into(),
+        ));
+    }
+    if let Some(at) = prompt.iter().position(|&t| t < 0) {
+        return Err(reject(
+            tenant,
+            Invalid,
+            None,
+            format!("prompt token {at} is negative ({})", prompt[at]),
+        ));
+    }
+
+    let final_len = prompt.len().saturating_add(max_tokens);
+    if final_len > cap.max_seq_len {
+        return Err(reject(
+            tenant,
+            TooLong,
+            None,
+            format!(
+                "prompt ({}) + max_tokens ({max_tokens}) = {final_len} exceeds max_seq_len ({})",
+                prompt.len(),
+                cap.max_seq_len
+            ),
+        ));
+    }
+    let blocks = final_len.div_ceil(cap.block_size);
+
+    let tenant_cap = tenant.cap(cap.usable_blocks);
+    if tenant.reserved_blocks + blocks > tenant_cap {
+        let never = blocks > tenant_cap;
+        return Err(reject(
+            tenant,
+            TenantBudget,
+            None,
+            if never {
+                format!("request needs {blocks} blocks, more than tenant {name:?}'s cap of {tenant_cap}")
+            } else {
+                format!(
+                    "request needs {blocks} blocks; tenant {name:?} holds {} of its cap of {tenant_cap}",
+                    tenant.reserved_blocks
+                )
+            },
+        ));
+    }
+
+    if let Some(max) = tenant.config.max_concurrent {
+        if tenant.live_requests >= max {
+            return Err(reject(
+                tenant,
+                Concurrency,
+                None,
+                format!("tenant {name:?} has {max} live request(s), its limit"),
+            ));
+        }
+    }
+    if cap.live_requests >= cap.max_live_requests {
+        return Err(reject(
+            tenant,
+            Concurrency,
+            None,
+            format!(
+                "the scheduler holds {} live requests, its limit",
+                cap.live_requests
+            ),
+        ));
+    }
+
+    // The pool: this tenant's footprint grows from max(reserved, floor) to
+    // max(reserved + blocks, floor); everyone else's footprint is unchanged.
+    let grown = (tenant.reserved_blocks + blocks).max(tenant.config.kv_floor_blocks);
+    let committed_after = cap.committed_blocks - tenant.footprint() + grown;
+    if committed_after > cap.usable_blocks {
+        let free_now = cap.usable_blocks.saturating_sub(cap.committed_blocks);
+        return Err(reject(
+            tenant,
+            PoolFull,
+            None,
+            format!(
+                "request needs {blocks} blocks; {free_now} of {} usable blocks are unpromised",
+                cap.usable_blocks
+            ),
+        ));
+    }
+
+    let rate_cost = final_len as f64;
+    if let Some(bucket) = &tenant.bucket {
+        if let Err(wait) = bucket.check(rate_cost, now) {
+            let message = match wait {
+                Some(w) => format!("tenant {name:?} is over its token rate; retry in {w:.3} s"),
+                None => format!(
+                    "request asks for {final_len} tokens, more than tenant {name:?}'s burst allows"
+                ),
+            };
+            return Err(reject(tenant, RateLimited, wait, message));
+        }
+    }
+
+    Ok(Admission { blocks, rate_cost })
+}

@@ -1,0 +1,165 @@
+//! Every failure kvsched can report, typed. No pyo3 here: the bindings map each
+//! variant to a Python exception (rust/py/errors.rs).
+//!
+//! A call that returns an error has changed nothing, except that a rejected
+//! submit is counted (per tenant and reason) so operators can see it.
+
+use std::fmt;
+
+/// Why a request was refused. Stable strings: they appear in metrics and in
+/// `Rejected.reason` on the Python side.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum RejectReason {
+    UnknownTenant,
+    Invalid,
+    TooLong,
+    TenantBudget,
+    PoolFull,
+    RateLimited,
+    Concurrency,
+    Shed,
+    Draining,
+    NotReady,
+}
+
+impl RejectReason {
+    pub const ALL: [RejectReason; 10] = [
+        RejectReason::UnknownTenant,
+        RejectReason::Invalid,
+        RejectReason::TooLong,
+        RejectReason::TenantBudget,
+        RejectReason::PoolFull,
+        RejectReason::RateLimited,
+        RejectReason::Concurrency,
+        RejectReason::Shed,
+        RejectReason::Draining,
+        RejectReason::NotReady,
+    ];
+    pub const COUNT: usize = Self::ALL.len();
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RejectReason::UnknownTenant => "unknown_tenant",
+            RejectReason::Invalid => "invalid",
+            RejectReason::TooLong => "too_long",
+            RejectReason::TenantBudget => "tenant_budget",
+            RejectReason::PoolFull => "pool_full",
+            RejectReason::RateLimited => "rate_limited",
+            RejectReason::Concurrency => "concurrency",
+            RejectReason::Shed => "shed",
+            RejectReason::Draining => "draining",
+            RejectReason::NotReady => "not_ready",
+        }
+    }
+
+    /// Dense index for per-reason counter arrays.
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
+
+impl fmt::Display for RejectReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A refused request: the reason, when it is worth retrying (seconds, where that
+/// is knowable), and a sentence for the log.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Rejection {
+    pub reason: RejectReason,
+    pub retry_after: Option<f64>,
+    pub tenant: Option<String>,
+    pub message: String,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum KvError {
+    /// `submit` refused a request. Counted per tenant and reason.
+    Rejected(Rejection),
+    /// Arguments that can never be valid (empty prompt, max_tokens < 1, negative ids...).
+    InvalidRequest(String),
+    /// A configuration value out of range or inconsistent with the rest.
+    InvalidConfig(String),
+    UnknownTenant(String),
+    UnknownRequest(u64),
+    /// The tenant exists already (add_tenant).
+    TenantExists(String),
+    /// The tenant still has live requests (remove_tenant).
+    TenantInUse {
+        tenant: String,
+        live_requests: u32,
+    },
+    /// A page id out of range, the null page, or a page that is not allocated.
+    InvalidPage {
+        page: i64,
+        why: &'static str,
+    },
+    /// More pages asked of the pool than it has free.
+    OutOfPages {
+        requested: usize,
+        free: usize,
+    },
+    /// A knob that only takes effect at start-up was changed on a live object.
+    RestartRequired(&'static str),
+    /// An internal invariant broke: a bug in kvsched, never the caller's fault.
+    Internal(String),
+}
+
+impl KvError {
+    pub fn rejected(
+        reason: RejectReason,
+        retry_after: Option<f64>,
+        tenant: Option<&str>,
+        message: impl Into<String>,
+    ) -> Self {
+        KvError::Rejected(Rejection {
+            reason,
+            retry_after,
+            tenant: tenant.map(str::to_owned),
+            message: message.into(),
+        })
+    }
+
+    /// The rejection reason, if this error is a rejection.
+    pub fn reason(&self) -> Option<RejectReason> {
+        match self {
+            KvError::Rejected(r) => Some(r.reason),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for KvError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            KvError::Rejected(r) => write!(f, "rejected ({}): {}", r.reason, r.message),
+            KvError::InvalidRequest(m) => write!(f, "invalid request: {m}"),
+            KvError::InvalidConfig(m) => write!(f, "invalid configuration: {m}"),
+            KvError::UnknownTenant(t) => write!(f, "unknown tenant {t:?}"),
+            KvError::UnknownRequest(id) => write!(f, "unknown request id {id}"),
+            KvError::TenantExists(t) => write!(f, "tenant {t:?} already exists"),
+            KvError::TenantInUse {
+                tenant,
+                live_requests,
+            } => write!(
+                f,
+                "tenant {tenant:?} has {live_requests} live request(s); cancel or finish them first"
+            ),
+            KvError::InvalidPage { page, why } => write!(f, "page {page}: {why}"),
+            KvError::OutOfPages { requested, free } => {
+                write!(f, "asked for {requested} page(s), {free} free")
+            }
+            KvError::RestartRequired(knob) => write!(
+                f,
+                "{knob} cannot change on a live scheduler; build a new one with the new value"
+            ),
+            KvError::Internal(m) => write!(f, "internal error (a kvsched bug): {m}"),
+        }
+    }
+}
+
+impl std::error::Error for KvError {}
+
+pub type KvResult<T> = Result<T, KvError>;

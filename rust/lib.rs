@@ -1,0 +1,19 @@
+//! kvsched: the KV-cache manager and scheduler between a custom inference server
+//! and its accelerator.
+//!
+//! The core is plain Rust: `cargo test` builds and tests it without Python. The
+//! PyO3 bindings live in `py/`, behind the `python` feature that maturin enables.
+
+pub mod admission;
+pub mod error;
+pub mod pool;
+pub mod scheduler;
+pub mod tenant;
+
+#[cfg(feature = "python")]
+mod py;
+
+pub use error::{KvError, KvResult, RejectReason, Rejection};
+pub use pool::BlockPool;
+pub use scheduler::{Scheduler, SchedulerConfig};
+pub use tenant::TenantConfig;

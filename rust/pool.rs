@@ -1,0 +1,399 @@
+//! BlockPool: the physical KV pages, a free list and a refcount per page.
+//!
+//! Page 0 is the null page: the step plan pads page tables with it, so it must be
+//! a real page, but it is never handed out and never freed.
+//!
+//! Allocation pops from a stack of free ids and freeing pushes back, both O(1) per
+//! page. A page shared by several owners (prefix reuse, a forked sequence) carries
+//! one reference per owner; freeing it only drops one reference. Every batch call
+//! is all-or-nothing: on a bad id nothing changes.
+
+use crate::error::{KvError, KvResult};
+
+/// The null / padding page id.
+pub const NULL_PAGE: u32 = 0;
+
+/// Integer types page ids travel in: u32 inside the core, int32 in numpy arrays.
+pub trait PageId: Copy {
+    fn from_page(page: u32) -> Self;
+    fn to_i64(self) -> i64;
+}
+
+macro_rules! page_id {
+    ($($t:ty),*) => {$(
+        impl PageId for $t {
+            #[inline]
+            fn from_page(page: u32) -> Self {
+                page as $t
+            }
+            #[inline]
+            fn to_i64(self) -> i64 {
+                self as i64
+            }
+        }
+    )*};
+}
+page_id!(u32, i32, i64);
+
+#[derive(Clone, Debug)]
+pub struct BlockPool {
+    block_size: u32,
+    /// References held on each page; index = page id. refcount[0] stays 0.
+    refcount: Vec<u32>,
+    /// Free page ids, used as a stack (allocate pops from the end).
+    free: Vec<u32>,
+    /// Pages with two or more references.
+    shared: usize,
+}
+
+impl BlockPool {
+    /// `num_blocks` pages (page 0 included) of `block_size` tokens.
+    ///
+    /// Slots (`page * block_size + offset`) are int32 in the step plan, and the
+    /// padding slot `num_blocks * block_size` must be representable too.
+    pub fn new(num_blocks: usize, block_size: usize) -> KvResult<Self> {
+        if num_blocks < 2 {
+            return Err(KvError::InvalidConfig(format!(
+                "num_blocks must be at least 2 (page 0 is the null page), got {num_blocks}"
+            )));
+        }
+        if block_size == 0 {
+            return Err(KvError::InvalidConfig(
+                "block_size must be at least 1".into(),
+            ));
+        }
+        if (num_blocks as u128) * (block_size as u128) > i32::MAX as u128 {
+            return Err(KvError::InvalidConfig(format!(
+                "num_blocks * block_size = {} does not fit the int32 slot ids of the step plan",
+                num_blocks as u128 * block_size as u128
+            )));
+        }
+        // Reverse order so that pages come out 1, 2, 3, ... from a fresh pool.
+        let free: Vec<u32> = (1..num_blocks as u32).rev().collect();
+        Ok(BlockPool {
+            block_size: block_size as u32,
+            refcount: vec![0; num_blocks],
+            free,
+            shared: 0,
+        })
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size as usize
+    }
+
+    /// All pages, the null page included.
+    pub fn num_blocks(&self) -> usize {
+        self.refcount.len()
+    }
+
+    /// Pages that can ever be handed out (all but the null page).
+    pub fn total(&self) -> usize {
+        self.refcount.len() - 1
+    }
+
+    pub fn free_count(&self) -> usize {
+        self.free.len()
+    }
+
+    pub fn used(&self) -> usize {
+        self.total() - self.free.len()
+    }
+
+    pub fn shared(&self) -> usize {
+        self.shared
+    }
+
+    /// References held on `page` (0 for a free page or the null page).
+    pub fn refcount(&self, page: u32) -> u32 {
+        self.refcount.get(page as usize).copied().unwrap_or(0)
+    }
+
+    /// Blocks needed to hold `tokens` tokens.
+    pub fn blocks_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.block_size as usize)
+    }
+
+    /// Take one free page with one reference.
+    pub fn allocate_one(&mut self) -> KvResult<u32> {
+        let page = self.free.pop().ok_or(KvError::OutOfPages {
+            requested: 1,
+            free: 0,
+        })?;
+        self.refcount[page as usize] = 1;
+        Ok(page)
+    }
+
+    /// Take `n` free pages, each with one reference, appending their ids to `out`.
+    /// All or nothing: with fewer than `n` free pages nothing is taken.
+    pub fn allocate_into<T: PageId>(&mut self, n: usize, out: &mut Vec<T>) -> KvResult<()> {
+        let have = self.free.len();
+        if n > have {
+            return Err(KvError::OutOfPages {
+                requested: n,
+                free: have,
+            });
+        }
+        out.reserve(n);
+        for &page in self.free[have - n..].iter().rev() {
+            self.refcount[page as usize] = 1;
+            out.push(T::from_page(page));
+        }
+        self.free.truncate(have - n);
+        Ok(())
+    }
+
+    /// Drop one reference on each listed page; pages left with none go back to
+    /// the free list. A page may appear several times (one reference each).
+    /// All or nothing: the null page, an out-of-range id or a page without a
+    /// reference left to drop is an error and changes nothing.
+    pub fn free<P: PageId>(&mut self, pages: &[P]) -> KvResult<()> {
+        let free_len = self.free.len();
+        let shared = self.shared;
+        for (i, &page) in pages.iter().enumerate() {
+            let id = match self.check_held(page.to_i64()) {
+                Ok(id) => id,
+                Err(e) => {
+                    // Undo the references already dropped by this call.
+                    for &done in &pages[..i] {
+                        self.refcount[done.to_i64() as usize] += 1;
+                    }
+                    self.free.truncate(free_len);
+                    self.shared = shared;
+                    return Err(e);
+                }
+            };
+            let rc = &mut self.refcount[id];
+            *rc -= 1;
+            match *rc {
+                0 => self.free.push(id as u32),
+                1 => self.shared -= 1,
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Add one reference to each listed (already allocated) page. All or nothing.
+    pub fn retain<P: PageId>(&mut self, pages: &[P]) -> KvResult<()> {
+        for &page in pages {
+            self.check_held(page.to_i64())?;
+        }
+        for &page in pages {
+            let rc = &mut self.refcount[page.to_i64() as usize];
+            *rc += 1;
+            if *rc == 2 {
+                self.shared += 1;
+            }
+        }
+        Ok(())
+    }
+
+    fn check_held(&self, page: i64) -> KvResult<usize> {
+        if page == NULL_PAGE as i64 {
+            return Err(KvError::InvalidPage {
+                page,
+                why: "the null page is never allocated or freed",
+            });
+        }
+        if page < 0 || page >= self.refcount.len() as i64 {
+            return Err(KvError::InvalidPage {
+                page,
+                why: "out of range",
+            });
+        }
+        if self.refcount[page as usize] == 0 {
+            return Err(KvError::InvalidPage {
+                page,
+                why: "not allocated (double free?)",
+            });
+        }
+        Ok(page as usize)
+    }
+
+    /// Full consistency check, for tests: every page is free xor referenced, the
+    /// free list has no duplicates, the shared count matches.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let mut on_free_list = vec![false; self.refcount.len()];
+        for &p in &self.free {
+            let p = p as usize;
+            if p == 0 || p >= self.refcount.len() {
+                return Err(format!("free list holds invalid page {p}"));
+            }
+            if on_free_list[p] {
+                return Err(format!("page {p} is on the free list twice"));
+            }
+            if self.refcount[p] != 0 {
+                return Err(format!("free page {p} has refcount {}", self.refcount[p]));
+            }
+            on_free_list[p] = true;
+        }
+        for (p, &rc) in self.refcount.iter().enumerate().skip(1) {
+            if rc == 0 && !on_free_list[p] {
+                return Err(format!("page {p} is neither free nor referenced (leaked)"));
+            }
+        }
+        if self.refcount[0] != 0 {
+            return Err("the null page has references".into());
+        }
+        let shared = self.refcount.iter().filter(|&&rc| rc >= 2).count();
+        if shared != self.shared {
+            return Err(format!("shared count {} != actual {shared}", self.shared));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn fresh_pool_hands_out_pages_from_one_and_never_the_null_page() {
+        let mut pool = BlockPool::new(5, 16).unwrap();
+        let mut got: Vec<u32> = Vec::new();
+        pool.allocate_into(4, &mut got).unwrap();
+        assert_eq!(got, vec![1, 2, 3, 4]);
+        assert_eq!(pool.free_count(), 0);
+        assert_eq!(
+            pool.allocate_one(),
+            Err(KvError::OutOfPages {
+                requested: 1,
+                free: 0
+            })
+        );
+    }
+
+    #[test]
+    fn batch_allocate_beyond_free_takes_nothing() {
+        let mut pool = BlockPool::new(4, 16).unwrap();
+        let mut got: Vec<u32> = Vec::new();
+        assert!(pool.allocate_into(4, &mut got).is_err());
+        assert!(got.is_empty());
+        assert_eq!(pool.free_count(), 3);
+    }
+
+    #[test]
+    fn bad_frees_are_typed_and_change_nothing() {
+        let mut pool = BlockPool::new(8, 16).unwrap();
+        let mut got: Vec<i32> = Vec::new();
+        pool.allocate_into(3, &mut got).unwrap();
+        let before = pool.clone();
+        for bad in [
+            vec![0i32],
+            vec![8],
+            vec![-1],
+            vec![5],
+            vec![1, 2, 1],
+            vec![1, 2, 0],
+        ] {
+            let err = pool.free(&bad).unwrap_err();
+            assert!(matches!(err, KvError::InvalidPage { .. }), "{bad:?}: {err}");
+            assert_eq!(pool.free, before.free);
+            assert_eq!(pool.refcount, before.refcount);
+        }
+        pool.free(&got).unwrap();
+        assert!(pool.free(&got[..1]).is_err(), "double free must fail");
+        pool.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn shared_pages_free_on_last_reference() {
+        let mut pool = BlockPool::new(4, 16).unwrap();
+        let p = pool.allocate_one().unwrap();
+        pool.retain(&[p as i64]).unwrap();
+        assert_eq!(pool.shared(), 1);
+        pool.free(&[p as i64]).unwrap();
+        assert_eq!((pool.shared(), pool.used()), (0, 1));
+        pool.free(&[p as i64]).unwrap();
+        assert_eq!(pool.used(), 0);
+        assert!(pool.retain(&[p as i64]).is_err(), "retain of a free page");
+    }
+
+    #[test]
+    fn config_limits() {
+        assert!(BlockPool::new(1, 16).is_err());
+        assert!(BlockPool::new(16, 0).is_err());
+        assert!(BlockPool::new(1 << 27, 16).is_err(), "slots overflow int32");
+    }
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Alloc(usize),
+        Free(Vec<usize>), // indices into the held list
+        Retain(Vec<usize>),
+        FreeRaw(i64),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (0usize..6).prop_map(Op::Alloc),
+            prop::collection::vec(0usize..64, 0..5).prop_map(Op::Free),
+            prop::collection::vec(0usize..64, 0..3).prop_map(Op::Retain),
+            (-2i64..20).prop_map(Op::FreeRaw),
+        ]
+    }
+
+    proptest! {
+        /// The pool against a naive model: a map page -> references.
+        #[test]
+        fn pool_matches_naive_model(ops in prop::collection::vec(op(), 1..200)) {
+            const N: usize = 16;
+            let mut pool = BlockPool::new(N, 4).unwrap();
+            let mut model = [0u32; N];
+            // One entry per reference held by the test.
+            let mut held: Vec<i64> = Vec::new();
+            for op in ops {
+                match op {
+                    Op::Alloc(n) => {
+                        let free = model.iter().skip(1).filter(|&&r| r == 0).count();
+                        let mut out: Vec<i64> = Vec::new();
+                        let res = pool.allocate_into(n, &mut out);
+                        prop_assert_eq!(res.is_ok(), n <= free);
+                        for &p in &out {
+                            prop_assert!(p > 0 && (p as usize) < N);
+                            prop_assert_eq!(model[p as usize], 0, "page handed out twice");
+                            model[p as usize] = 1;
+                        }
+                        held.extend(out);
+                    }
+                    Op::Free(idx) | Op::Retain(idx) if held.is_empty() => { let _ = idx; }
+                    Op::Free(idx) => {
+                        let mut pick: Vec<usize> = idx.iter().map(|i| i % held.len()).collect();
+                        pick.sort_unstable();
+                        pick.dedup();
+                        let pages: Vec<i64> = pick.iter().map(|&i| held[i]).collect();
+                        pool.free(&pages).unwrap();
+                        for &p in &pages { model[p as usize] -= 1; }
+                        for &i in pick.iter().rev() { held.swap_remove(i); }
+                    }
+                    Op::Retain(idx) => {
+                        let pages: Vec<i64> = idx.iter().map(|i| held[i % held.len()]).collect();
+                        pool.retain(&pages).unwrap();
+                        for &p in &pages { model[p as usize] += 1; }
+                        held.extend(pages);
+                    }
+                    Op::FreeRaw(p) => {
+                        let ok = p > 0 && (p as usize) < N && model[p as usize] > 0;
+                        let res = pool.free(&[p]);
+                        prop_assert_eq!(res.is_ok(), ok);
+                        if ok {
+                            model[p as usize] -= 1;
+                            let at = held.iter().position(|&h| h == p).unwrap();
+                            held.swap_remove(at);
+                        }
+                    }
+                }
+                pool.check_invariants().map_err(TestCaseError::fail)?;
+                for (p, &rc) in model.iter().enumerate() {
+                    prop_assert_eq!(pool.refcount(p as u32), rc);
+                }
+                let used = model.iter().filter(|&&r| r > 0).count();
+                prop_assert_eq!(pool.used(), used);
+                prop_assert_eq!(pool.free_count() + used, N - 1);
+                prop_assert_eq!(pool.shared(), model.iter().filter(|&&r| r >= 2).count());
+            }
+        }
+    }
+}

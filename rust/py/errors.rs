@@ -1,0 +1,170 @@
+//! Python exceptions, one per kind of `KvError`, and the mapping between them.
+//!
+//! The public module path is `kvsched`, so tracebacks name `kvsched.Rejected`.
+//! `Rejected` and its subclasses carry `reason`, `retry_after` and `tenant`.
+
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+use pyo3::{create_exception, intern};
+
+use crate::error::{KvError, RejectReason};
+
+create_exception!(
+    kvsched,
+    KvSchedError,
+    PyException,
+    "Base class of every error kvsched raises."
+);
+create_exception!(
+    kvsched,
+    Rejected,
+    KvSchedError,
+    "A request was refused and nothing changed. `reason` says why (one of \
+     kvsched.REJECT_REASONS), `retry_after` when a retry makes sense (seconds, or None), \
+     `tenant` whose request it was."
+);
+create_exception!(
+    kvsched,
+    InvalidRequest,
+    Rejected,
+    "The request can never be valid as given (empty prompt, max_tokens < 1, negative \
+     token ids, wrong dtype or shape). reason == 'invalid'."
+);
+create_exception!(
+    kvsched,
+    UnknownTenant,
+    Rejected,
+    "No tenant has that name. reason == 'unknown_tenant'."
+);
+create_exception!(
+    kvsched,
+    UnknownRequest,
+    KvSchedError,
+    "No live request has that id (never admitted, or already finished or cancelled)."
+);
+create_exception!(
+    kvsched,
+    InvalidConfig,
+    KvSchedError,
+    "A configuration value is out of range or inconsistent; nothing was changed."
+);
+create_exception!(
+    kvsched,
+    TenantExists,
+    KvSchedError,
+    "add_tenant was given a name that is already registered."
+);
+create_exception!(
+    kvsched,
+    TenantInUse,
+    KvSchedError,
+    "remove_tenant was refused: the tenant still has live requests."
+);
+create_exception!(
+    kvsched,
+    PoolError,
+    KvSchedError,
+    "A page id that is out of range, the null page 0, or not allocated (double free)."
+);
+create_exception!(
+    kvsched,
+    OutOfPages,
+    PoolError,
+    "More pages were asked of a BlockPool than it has free; nothing was taken."
+);
+create_exception!(
+    kvsched,
+    RestartRequired,
+    KvSchedError,
+    "A restart-only knob (block_size, num_blocks, ...) was changed on a live object."
+);
+create_exception!(
+    kvsched,
+    InternalError,
+    KvSchedError,
+    "An internal invariant broke: a bug in kvsched. Please report it."
+);
+
+/// Build a `Rejected`-family exception with its attributes set.
+fn rejected(
+    py: Python<'_>,
+    reason: RejectReason,
+    retry_after: Option<f64>,
+    tenant: Option<&str>,
+    message: String,
+) -> PyErr {
+    let err = match reason {
+        RejectReason::Invalid => InvalidRequest::new_err(message),
+        RejectReason::UnknownTenant => UnknownTenant::new_err(message),
+        _ => Rejected::new_err(message),
+    };
+    let value = err.value(py);
+    // Setting attributes on a fresh exception instance cannot fail short of
+    // memory exhaustion; the exception is still raised if it does.
+    let _ = value.setattr(intern!(py, "reason"), reason.as_str());
+    let _ = value.setattr(intern!(py, "retry_after"), retry_after);
+    let _ = value.setattr(intern!(py, "tenant"), tenant);
+    err
+}
+
+impl From<KvError> for PyErr {
+    fn from(err: KvError) -> PyErr {
+        Python::attach(|py| {
+            let message = err.to_string();
+            match err {
+                KvError::Rejected(r) => {
+                    rejected(py, r.reason, r.retry_after, r.tenant.as_deref(), r.message)
+                }
+                KvError::InvalidRequest(_) => {
+                    rejected(py, RejectReason::Invalid, None, None, message)
+                }
+                KvError::UnknownTenant(name) => {
+                    rejected(py, RejectReason::UnknownTenant, None, Some(&name), message)
+                }
+                KvError::UnknownRequest(_) => UnknownRequest::new_err(message),
+                KvError::InvalidConfig(_) => InvalidConfig::new_err(message),
+                KvError::TenantExists(_) => TenantExists::new_err(message),
+                KvError::TenantInUse { .. } => TenantInUse::new_err(message),
+                KvError::InvalidPage { .. } => PoolError::new_err(message),
+                KvError::OutOfPages { .. } => OutOfPages::new_err(message),
+                KvError::RestartRequired(_) => RestartRequired::new_err(message),
+                KvError::Internal(_) => InternalError::new_err(message),
+            }
+        })
+    }
+}
+
+/// A malformed argument caught at the boundary (wrong type, dtype or shape).
+pub fn invalid(message: impl Into<String>) -> PyErr {
+    Python::attach(|py| rejected(py, RejectReason::Invalid, None, None, message.into()))
+}
+
+/// Register the exceptions on the module and give the `Rejected` family class-level
+/// defaults, so `reason` reads sensibly even on an instance raised by user code.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("KvSchedError", py.get_type::<KvSchedError>())?;
+    m.add("Rejected", py.get_type::<Rejected>())?;
+    m.add("InvalidRequest", py.get_type::<InvalidRequest>())?;
+    m.add("UnknownTenant", py.get_type::<UnknownTenant>())?;
+    m.add("UnknownRequest", py.get_type::<UnknownRequest>())?;
+    m.add("InvalidConfig", py.get_type::<InvalidConfig>())?;
+    m.add("TenantExists", py.get_type::<TenantExists>())?;
+    m.add("TenantInUse", py.get_type::<TenantInUse>())?;
+    m.add("PoolError", py.get_type::<PoolError>())?;
+    m.add("OutOfPages", py.get_type::<OutOfPages>())?;
+    m.add("RestartRequired", py.get_type::<RestartRequired>())?;
+    m.add("InternalError", py.get_type::<InternalError>())?;
+
+    let rejected_ty = py.get_type::<Rejected>();
+    rejected_ty.setattr("reason", py.None())?;
+    rejected_ty.setattr("retry_after", py.None())?;
+    rejected_ty.setattr("tenant", py.None())?;
+    py.get_type::<InvalidRequest>()
+        .setattr("reason", RejectReason::Invalid.as_str())?;
+    py.get_type::<UnknownTenant>()
+        .setattr("reason", RejectReason::UnknownTenant.as_str())?;
+    let reasons: Vec<&str> = RejectReason::ALL.iter().map(|r| r.as_str()).collect();
+    m.add("REJECT_REASONS", pyo3::types::PyTuple::new(py, reasons)?)?;
+    Ok(())
+}
