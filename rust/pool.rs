@@ -35,6 +35,28 @@ macro_rules! page_id {
 }
 page_id!(u32, i32, i64);
 
+/// Checks on a pool's shape, shared by `BlockPool::new` and the scheduler's config.
+///
+/// Slots (`page * block_size + offset`) are int32 in the step plan, and the
+/// padding slot `num_blocks * block_size` must be representable too.
+pub fn validate_shape(num_blocks: usize, block_size: usize) -> KvResult<()> {
+    if num_blocks < 2 {
+        return Err(KvError::InvalidConfig(format!(
+            "num_blocks must be at least 2 (page 0 is the null page), got {num_blocks}"
+        )));
+    }
+    if block_size == 0 {
+        return Err(KvError::InvalidConfig("block_size must be at least 1".into()));
+    }
+    if (num_blocks as u128) * (block_size as u128) > i32::MAX as u128 {
+        return Err(KvError::InvalidConfig(format!(
+            "num_blocks * block_size = {} does not fit the int32 slot ids of the step plan",
+            num_blocks as u128 * block_size as u128
+        )));
+    }
+    Ok(())
+}
+
 #[derive(Clone, Debug)]
 pub struct BlockPool {
     block_size: u32,
@@ -48,26 +70,8 @@ pub struct BlockPool {
 
 impl BlockPool {
     /// `num_blocks` pages (page 0 included) of `block_size` tokens.
-    ///
-    /// Slots (`page * block_size + offset`) are int32 in the step plan, and the
-    /// padding slot `num_blocks * block_size` must be representable too.
     pub fn new(num_blocks: usize, block_size: usize) -> KvResult<Self> {
-        if num_blocks < 2 {
-            return Err(KvError::InvalidConfig(format!(
-                "num_blocks must be at least 2 (page 0 is the null page), got {num_blocks}"
-            )));
-        }
-        if block_size == 0 {
-            return Err(KvError::InvalidConfig(
-                "block_size must be at least 1".into(),
-            ));
-        }
-        if (num_blocks as u128) * (block_size as u128) > i32::MAX as u128 {
-            return Err(KvError::InvalidConfig(format!(
-                "num_blocks * block_size = {} does not fit the int32 slot ids of the step plan",
-                num_blocks as u128 * block_size as u128
-            )));
-        }
+        validate_shape(num_blocks, block_size)?;
         // Reverse order so that pages come out 1, 2, 3, ... from a fresh pool.
         let free: Vec<u32> = (1..num_blocks as u32).rev().collect();
         Ok(BlockPool {

@@ -48,6 +48,7 @@ impl Default for SchedulerConfig {
 impl SchedulerConfig {
     pub fn validate(&self) -> KvResult<()> {
         let bad = |m: &str| Err(KvError::InvalidConfig(m.to_owned()));
+        crate::pool::validate_shape(self.num_blocks, self.block_size)?;
         if self.max_num_seqs == 0 {
             return bad("max_num_seqs must be at least 1");
         }
