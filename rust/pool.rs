@@ -46,7 +46,9 @@ pub fn validate_shape(num_blocks: usize, block_size: usize) -> KvResult<()> {
         )));
     }
     if block_size == 0 {
-        return Err(KvError::InvalidConfig("block_size must be at least 1".into()));
+        return Err(KvError::InvalidConfig(
+            "block_size must be at least 1".into(),
+        ));
     }
     if (num_blocks as u128) * (block_size as u128) > i32::MAX as u128 {
         return Err(KvError::InvalidConfig(format!(

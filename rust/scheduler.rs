@@ -141,7 +141,8 @@ pub struct SchedulerStats {
     /// Sorted by tenant name.
     pub tenants: Vec<TenantStats>,
     pub live_requests: usize,
-    /// Rejections by reason over all tenants (unknown tenants included).
+    /// Rejections by reason since start, over all tenants (removed ones and
+    /// unknown names included).
     pub rejected: [u64; RejectReason::COUNT],
 }
 
@@ -151,8 +152,9 @@ pub struct Scheduler {
     tenants: Tenants,
     requests: HashMap<u64, Request>,
     next_id: u64,
-    /// Submits naming no known tenant (not attributable to one).
-    rejected_unknown_tenant: u64,
+    /// Rejections by reason over all tenants, removed ones and unknown names
+    /// included: monotonic, as counters must be.
+    rejected: [u64; RejectReason::COUNT],
 }
 
 impl Scheduler {
@@ -165,7 +167,7 @@ impl Scheduler {
             tenants: Tenants::default(),
             requests: HashMap::new(),
             next_id: 1,
-            rejected_unknown_tenant: 0,
+            rejected: [0; RejectReason::COUNT],
         })
     }
 
@@ -215,7 +217,7 @@ impl Scheduler {
         now: f64,
     ) -> KvResult<u64> {
         let Some(tid) = self.tenants.id(tenant) else {
-            self.rejected_unknown_tenant += 1;
+            self.rejected[RejectReason::UnknownTenant.index()] += 1;
             return Err(KvError::rejected(
                 RejectReason::UnknownTenant,
                 None,
@@ -236,6 +238,7 @@ impl Scheduler {
             Ok(a) => a,
             Err(rejection) => {
                 self.tenants.get_mut(tid).counters.rejected[rejection.reason.index()] += 1;
+                self.rejected[rejection.reason.index()] += 1;
                 return Err(KvError::Rejected(rejection));
             }
         };
@@ -353,17 +356,12 @@ impl Scheduler {
 
     pub fn stats(&self, now: f64) -> SchedulerStats {
         let total = self.pool.total();
-        let mut rejected = [0u64; RejectReason::COUNT];
-        rejected[RejectReason::UnknownTenant.index()] = self.rejected_unknown_tenant;
         let mut reserved = 0;
         let mut tenants: Vec<TenantStats> = self
             .tenants
             .iter()
             .map(|(_, t)| {
                 reserved += t.reserved_blocks;
-                for (sum, n) in rejected.iter_mut().zip(t.counters.rejected) {
-                    *sum += n;
-                }
                 TenantStats {
                     name: t.config.name.clone(),
                     tier: t.config.tier,
@@ -397,7 +395,7 @@ impl Scheduler {
             },
             tenants,
             live_requests: self.requests.len(),
-            rejected,
+            rejected: self.rejected,
         }
     }
 

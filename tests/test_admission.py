@@ -2,9 +2,10 @@
 
 import numpy as np
 import pytest
-from helpers import ids, rejection_delta, without_rejections
 
 import kvsched
+
+from helpers import ids, rejection_delta, without_rejections
 
 
 @pytest.fixture

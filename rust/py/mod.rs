@@ -9,7 +9,7 @@
 mod errors;
 
 use std::borrow::Cow;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::Mutex;
 
 use numpy::{
     IntoPyArray, PyArray1, PyArrayMethods, PyReadonlyArray1, PyUntypedArray, PyUntypedArrayMethods,
@@ -22,10 +22,19 @@ use crate::error::{KvError, RejectReason};
 use crate::{pool, scheduler, tenant};
 use errors::invalid;
 
-fn lock<T>(m: &Mutex<T>) -> PyResult<MutexGuard<'_, T>> {
-    m.lock().map_err(|_| {
-        KvError::Internal("an earlier panic left this object unusable; recreate it".into()).into()
-    })
+/// Run `f` on the locked object and return its result once the lock is released.
+///
+/// Errors are turned into Python exceptions only after the guard is gone:
+/// building an exception runs Python code, which can hand the GIL to a thread
+/// that then blocks on this lock while we wait for the GIL (a deadlock).
+fn locked<T, R>(m: &Mutex<T>, f: impl FnOnce(&mut T) -> R) -> PyResult<R> {
+    let result = match m.lock() {
+        Ok(mut guard) => Ok(f(&mut guard)),
+        Err(_) => Err(KvError::Internal(
+            "an earlier panic left this object unusable; recreate it".into(),
+        )),
+    };
+    Ok(result?)
 }
 
 /// `time.monotonic()`, the default for every `now=` argument.
@@ -114,13 +123,13 @@ impl PyBlockPool {
     #[pyo3(signature = (n, /))]
     fn allocate<'py>(&self, py: Python<'py>, n: usize) -> PyResult<Bound<'py, PyArray1<i32>>> {
         let mut out: Vec<i32> = Vec::new();
-        lock(&self.inner)?.allocate_into(n, &mut out)?;
+        locked(&self.inner, |p| p.allocate_into(n, &mut out))??;
         Ok(out.into_pyarray(py))
     }
 
     /// Take one free page; returns its id.
     fn allocate_one(&self) -> PyResult<u32> {
-        Ok(lock(&self.inner)?.allocate_one()?)
+        Ok(locked(&self.inner, |x| x.allocate_one())??)
     }
 
     /// Drop one reference on each page in `pages` (1-D int32); pages left without
@@ -130,13 +139,13 @@ impl PyBlockPool {
     fn free(&self, pages: &Bound<'_, PyAny>) -> PyResult<()> {
         let arr = Some(int32_arg(pages, "pages")?);
         let pages = int32_array(&arr);
-        Ok(lock(&self.inner)?.free(&pages)?)
+        Ok(locked(&self.inner, |x| x.free(&pages))??)
     }
 
     /// Drop one reference on one page.
     #[pyo3(signature = (page, /))]
     fn free_one(&self, page: i64) -> PyResult<()> {
-        Ok(lock(&self.inner)?.free(&[page])?)
+        Ok(locked(&self.inner, |x| x.free(&[page]))??)
     }
 
     /// Add one reference to each (allocated) page in `pages`. All or nothing.
@@ -144,69 +153,71 @@ impl PyBlockPool {
     fn retain(&self, pages: &Bound<'_, PyAny>) -> PyResult<()> {
         let arr = Some(int32_arg(pages, "pages")?);
         let pages = int32_array(&arr);
-        Ok(lock(&self.inner)?.retain(&pages)?)
+        Ok(locked(&self.inner, |x| x.retain(&pages))??)
     }
 
     /// References held on `page` (0 when free).
     #[pyo3(signature = (page, /))]
     fn refcount(&self, page: i64) -> PyResult<u32> {
-        let pool = lock(&self.inner)?;
-        if page < 0 || page as usize >= pool.num_blocks() {
-            return Err(KvError::InvalidPage {
-                page,
-                why: "out of range",
+        let count = locked(&self.inner, |pool| {
+            if page < 0 || page as usize >= pool.num_blocks() {
+                return Err(KvError::InvalidPage {
+                    page,
+                    why: "out of range",
+                });
             }
-            .into());
-        }
-        Ok(pool.refcount(page as u32))
+            Ok(pool.refcount(page as u32))
+        })?;
+        Ok(count?)
     }
 
     /// All pages, the null page included.
     #[getter]
     fn num_blocks(&self) -> PyResult<usize> {
-        Ok(lock(&self.inner)?.num_blocks())
+        locked(&self.inner, |x| x.num_blocks())
     }
 
     /// Tokens per page.
     #[getter]
     fn block_size(&self) -> PyResult<usize> {
-        Ok(lock(&self.inner)?.block_size())
+        locked(&self.inner, |x| x.block_size())
     }
 
     /// Pages that can be handed out (num_blocks - 1).
     #[getter]
     fn total(&self) -> PyResult<usize> {
-        Ok(lock(&self.inner)?.total())
+        locked(&self.inner, |x| x.total())
     }
 
     /// Pages free now.
     #[getter]
     fn free_pages(&self) -> PyResult<usize> {
-        Ok(lock(&self.inner)?.free_count())
+        locked(&self.inner, |x| x.free_count())
     }
 
     /// Pages with at least one reference.
     #[getter]
     fn used(&self) -> PyResult<usize> {
-        Ok(lock(&self.inner)?.used())
+        locked(&self.inner, |x| x.used())
     }
 
     /// Pages with two or more references.
     #[getter]
     fn shared(&self) -> PyResult<usize> {
-        Ok(lock(&self.inner)?.shared())
+        locked(&self.inner, |x| x.shared())
     }
 
     fn __repr__(&self) -> PyResult<String> {
-        let p = lock(&self.inner)?;
-        Ok(format!(
-            "BlockPool(num_blocks={}, block_size={}, free={}, used={}, shared={})",
-            p.num_blocks(),
-            p.block_size(),
-            p.free_count(),
-            p.used(),
-            p.shared()
-        ))
+        locked(&self.inner, |p| {
+            format!(
+                "BlockPool(num_blocks={}, block_size={}, free={}, used={}, shared={})",
+                p.num_blocks(),
+                p.block_size(),
+                p.free_count(),
+                p.used(),
+                p.shared()
+            )
+        })
     }
 }
 
@@ -432,7 +443,7 @@ impl PyScheduler {
     #[getter]
     fn config(&self) -> PyResult<PySchedulerConfig> {
         Ok(PySchedulerConfig {
-            inner: lock(&self.inner)?.config().clone(),
+            inner: locked(&self.inner, |s| s.config().clone())?,
         })
     }
 
@@ -440,7 +451,7 @@ impl PyScheduler {
     /// not fit beside the other tenants' floors and reservations.
     #[pyo3(signature = (config, /))]
     fn add_tenant(&self, config: PyTenantConfig) -> PyResult<()> {
-        Ok(lock(&self.inner)?.add_tenant(config.inner)?)
+        Ok(locked(&self.inner, |x| x.add_tenant(config.inner))??)
     }
 
     /// Replace a tenant's configuration live (matched by name). A raised floor
@@ -454,22 +465,24 @@ impl PyScheduler {
         now: Option<f64>,
     ) -> PyResult<()> {
         let now = now_or_monotonic(py, now)?;
-        Ok(lock(&self.inner)?.update_tenant(config.inner, now)?)
+        Ok(locked(&self.inner, |x| {
+            x.update_tenant(config.inner, now)
+        })??)
     }
 
     /// Remove a tenant; refused with TenantInUse while it has live requests.
     #[pyo3(signature = (name, /))]
     fn remove_tenant(&self, name: &str) -> PyResult<()> {
-        Ok(lock(&self.inner)?.remove_tenant(name)?)
+        Ok(locked(&self.inner, |x| x.remove_tenant(name))??)
     }
 
     /// The current configuration of tenant `name`.
     #[pyo3(signature = (name, /))]
     fn tenant(&self, name: &str) -> PyResult<PyTenantConfig> {
-        let s = lock(&self.inner)?;
-        Ok(PyTenantConfig {
-            inner: s.tenants().by_name(name)?.config.clone(),
-        })
+        let config = locked(&self.inner, |s| {
+            s.tenants().by_name(name).map(|t| t.config.clone())
+        })??;
+        Ok(PyTenantConfig { inner: config })
     }
 
     /// Admit a request and return its id, or raise Rejected (reason, retry_after).
@@ -488,21 +501,23 @@ impl PyScheduler {
         let prompt = int32_array(&arr);
         let max_tokens = count_arg(max_tokens, "max_tokens")?;
         let now = now_or_monotonic(py, now)?;
-        Ok(lock(&self.inner)?.submit(tenant, &prompt, max_tokens, now)?)
+        Ok(locked(&self.inner, |x| {
+            x.submit(tenant, &prompt, max_tokens, now)
+        })??)
     }
 
     /// Cancel a live request: its pages and reservation are released at once.
     /// Raises UnknownRequest for an id that is not live.
     #[pyo3(signature = (request_id, /))]
     fn cancel(&self, request_id: u64) -> PyResult<()> {
-        lock(&self.inner)?.cancel(request_id)?;
+        locked(&self.inner, |s| s.cancel(request_id))??;
         Ok(())
     }
 
     /// Live (admitted, unfinished) requests.
     #[getter]
     fn live_requests(&self) -> PyResult<usize> {
-        Ok(lock(&self.inner)?.live_requests())
+        locked(&self.inner, |x| x.live_requests())
     }
 
     /// A snapshot: pool counts, per-tenant usage, reservations and counters, and
@@ -510,7 +525,7 @@ impl PyScheduler {
     #[pyo3(signature = (*, now=None))]
     fn stats<'py>(&self, py: Python<'py>, now: Option<f64>) -> PyResult<Bound<'py, PyDict>> {
         let now = now_or_monotonic(py, now)?;
-        let st = lock(&self.inner)?.stats(now);
+        let st = locked(&self.inner, |s| s.stats(now))?;
         stats_dict(py, &st)
     }
 }
