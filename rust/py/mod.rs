@@ -362,34 +362,42 @@ impl PyTenantConfig {
         Ok(PyTenantConfig { inner })
     }
 
+    /// The tenant's name (unique; a metric label).
     #[getter]
     fn name(&self) -> &str {
         &self.inner.name
     }
+    /// 0 is the most important tier.
     #[getter]
     fn tier(&self) -> u32 {
         self.inner.tier
     }
+    /// Blocks guaranteed to this tenant, never lent to others' reservations.
     #[getter]
     fn kv_floor_blocks(&self) -> usize {
         self.inner.kv_floor_blocks
     }
+    /// Most blocks it may hold reserved at once (None: bounded by the pool).
     #[getter]
     fn kv_cap_blocks(&self) -> Option<usize> {
         self.inner.kv_cap_blocks
     }
+    /// Most live requests (None: no per-tenant limit; 0 pauses the tenant).
     #[getter]
     fn max_concurrent(&self) -> Option<u32> {
         self.inner.max_concurrent
     }
+    /// Token-bucket refill rate, in prompt + max_tokens tokens per second.
     #[getter]
     fn rate_tokens_per_s(&self) -> Option<f64> {
         self.inner.rate_tokens_per_s
     }
+    /// Token-bucket size (None: one second of rate).
     #[getter]
     fn burst_tokens(&self) -> Option<f64> {
         self.inner.burst_tokens
     }
+    /// Share of service among the tenants of one tier.
     #[getter]
     fn weight(&self) -> f64 {
         self.inner.weight
