@@ -6,6 +6,9 @@
 //! touching another tenant's unused floor. The sum of reservations then never
 //! exceeds what exists, so an admitted request never fails to get a page.
 //!
+//! Over-commit mode (opt-in) reserves the prompt plus a watermark instead; the
+//! scheduler then preempts (and later recomputes) when pages run out.
+//!
 //! The checks run from the most permanent to the most passing (an invalid request
 //! is invalid forever; a rate limit clears in seconds) and none of them changes
 //! anything: the caller applies an `Admission` only once every check passed.
@@ -26,6 +29,9 @@ pub struct Capacity {
     pub live_requests: usize,
     /// Most live requests the scheduler holds (running set plus waiting queue).
     pub max_live_requests: usize,
+    /// Over-commit mode: reserve the prompt plus this many blocks instead of the
+    /// final length (None: reserve mode).
+    pub overcommit_watermark_blocks: Option<usize>,
 }
 
 /// A decision to admit: what to charge.
@@ -95,7 +101,11 @@ pub fn decide(
             ),
         ));
     }
-    let blocks = final_len.div_ceil(cap.block_size);
+    let final_blocks = final_len.div_ceil(cap.block_size);
+    let blocks = match cap.overcommit_watermark_blocks {
+        None => final_blocks,
+        Some(w) => (prompt.len().div_ceil(cap.block_size) + w).min(final_blocks),
+    };
 
     let tenant_cap = tenant.cap(cap.usable_blocks);
     if tenant.reserved_blocks + blocks > tenant_cap {

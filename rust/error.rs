@@ -101,6 +101,9 @@ pub enum KvError {
         requested: usize,
         free: usize,
     },
+    /// `commit` got a plan that is not the one pending, or `step` was called
+    /// while a plan is still waiting for its commit.
+    StalePlan(String),
     /// A knob that only takes effect at start-up was changed on a live object.
     RestartRequired(&'static str),
     /// An internal invariant broke: a bug in kvsched, never the caller's fault.
@@ -151,6 +154,7 @@ impl fmt::Display for KvError {
             KvError::OutOfPages { requested, free } => {
                 write!(f, "asked for {requested} page(s), {free} free")
             }
+            KvError::StalePlan(m) => write!(f, "stale plan: {m}"),
             KvError::RestartRequired(knob) => write!(
                 f,
                 "{knob} cannot change on a live scheduler; build a new one with the new value"

@@ -5,7 +5,10 @@
 //! PyO3 bindings live in `py/`, behind the `python` feature that maturin enables.
 
 pub mod admission;
+pub mod buckets;
 pub mod error;
+pub mod metrics;
+pub mod planner;
 pub mod pool;
 pub mod scheduler;
 pub mod tenant;
@@ -15,5 +18,5 @@ mod py;
 
 pub use error::{KvError, KvResult, RejectReason, Rejection};
 pub use pool::BlockPool;
-pub use scheduler::{Scheduler, SchedulerConfig};
+pub use scheduler::{AdmissionMode, Scheduler, SchedulerConfig};
 pub use tenant::TenantConfig;

@@ -1,17 +1,35 @@
 //! Scheduler: owns the pool, the tenants and the live requests, and is the one
 //! place that changes them together.
 //!
-//! The lifecycle of a request, as far as memory goes:
-//! submit (admission reserves its final length) -> its KV grows page by page,
-//! drawn lazily from the reservation -> finish or cancel releases pages and
-//! reservation together.
+//! A request's life: `submit` (admission reserves its final length) -> waits in
+//! its tenant's queue -> enters the running set (tier first, then weighted fair
+//! share between the tenants of a tier, then arrival) -> prefill in chunks ->
+//! one token per step -> finishes (max_tokens or a stop token) or is cancelled,
+//! releasing its pages and reservation together. Pages are drawn lazily from
+//! the reservation as the KV grows.
+//!
+//! One engine step is `step()` (plan) then `commit()` (the sampled tokens).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::admission::{self, Capacity};
+use crate::buckets::TokenBuckets;
 use crate::error::{KvError, KvResult, RejectReason};
+use crate::metrics::TenantMetrics;
+use crate::planner::{self, PlanBuffers, PlanShape, RowCache, SeqSlice};
 use crate::pool::BlockPool;
 use crate::tenant::{TenantConfig, TenantId, Tenants};
+
+/// How admission reserves memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AdmissionMode {
+    /// Reserve the final length: the engine can never run out of KV pages.
+    Reserve,
+    /// Reserve the prompt plus `watermark_blocks`; when pages run out, preempt
+    /// the lowest-tier, most recently admitted sequence and recompute it later.
+    Overcommit { watermark_blocks: usize },
+}
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct SchedulerConfig {
@@ -29,6 +47,14 @@ pub struct SchedulerConfig {
     pub overhead_reserve: f64,
     /// Admitted requests that may wait beyond the `max_num_seqs` that run.
     pub max_waiting: usize,
+    /// Most prompt tokens one sequence gets in one step.
+    pub long_prefill_chunk: usize,
+    /// Token buckets; None: powers of two from 16 to max_batched_tokens.
+    pub token_buckets: Option<Vec<usize>>,
+    pub admission: AdmissionMode,
+    /// A waiting request of a higher tier that finds no slot (or, over-committed,
+    /// no pages) preempts the lowest-tier, most recently admitted running one.
+    pub preempt_lower_tiers: bool,
 }
 
 impl Default for SchedulerConfig {
@@ -41,6 +67,10 @@ impl Default for SchedulerConfig {
             max_seq_len: 8192,
             overhead_reserve: 0.10,
             max_waiting: 0,
+            long_prefill_chunk: 512,
+            token_buckets: None,
+            admission: AdmissionMode::Reserve,
+            preempt_lower_tiers: false,
         }
     }
 }
@@ -52,8 +82,11 @@ impl SchedulerConfig {
         if self.max_num_seqs == 0 {
             return bad("max_num_seqs must be at least 1");
         }
-        if self.max_batched_tokens == 0 {
-            return bad("max_batched_tokens must be at least 1");
+        if self.max_batched_tokens < self.max_num_seqs {
+            return bad(
+                "max_batched_tokens must be at least max_num_seqs (every running \
+                        sequence decodes one token per step)",
+            );
         }
         if self.max_seq_len < 2 {
             return bad("max_seq_len must be at least 2 (one prompt token and one new token)");
@@ -64,6 +97,10 @@ impl SchedulerConfig {
         if !(self.overhead_reserve.is_finite() && (0.0..1.0).contains(&self.overhead_reserve)) {
             return bad("overhead_reserve must be in [0, 1)");
         }
+        if self.long_prefill_chunk == 0 {
+            return bad("long_prefill_chunk must be at least 1");
+        }
+        self.buckets()?;
         Ok(())
     }
 
@@ -71,6 +108,48 @@ impl SchedulerConfig {
     pub fn reserve_blocks(&self, total: usize) -> usize {
         (total as f64 * self.overhead_reserve).ceil() as usize
     }
+
+    pub fn buckets(&self) -> KvResult<TokenBuckets> {
+        match &self.token_buckets {
+            None => Ok(TokenBuckets::powers_of_two(self.max_batched_tokens)),
+            Some(list) => TokenBuckets::from_list(list.clone(), self.max_batched_tokens),
+        }
+    }
+
+    pub fn plan_shape(&self) -> KvResult<PlanShape> {
+        Ok(PlanShape {
+            max_tokens: self.buckets()?.largest(),
+            max_seqs: self.max_num_seqs,
+            pages_per_seq: self.max_seq_len.div_ceil(self.block_size),
+            block_size: self.block_size,
+            pad_slot: (self.num_blocks * self.block_size) as i32,
+        })
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// max_tokens reached.
+    Length,
+    /// A stop token was sampled (it is part of the output).
+    Stop,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Length => "length",
+            FinishReason::Stop => "stop",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Place {
+    /// In its tenant's queue, or (preempted) in its tier's resume queue.
+    Waiting,
+    /// In the running set at this position.
+    Running(usize),
 }
 
 /// One admitted, unfinished request.
@@ -82,19 +161,101 @@ pub struct Request {
     pub tokens: Vec<i32>,
     pub prompt_len: usize,
     pub max_tokens: usize,
-    /// Blocks reserved for its whole life.
+    pub stop_token_ids: Vec<i32>,
+    /// Blocks reserved at admission, held until it ends.
     pub reserved_blocks: usize,
     /// Pages holding its KV, in order.
     pub pages: Vec<u32>,
-    /// Tokens whose KV is written (or about to be, in the current step).
-    pub kv_len: usize,
+    /// Tokens whose KV is written (committed steps only).
+    pub num_computed: usize,
+    place: Place,
+    /// Identifies this page list in the plan's row caches; renewed on (re)entry.
+    row_key: u64,
     pub arrival: f64,
+    pub first_scheduled: Option<f64>,
+    pub first_token: Option<f64>,
+    pub last_token: Option<f64>,
+    pub preemptions: u32,
 }
 
 impl Request {
     pub fn generated(&self) -> usize {
         self.tokens.len() - self.prompt_len
     }
+
+    pub fn output(&self) -> &[i32] {
+        &self.tokens[self.prompt_len..]
+    }
+
+    pub fn is_running(&self) -> bool {
+        matches!(self.place, Place::Running(_))
+    }
+
+    /// Tokens still to run before the next token can be sampled.
+    fn need(&self) -> usize {
+        self.tokens.len() - self.num_computed
+    }
+}
+
+/// A finished request, with its output and timings (seconds, from `now` values).
+#[derive(Clone, Debug, PartialEq)]
+pub struct FinishedRequest {
+    pub id: u64,
+    pub tenant: String,
+    pub reason: FinishReason,
+    pub prompt_len: usize,
+    pub output: Vec<i32>,
+    pub arrival: f64,
+    pub first_scheduled: f64,
+    pub first_token: f64,
+    pub finished: f64,
+    pub preemptions: u32,
+}
+
+/// What one `step()` decided, beside the arrays it wrote.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepOutcome {
+    pub step_id: u64,
+    /// Which of the two buffer sets holds this plan's arrays.
+    pub parity: usize,
+    pub num_seqs: usize,
+    pub num_decode: usize,
+    pub num_tokens: usize,
+    pub bucket: usize,
+    /// Request id of each sequence, in plan order.
+    pub request_ids: Vec<u64>,
+    /// Whether the token sampled for each sequence is used (its prompt, or its
+    /// recompute, is complete); false for a prefill chunk that stops short.
+    pub samples: Vec<bool>,
+    /// Requests preempted while planning this step (back in their queue).
+    pub preempted: Vec<u64>,
+}
+
+/// What one `commit()` did.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CommitEvents {
+    /// Requests that got a new token, in plan order, and the token.
+    pub request_ids: Vec<u64>,
+    pub tokens: Vec<i32>,
+    pub finished: Vec<FinishedRequest>,
+    /// Requests preempted by the step this commit closes.
+    pub preempted: Vec<u64>,
+}
+
+#[derive(Clone, Debug)]
+struct PendingSeq {
+    slab: usize,
+    id: u64,
+    q_len: usize,
+    samples: bool,
+    decode: bool,
+}
+
+#[derive(Clone, Debug)]
+struct Pending {
+    step_id: u64,
+    seqs: Vec<PendingSeq>,
+    preempted: Vec<u64>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -126,6 +287,8 @@ pub struct TenantStats {
     pub reserved_blocks: usize,
     pub used_blocks: usize,
     pub live_requests: u32,
+    pub waiting: usize,
+    pub running: u32,
     pub admitted: u64,
     pub finished: u64,
     pub cancelled: u64,
@@ -133,6 +296,8 @@ pub struct TenantStats {
     pub rejected: [u64; RejectReason::COUNT],
     /// Tokens in the rate-limit bucket now (None without a rate limit).
     pub rate_tokens_available: Option<f64>,
+    pub metrics: TenantMetrics,
+    pub vtime: f64,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -141,38 +306,90 @@ pub struct SchedulerStats {
     /// Sorted by tenant name.
     pub tenants: Vec<TenantStats>,
     pub live_requests: usize,
+    pub running: usize,
+    pub waiting: usize,
+    pub steps: u64,
     /// Rejections by reason since start, over all tenants (removed ones and
     /// unknown names included).
     pub rejected: [u64; RejectReason::COUNT],
+    /// Preemptions since start, over all tenants.
+    pub preemptions: u64,
 }
+
+/// Hands each scheduler a distinct range of step ids, so a plan can only be
+/// committed to the scheduler that made it.
+static INSTANCES: AtomicU64 = AtomicU64::new(1);
+const STEP_ID_BITS: u32 = 40;
 
 pub struct Scheduler {
     config: SchedulerConfig,
+    /// This scheduler's step ids are `instance << STEP_ID_BITS | step`.
+    instance: u64,
+    buckets: TokenBuckets,
+    shape: PlanShape,
     pool: BlockPool,
     tenants: Tenants,
-    requests: HashMap<u64, Request>,
+    /// Live requests; a slot is reused once its request ends.
+    slab: Vec<Option<Request>>,
+    free_slab: Vec<usize>,
+    index: HashMap<u64, usize>,
+    /// The running set in plan order: `num_decode` decode sequences, then those
+    /// still in prefill, in the order they entered.
+    running: Vec<usize>,
+    num_decode: usize,
+    /// Preempted requests, per tier, in admission order: served before the
+    /// tier's tenant queues, so they keep their place at the head.
+    resume: BTreeMap<u32, VecDeque<usize>>,
+    rows: [RowCache; 2],
+    steps: u64,
+    pending: Option<Pending>,
     next_id: u64,
-    /// Rejections by reason over all tenants, removed ones and unknown names
-    /// included: monotonic, as counters must be.
+    next_row_key: u64,
     rejected: [u64; RejectReason::COUNT],
+    preemptions: u64,
 }
 
 impl Scheduler {
     pub fn new(config: SchedulerConfig) -> KvResult<Self> {
         config.validate()?;
         let pool = BlockPool::new(config.num_blocks, config.block_size)?;
+        let shape = config.plan_shape()?;
         Ok(Scheduler {
-            config,
+            instance: INSTANCES.fetch_add(1, Ordering::Relaxed) % (1 << (63 - STEP_ID_BITS)),
+            buckets: config.buckets()?,
+            shape,
             pool,
             tenants: Tenants::default(),
-            requests: HashMap::new(),
+            slab: Vec::new(),
+            free_slab: Vec::new(),
+            index: HashMap::new(),
+            running: Vec::new(),
+            num_decode: 0,
+            resume: BTreeMap::new(),
+            rows: [
+                RowCache::new(config.max_num_seqs),
+                RowCache::new(config.max_num_seqs),
+            ],
+            steps: 0,
+            pending: None,
             next_id: 1,
+            next_row_key: 1,
             rejected: [0; RejectReason::COUNT],
+            preemptions: 0,
+            config,
         })
     }
 
     pub fn config(&self) -> &SchedulerConfig {
         &self.config
+    }
+
+    pub fn plan_shape(&self) -> &PlanShape {
+        &self.shape
+    }
+
+    pub fn buckets(&self) -> &TokenBuckets {
+        &self.buckets
     }
 
     pub fn pool(&self) -> &BlockPool {
@@ -184,7 +401,10 @@ impl Scheduler {
     }
 
     pub fn request(&self, id: u64) -> KvResult<&Request> {
-        self.requests.get(&id).ok_or(KvError::UnknownRequest(id))
+        self.index
+            .get(&id)
+            .map(|&s| self.req(s))
+            .ok_or(KvError::UnknownRequest(id))
     }
 
     /// Pool pages admission may promise: all but the overhead reserve.
@@ -192,6 +412,22 @@ impl Scheduler {
         let total = self.pool.total();
         total - self.config.reserve_blocks(total)
     }
+
+    pub fn live_requests(&self) -> usize {
+        self.index.len()
+    }
+
+    /// The buffer set the next `step()` writes (0 or 1).
+    pub fn next_parity(&self) -> usize {
+        (self.steps % 2) as usize
+    }
+
+    /// Whether a plan awaits its commit.
+    pub fn has_pending(&self) -> bool {
+        self.pending.is_some()
+    }
+
+    // -- tenants ----------------------------------------------------------------
 
     pub fn add_tenant(&mut self, config: TenantConfig) -> KvResult<()> {
         let usable = self.usable_blocks();
@@ -207,6 +443,8 @@ impl Scheduler {
         self.tenants.remove(name)
     }
 
+    // -- requests ---------------------------------------------------------------
+
     /// Admit a request or say why not. A rejection changes nothing but the
     /// rejection counters.
     pub fn submit(
@@ -214,6 +452,18 @@ impl Scheduler {
         tenant: &str,
         prompt: &[i32],
         max_tokens: usize,
+        now: f64,
+    ) -> KvResult<u64> {
+        self.submit_with_stops(tenant, prompt, max_tokens, &[], now)
+    }
+
+    /// `submit` with stop tokens: sampling one of them finishes the request.
+    pub fn submit_with_stops(
+        &mut self,
+        tenant: &str,
+        prompt: &[i32],
+        max_tokens: usize,
+        stop_token_ids: &[i32],
         now: f64,
     ) -> KvResult<u64> {
         let Some(tid) = self.tenants.id(tenant) else {
@@ -230,8 +480,12 @@ impl Scheduler {
             max_seq_len: self.config.max_seq_len,
             usable_blocks: self.usable_blocks(),
             committed_blocks: self.tenants.committed(),
-            live_requests: self.requests.len(),
+            live_requests: self.index.len(),
             max_live_requests: self.config.max_num_seqs + self.config.max_waiting,
+            overcommit_watermark_blocks: match self.config.admission {
+                AdmissionMode::Reserve => None,
+                AdmissionMode::Overcommit { watermark_blocks } => Some(watermark_blocks),
+            },
         };
         let decision = admission::decide(self.tenants.get(tid), &capacity, prompt, max_tokens, now);
         let admit = match decision {
@@ -243,6 +497,21 @@ impl Scheduler {
             }
         };
 
+        // An idle tenant rejoins at the lowest virtual time of its tier's active
+        // tenants: it gets its fair share from now on, not a credit for the past.
+        if self.tenants.get(tid).live_requests == 0 {
+            let tier = self.tenants.get(tid).config.tier;
+            let floor = self
+                .tenants
+                .iter()
+                .filter(|(_, t)| t.config.tier == tier && t.live_requests > 0)
+                .map(|(_, t)| t.vtime)
+                .fold(f64::INFINITY, f64::min);
+            let t = self.tenants.get_mut(tid);
+            if floor.is_finite() {
+                t.vtime = t.vtime.max(floor);
+            }
+        }
         self.tenants.reserve(tid, admit.blocks);
         let t = self.tenants.get_mut(tid);
         if let Some(bucket) = t.bucket.as_mut() {
@@ -250,109 +519,580 @@ impl Scheduler {
         }
         t.live_requests += 1;
         t.counters.admitted += 1;
+        t.metrics.tokens_in += prompt.len() as u64;
 
         let id = self.next_id;
         self.next_id += 1;
         let mut tokens = Vec::with_capacity(prompt.len() + max_tokens);
         tokens.extend_from_slice(prompt);
-        self.requests.insert(
+        let req = Request {
             id,
-            Request {
-                id,
-                tenant: tid,
-                tokens,
-                prompt_len: prompt.len(),
-                max_tokens,
-                reserved_blocks: admit.blocks,
-                pages: Vec::with_capacity(admit.blocks),
-                kv_len: 0,
-                arrival: now,
-            },
-        );
+            tenant: tid,
+            tokens,
+            prompt_len: prompt.len(),
+            max_tokens,
+            stop_token_ids: stop_token_ids.to_vec(),
+            reserved_blocks: admit.blocks,
+            pages: Vec::new(),
+            num_computed: 0,
+            place: Place::Waiting,
+            row_key: 0,
+            arrival: now,
+            first_scheduled: None,
+            first_token: None,
+            last_token: None,
+            preemptions: 0,
+        };
+        let slab = match self.free_slab.pop() {
+            Some(s) => {
+                self.slab[s] = Some(req);
+                s
+            }
+            None => {
+                self.slab.push(Some(req));
+                self.slab.len() - 1
+            }
+        };
+        self.index.insert(id, slab);
+        self.tenants.get_mut(tid).waiting.push_back(slab);
         Ok(id)
     }
 
-    /// Grow a request's KV by `n` tokens, taking pages from its reservation as
-    /// they are needed. Asking beyond the sequence's final length is the caller's
-    /// error; failing to find a page within the reservation would be a kvsched bug.
-    pub fn extend_kv(&mut self, id: u64, n: usize) -> KvResult<()> {
-        let req = self
-            .requests
-            .get_mut(&id)
-            .ok_or(KvError::UnknownRequest(id))?;
-        let kv_len = req.kv_len + n;
-        let final_len = req.prompt_len + req.max_tokens;
-        if kv_len > final_len {
-            return Err(KvError::InvalidRequest(format!(
-                "request {id}: KV of {kv_len} tokens exceeds its final length {final_len}"
-            )));
-        }
-        let need = self.pool.blocks_for(kv_len).saturating_sub(req.pages.len());
-        if req.pages.len() + need > req.reserved_blocks {
-            return Err(KvError::Internal(format!(
-                "request {id} needs {} pages, reserved {}",
-                req.pages.len() + need,
-                req.reserved_blocks
-            )));
-        }
-        if need > 0 {
-            self.pool
-                .allocate_into(need, &mut req.pages)
-                .map_err(|e| KvError::Internal(format!("reserved page unavailable: {e}")))?;
-            self.tenants.get_mut(req.tenant).used_blocks += need;
-        }
-        req.kv_len = kv_len;
-        Ok(())
-    }
-
-    /// Append one generated token to a request's sequence.
-    pub fn push_token(&mut self, id: u64, token: i32) -> KvResult<()> {
-        let req = self
-            .requests
-            .get_mut(&id)
-            .ok_or(KvError::UnknownRequest(id))?;
-        if req.generated() >= req.max_tokens {
-            return Err(KvError::InvalidRequest(format!(
-                "request {id} already generated its max_tokens ({})",
-                req.max_tokens
-            )));
-        }
-        req.tokens.push(token);
-        Ok(())
-    }
-
-    /// The request is done: release its pages and its reservation.
-    pub fn finish(&mut self, id: u64) -> KvResult<Request> {
-        let req = self.release(id)?;
-        self.tenants.get_mut(req.tenant).counters.finished += 1;
-        Ok(req)
-    }
-
     /// Drop a request wherever it is; pages and reservation go back at once.
+    /// A plan already handed out may still list it: its commit skips it.
     pub fn cancel(&mut self, id: u64) -> KvResult<Request> {
-        let req = self.release(id)?;
+        let &slab = self.index.get(&id).ok_or(KvError::UnknownRequest(id))?;
+        let req = self.release(slab);
         self.tenants.get_mut(req.tenant).counters.cancelled += 1;
         Ok(req)
     }
 
-    fn release(&mut self, id: u64) -> KvResult<Request> {
-        let req = self
-            .requests
-            .remove(&id)
-            .ok_or(KvError::UnknownRequest(id))?;
+    fn req(&self, slab: usize) -> &Request {
+        self.slab[slab].as_ref().expect("live slab entry")
+    }
+
+    fn req_mut(&mut self, slab: usize) -> &mut Request {
+        self.slab[slab].as_mut().expect("live slab entry")
+    }
+
+    /// Remove a request from wherever it sits, free its pages and reservation.
+    fn release(&mut self, slab: usize) -> Request {
+        match self.req(slab).place {
+            Place::Running(pos) => self.remove_running(pos),
+            Place::Waiting => self.remove_waiting(slab),
+        }
+        let req = self.slab[slab].take().expect("live slab entry");
+        self.free_slab.push(slab);
+        self.index.remove(&req.id);
         self.pool
             .free(&req.pages)
-            .map_err(|e| KvError::Internal(format!("request {id} held a bad page: {e}")))?;
+            .expect("a request's pages are allocated and its own");
         self.tenants.release(req.tenant, req.reserved_blocks);
         let t = self.tenants.get_mut(req.tenant);
         t.used_blocks -= req.pages.len();
         t.live_requests -= 1;
-        Ok(req)
+        req
     }
 
-    pub fn live_requests(&self) -> usize {
-        self.requests.len()
+    fn remove_waiting(&mut self, slab: usize) {
+        let tid = self.req(slab).tenant;
+        let t = self.tenants.get_mut(tid);
+        if let Some(i) = t.waiting.iter().position(|&s| s == slab) {
+            t.waiting.remove(i);
+            return;
+        }
+        t.resuming -= 1;
+        let tier = t.config.tier;
+        let queue = self
+            .resume
+            .get_mut(&tier)
+            .expect("resume queue of its tier");
+        let i = queue.iter().position(|&s| s == slab).expect("queued");
+        queue.remove(i);
+        if queue.is_empty() {
+            self.resume.remove(&tier);
+        }
     }
+
+    // -- the running set ----------------------------------------------------------
+
+    fn set_pos(&mut self, pos: usize) {
+        let slab = self.running[pos];
+        self.req_mut(slab).place = Place::Running(pos);
+    }
+
+    /// Take the sequence at `pos` out of the running set. Decodes fill a hole by
+    /// swapping (their order does not matter); prefills keep their entry order.
+    fn remove_running(&mut self, pos: usize) {
+        let slab = self.running[pos];
+        if pos < self.num_decode {
+            let last = self.num_decode - 1;
+            self.running.swap(pos, last);
+            self.set_pos(pos);
+            self.num_decode -= 1;
+            self.running.remove(last);
+            for p in last..self.running.len() {
+                self.set_pos(p);
+            }
+        } else {
+            self.running.remove(pos);
+            for p in pos..self.running.len() {
+                self.set_pos(p);
+            }
+        }
+        let tid = self.req(slab).tenant;
+        self.tenants.get_mut(tid).running -= 1;
+        self.req_mut(slab).place = Place::Waiting;
+    }
+
+    /// A prefill sequence that sampled its first token becomes a decode.
+    fn promote_to_decode(&mut self, pos: usize) {
+        debug_assert!(pos >= self.num_decode);
+        let slab = self.running.remove(pos);
+        self.running.insert(self.num_decode, slab);
+        self.num_decode += 1;
+        for p in self.num_decode - 1..=pos {
+            self.set_pos(p);
+        }
+    }
+
+    fn enter_running(&mut self, slab: usize, now: f64) {
+        self.running.push(slab);
+        let pos = self.running.len() - 1;
+        let key = self.next_row_key;
+        self.next_row_key += 1;
+        let r = self.req_mut(slab);
+        r.place = Place::Running(pos);
+        r.row_key = key;
+        let queued = r.first_scheduled.is_none().then_some(now - r.arrival);
+        r.first_scheduled.get_or_insert(now);
+        let tid = r.tenant;
+        let t = self.tenants.get_mut(tid);
+        t.running += 1;
+        if let Some(q) = queued {
+            t.metrics.queue_time.observe(q);
+        }
+    }
+
+    /// Preempt the running sequence at `pos`: free its pages and queue it at the
+    /// head of its tier to be recomputed (prompt and generated tokens alike).
+    fn preempt(&mut self, pos: usize, preempted: &mut Vec<u64>) {
+        let slab = self.running[pos];
+        self.remove_running(pos);
+        let pages = std::mem::take(&mut self.req_mut(slab).pages);
+        self.pool.free(&pages).expect("own pages");
+        let r = self.req_mut(slab);
+        r.num_computed = 0;
+        r.preemptions += 1;
+        let (id, tid) = (r.id, r.tenant);
+        let t = self.tenants.get_mut(tid);
+        t.used_blocks -= pages.len();
+        t.metrics.preemptions += 1;
+        t.resuming += 1;
+        let tier = t.config.tier;
+        self.preemptions += 1;
+        let queue = self.resume.entry(tier).or_default();
+        // Admission order (request ids grow with it) within the resume queue.
+        let at = queue.partition_point(|&s| self.slab[s].as_ref().expect("live").id < id);
+        queue.insert(at, slab);
+        preempted.push(id);
+    }
+
+    /// The running sequence to preempt: lowest tier, most recently admitted;
+    /// only of a tier strictly below `below_tier` when given.
+    fn victim(&self, below_tier: Option<u32>) -> Option<usize> {
+        self.running
+            .iter()
+            .enumerate()
+            .map(|(pos, &slab)| {
+                let r = self.req(slab);
+                (self.tenants.get(r.tenant).config.tier, r.id, pos)
+            })
+            .filter(|&(tier, _, _)| below_tier.is_none_or(|b| tier > b))
+            .max()
+            .map(|(_, _, pos)| pos)
+    }
+
+    /// Where the next request to enter the running set comes from.
+    fn peek_waiting(&self) -> Option<(usize, Option<TenantId>)> {
+        let best_tenant = self
+            .tenants
+            .iter()
+            .filter(|(_, t)| !t.waiting.is_empty())
+            .min_by(|(ia, a), (ib, b)| {
+                (a.config.tier, a.vtime, *ia)
+                    .partial_cmp(&(b.config.tier, b.vtime, *ib))
+                    .expect("virtual times are finite")
+            })
+            .map(|(id, t)| (t.config.tier, id));
+        let best_resume = self.resume.iter().next().map(|(&tier, q)| (tier, q[0]));
+        match (best_resume, best_tenant) {
+            (Some((rt, slab)), Some((tt, _))) if rt <= tt => Some((slab, None)),
+            (Some((_, slab)), None) => Some((slab, None)),
+            (_, Some((_, tid))) => Some((self.tenants.get(tid).waiting[0], Some(tid))),
+            (None, None) => None,
+        }
+    }
+
+    fn pop_waiting(&mut self, slab: usize, from: Option<TenantId>) {
+        match from {
+            Some(tid) => {
+                let popped = self.tenants.get_mut(tid).waiting.pop_front();
+                debug_assert_eq!(popped, Some(slab));
+            }
+            None => {
+                let tid = self.req(slab).tenant;
+                let t = self.tenants.get_mut(tid);
+                t.resuming -= 1;
+                let tier = t.config.tier;
+                let q = self.resume.get_mut(&tier).expect("resume queue");
+                q.pop_front();
+                if q.is_empty() {
+                    self.resume.remove(&tier);
+                }
+            }
+        }
+    }
+
+    /// Tokens of `slab`'s prefill that fit `budget`, the chunk cap and (over-committed)
+    /// the free pages.
+    fn prefill_chunk(&self, slab: usize, budget: usize) -> usize {
+        let r = self.req(slab);
+        let mut chunk = r.need().min(self.config.long_prefill_chunk).min(budget);
+        if matches!(self.config.admission, AdmissionMode::Overcommit { .. }) {
+            let coverable =
+                (r.pages.len() + self.pool.free_count()) * self.config.block_size - r.num_computed;
+            chunk = chunk.min(coverable);
+        }
+        chunk
+    }
+
+    /// Pages so that `slab` covers `len` tokens.
+    fn grow_pages(&mut self, slab: usize, len: usize) -> KvResult<()> {
+        let r = self.slab[slab].as_mut().expect("live slab entry");
+        let need = self.pool.blocks_for(len).saturating_sub(r.pages.len());
+        if need == 0 {
+            return Ok(());
+        }
+        if matches!(self.config.admission, AdmissionMode::Reserve)
+            && r.pages.len() + need > r.reserved_blocks
+        {
+            return Err(KvError::Internal(format!(
+                "request {} would exceed its reservation",
+                r.id
+            )));
+        }
+        self.pool
+            .allocate_into(need, &mut r.pages)
+            .map_err(|e| KvError::Internal(format!("a page the plan counted on is gone: {e}")))?;
+        self.tenants.get_mut(r.tenant).used_blocks += need;
+        Ok(())
+    }
+
+    // -- one step -------------------------------------------------------------------
+
+    /// Plan the next step into `bufs` (the buffer set `next_parity()` names).
+    /// Returns None when nothing can run. The plan must be committed before the
+    /// next step.
+    pub fn step(&mut self, now: f64, bufs: &mut PlanBuffers<'_>) -> KvResult<Option<StepOutcome>> {
+        if self.pending.is_some() {
+            return Err(KvError::StalePlan(
+                "the previous plan was not committed; commit it first".into(),
+            ));
+        }
+        let mut preempted = Vec::new();
+        if self.config.preempt_lower_tiers {
+            self.preempt_for_higher_tiers(&mut preempted);
+        }
+
+        // Decodes first: every running decode sequence gets its token.
+        self.decode_pages(&mut preempted)?;
+        let num_decode = self.num_decode;
+        let mut q_lens: Vec<usize> = vec![1; num_decode];
+        let mut scheduled = num_decode;
+
+        // A tier's max_step_tokens shrinks the step while one of its sequences runs.
+        let mut budget = self.config.max_batched_tokens;
+        for &slab in &self.running {
+            if let Some(cap) = self
+                .tenants
+                .get(self.req(slab).tenant)
+                .config
+                .max_step_tokens
+            {
+                budget = budget.min(cap);
+            }
+        }
+
+        // Prefills already running resume where they stopped, in entry order.
+        let mut pos = num_decode;
+        while pos < self.running.len() {
+            let slab = self.running[pos];
+            let chunk = self.prefill_chunk(slab, budget.saturating_sub(scheduled));
+            if chunk == 0 {
+                break;
+            }
+            let len = self.req(slab).num_computed + chunk;
+            self.grow_pages(slab, len)?;
+            q_lens.push(chunk);
+            scheduled += chunk;
+            pos += 1;
+        }
+
+        // New sequences enter while there are slots and budget.
+        if pos == self.running.len() {
+            while self.running.len() < self.config.max_num_seqs {
+                let Some((slab, from)) = self.peek_waiting() else {
+                    break;
+                };
+                let cap = self
+                    .tenants
+                    .get(self.req(slab).tenant)
+                    .config
+                    .max_step_tokens;
+                let entry_budget = budget.min(cap.unwrap_or(usize::MAX));
+                let chunk = self.prefill_chunk(slab, entry_budget.saturating_sub(scheduled));
+                if chunk == 0 {
+                    break;
+                }
+                budget = entry_budget;
+                self.pop_waiting(slab, from);
+                self.enter_running(slab, now);
+                let len = self.req(slab).num_computed + chunk;
+                self.grow_pages(slab, len)?;
+                q_lens.push(chunk);
+                scheduled += chunk;
+            }
+        }
+
+        if q_lens.is_empty() && preempted.is_empty() {
+            return Ok(None);
+        }
+        let parity = self.next_parity();
+        let written = {
+            let slab = &self.slab;
+            let seqs = self.running[..q_lens.len()]
+                .iter()
+                .zip(&q_lens)
+                .map(|(&s, &q)| {
+                    let r = slab[s].as_ref().expect("running request");
+                    SeqSlice {
+                        row_key: r.row_key,
+                        tokens: &r.tokens,
+                        start: r.num_computed,
+                        q_len: q,
+                        pages: &r.pages,
+                    }
+                });
+            planner::write_plan(
+                &self.shape,
+                &self.buckets,
+                bufs,
+                &mut self.rows[parity],
+                num_decode,
+                seqs,
+            )?
+        };
+        planner::validate(&self.shape, bufs, &written, &self.pool)?;
+
+        let mut seqs = Vec::with_capacity(q_lens.len());
+        let mut request_ids = Vec::with_capacity(q_lens.len());
+        let mut samples = Vec::with_capacity(q_lens.len());
+        for (pos, (&slab, &q)) in self.running.iter().zip(&q_lens).enumerate() {
+            let r = self.slab[slab].as_ref().expect("running request");
+            let done = r.num_computed + q == r.tokens.len();
+            let t = self.tenants.get_mut(r.tenant);
+            t.vtime += q as f64 / t.config.weight;
+            seqs.push(PendingSeq {
+                slab,
+                id: r.id,
+                q_len: q,
+                samples: done,
+                decode: pos < num_decode,
+            });
+            request_ids.push(r.id);
+            samples.push(done);
+        }
+        let step_id = (self.instance << STEP_ID_BITS) | (self.steps % (1 << STEP_ID_BITS));
+        self.steps += 1;
+        self.pending = Some(Pending {
+            step_id,
+            seqs,
+            preempted: preempted.clone(),
+        });
+        Ok(Some(StepOutcome {
+            step_id,
+            parity,
+            num_seqs: written.num_seqs,
+            num_decode,
+            num_tokens: written.num_tokens,
+            bucket: written.bucket,
+            request_ids,
+            samples,
+            preempted,
+        }))
+    }
+
+    /// Priority preemption: the best waiting request, if of a higher tier than
+    /// some running sequence, takes its slot (or, over-committed, its pages).
+    fn preempt_for_higher_tiers(&mut self, preempted: &mut Vec<u64>) {
+        loop {
+            let Some((slab, _)) = self.peek_waiting() else {
+                return;
+            };
+            let tier = self.tenants.get(self.req(slab).tenant).config.tier;
+            let no_slot = self.running.len() >= self.config.max_num_seqs;
+            let no_room = match self.config.admission {
+                AdmissionMode::Reserve => false,
+                AdmissionMode::Overcommit { .. } => {
+                    let first = self.req(slab).need().min(self.config.long_prefill_chunk);
+                    self.pool.blocks_for(first) > self.pool.free_count()
+                }
+            };
+            if !(no_slot || no_room) {
+                return;
+            }
+            let Some(pos) = self.victim(Some(tier)) else {
+                return;
+            };
+            self.preempt(pos, preempted);
+        }
+    }
+
+    /// Give every decode sequence the page its next token needs. Over-committed,
+    /// preempt (lowest tier, most recently admitted) until they fit.
+    fn decode_pages(&mut self, preempted: &mut Vec<u64>) -> KvResult<()> {
+        loop {
+            let need = self.running[..self.num_decode]
+                .iter()
+                .filter(|&&s| {
+                    let r = self.req(s);
+                    self.pool.blocks_for(r.num_computed + 1) > r.pages.len()
+                })
+                .count();
+            if need <= self.pool.free_count() {
+                break;
+            }
+            match self.config.admission {
+                AdmissionMode::Reserve => {
+                    return Err(KvError::Internal(
+                        "reserve mode ran out of pages for decodes".into(),
+                    ))
+                }
+                AdmissionMode::Overcommit { .. } => {
+                    let pos = self.victim(None).expect("decodes are running");
+                    self.preempt(pos, preempted);
+                }
+            }
+        }
+        for i in 0..self.num_decode {
+            let slab = self.running[i];
+            let len = self.req(slab).num_computed + 1;
+            self.grow_pages(slab, len)?;
+        }
+        Ok(())
+    }
+
+    /// Close step `step_id` with one sampled token per sequence, in plan order.
+    /// Checks everything first: on an error nothing changes.
+    pub fn commit(&mut self, step_id: u64, sampled: &[i32], now: f64) -> KvResult<CommitEvents> {
+        let pending = self.pending.as_ref().ok_or_else(|| {
+            KvError::StalePlan(format!(
+                "no plan is pending (step {step_id} already committed?)"
+            ))
+        })?;
+        if pending.step_id != step_id {
+            return Err(KvError::StalePlan(format!(
+                "plan of step {step_id} committed, step {} is pending",
+                pending.step_id
+            )));
+        }
+        if sampled.len() != pending.seqs.len() {
+            return Err(KvError::InvalidRequest(format!(
+                "{} sampled ids for a plan of {} sequences",
+                sampled.len(),
+                pending.seqs.len()
+            )));
+        }
+        if let Some(k) = pending
+            .seqs
+            .iter()
+            .zip(sampled)
+            .position(|(s, &tok)| s.samples && tok < 0)
+        {
+            return Err(KvError::InvalidRequest(format!(
+                "sampled id {} of sequence {k} is negative",
+                sampled[k]
+            )));
+        }
+        let pending = self.pending.take().expect("checked above");
+        let mut events = CommitEvents {
+            preempted: pending.preempted,
+            ..CommitEvents::default()
+        };
+        let mut done: Vec<(usize, FinishReason)> = Vec::new();
+        for (s, &token) in pending.seqs.iter().zip(sampled) {
+            // Cancelled since the plan was made (its slot may hold a newer request).
+            match &self.slab[s.slab] {
+                Some(r) if r.id == s.id => {}
+                _ => continue,
+            }
+            let r = self.slab[s.slab].as_mut().expect("checked");
+            r.num_computed += s.q_len;
+            let t = self.tenants.get_mut(r.tenant);
+            if !s.decode {
+                t.metrics.prefill_tokens += s.q_len as u64;
+            }
+            if !s.samples {
+                continue;
+            }
+            r.tokens.push(token);
+            match r.last_token {
+                None => t.metrics.ttft.observe(now - r.arrival),
+                Some(last) => t.metrics.inter_token.observe(now - last),
+            }
+            r.first_token.get_or_insert(now);
+            r.last_token = Some(now);
+            t.metrics.tokens_out += 1;
+            events.request_ids.push(r.id);
+            events.tokens.push(token);
+            let reason = if r.stop_token_ids.contains(&token) {
+                Some(FinishReason::Stop)
+            } else if r.generated() >= r.max_tokens {
+                Some(FinishReason::Length)
+            } else {
+                None
+            };
+            match (reason, r.place) {
+                (Some(reason), _) => done.push((s.slab, reason)),
+                (None, Place::Running(pos)) if pos >= self.num_decode => {
+                    self.promote_to_decode(pos)
+                }
+                _ => {}
+            }
+        }
+        for (slab, reason) in done {
+            let req = self.release(slab);
+            let t = self.tenants.get_mut(req.tenant);
+            t.counters.finished += 1;
+            t.metrics.e2e.observe(now - req.arrival);
+            events.finished.push(FinishedRequest {
+                id: req.id,
+                tenant: t.config.name.clone(),
+                reason,
+                prompt_len: req.prompt_len,
+                output: req.tokens[req.prompt_len..].to_vec(),
+                arrival: req.arrival,
+                first_scheduled: req.first_scheduled.unwrap_or(now),
+                first_token: req.first_token.unwrap_or(now),
+                finished: now,
+                preemptions: req.preemptions,
+            });
+        }
+        Ok(events)
+    }
+
+    // -- stats and invariants -----------------------------------------------------------
 
     pub fn stats(&self, now: f64) -> SchedulerStats {
         let total = self.pool.total();
@@ -371,11 +1111,15 @@ impl Scheduler {
                     reserved_blocks: t.reserved_blocks,
                     used_blocks: t.used_blocks,
                     live_requests: t.live_requests,
+                    waiting: t.waiting.len() + t.resuming as usize,
+                    running: t.running,
                     admitted: t.counters.admitted,
                     finished: t.counters.finished,
                     cancelled: t.counters.cancelled,
                     rejected: t.counters.rejected,
                     rate_tokens_available: t.bucket.as_ref().map(|b| b.level_at(now)),
+                    metrics: t.metrics.clone(),
+                    vtime: t.vtime,
                 }
             })
             .collect();
@@ -394,43 +1138,74 @@ impl Scheduler {
                 committed: self.tenants.committed(),
             },
             tenants,
-            live_requests: self.requests.len(),
+            live_requests: self.index.len(),
+            running: self.running.len(),
+            waiting: self.index.len() - self.running.len(),
+            steps: self.steps,
             rejected: self.rejected,
+            preemptions: self.preemptions,
         }
     }
 
     /// Every cross-structure invariant, for tests: pages conserved and owned once,
-    /// usage within reservations, reservations within caps and within the usable
-    /// pool, floors honoured.
+    /// usage within reservations (reserve mode), reservations within the usable
+    /// pool, floors honoured, the running set and queues consistent.
     pub fn check_invariants(&self) -> Result<(), String> {
         self.pool.check_invariants()?;
+        let reserve_mode = matches!(self.config.admission, AdmissionMode::Reserve);
         let n_tenants = self.tenants.iter().map(|(id, _)| id + 1).max().unwrap_or(0);
         let mut reserved = vec![0usize; n_tenants];
         let mut used = vec![0usize; n_tenants];
         let mut live = vec![0u32; n_tenants];
+        let mut running = vec![0u32; n_tenants];
         let mut owner = vec![0u64; self.pool.num_blocks()];
-        for req in self.requests.values() {
-            if req.pages.len() > req.reserved_blocks {
-                return Err(format!("request {} holds more pages than reserved", req.id));
+        let mut seen = 0;
+        for (slab, r) in self.slab.iter().enumerate() {
+            let Some(r) = r else { continue };
+            seen += 1;
+            if self.index.get(&r.id) != Some(&slab) {
+                return Err(format!("request {} missing from the index", r.id));
             }
-            if req.pages.len() != self.pool.blocks_for(req.kv_len) {
-                return Err(format!(
-                    "request {} pages do not match its KV length",
-                    req.id
-                ));
+            if reserve_mode && r.pages.len() > r.reserved_blocks {
+                return Err(format!("request {} holds more pages than reserved", r.id));
             }
-            for &p in &req.pages {
+            let bs = self.config.block_size;
+            if r.pages.len() < r.num_computed.div_ceil(bs)
+                || r.pages.len() > r.tokens.len().div_ceil(bs)
+            {
+                return Err(format!("request {} pages do not match its KV", r.id));
+            }
+            match r.place {
+                Place::Running(pos) => {
+                    if self.running.get(pos) != Some(&slab) {
+                        return Err(format!("request {} is not where it thinks it runs", r.id));
+                    }
+                    if pos < self.num_decode && !(r.need() == 1 && r.generated() > 0) {
+                        return Err(format!("request {} is in the decode region", r.id));
+                    }
+                    running[r.tenant] += 1;
+                }
+                Place::Waiting => {
+                    if !r.pages.is_empty() || r.num_computed != 0 {
+                        return Err(format!("waiting request {} holds KV", r.id));
+                    }
+                }
+            }
+            for &p in &r.pages {
                 if owner[p as usize] != 0 {
                     return Err(format!(
                         "page {p} owned by {} and {}",
-                        owner[p as usize], req.id
+                        owner[p as usize], r.id
                     ));
                 }
-                owner[p as usize] = req.id;
+                owner[p as usize] = r.id;
             }
-            reserved[req.tenant] += req.reserved_blocks;
-            used[req.tenant] += req.pages.len();
-            live[req.tenant] += 1;
+            reserved[r.tenant] += r.reserved_blocks;
+            used[r.tenant] += r.pages.len();
+            live[r.tenant] += 1;
+        }
+        if seen != self.index.len() {
+            return Err("index and slab disagree".into());
         }
         let held: usize = used.iter().sum();
         if held != self.pool.used() {
@@ -439,12 +1214,21 @@ impl Scheduler {
                 self.pool.used()
             ));
         }
+        let queued: usize = self
+            .tenants
+            .iter()
+            .map(|(_, t)| t.waiting.len())
+            .sum::<usize>()
+            + self.resume.values().map(VecDeque::len).sum::<usize>();
+        if queued + self.running.len() != self.index.len() {
+            return Err("queues and running set do not cover the live requests".into());
+        }
         let usable = self.usable_blocks();
         let mut committed = 0;
         for (id, t) in self.tenants.iter() {
             let name = &t.config.name;
-            if (t.reserved_blocks, t.used_blocks, t.live_requests)
-                != (reserved[id], used[id], live[id])
+            if (t.reserved_blocks, t.used_blocks, t.live_requests, t.running)
+                != (reserved[id], used[id], live[id], running[id])
             {
                 return Err(format!(
                     "tenant {name:?} accounting differs from its requests"

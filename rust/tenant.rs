@@ -6,9 +6,10 @@
 //! asks for (prompt + max_tokens) and a weight for fair share. Every field can be
 //! changed live; the registry keeps per-tenant usage and counters.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 use crate::error::{KvError, KvResult, RejectReason};
+use crate::metrics::TenantMetrics;
 
 /// Longest tenant name accepted; names become metric labels.
 pub const MAX_NAME_LEN: usize = 128;
@@ -30,6 +31,10 @@ pub struct TenantConfig {
     pub burst_tokens: Option<f64>,
     /// Share of service among tenants of one tier (used by the step planner).
     pub weight: f64,
+    /// Largest step, in tokens, this tenant's sequences may be pulled into: while
+    /// one of them runs, the step budget shrinks to this (prefill chunks of others
+    /// wait), so its inter-token latency is not paid for by batch work.
+    pub max_step_tokens: Option<usize>,
 }
 
 impl TenantConfig {
@@ -43,6 +48,7 @@ impl TenantConfig {
             rate_tokens_per_s: None,
             burst_tokens: None,
             weight: 1.0,
+            max_step_tokens: None,
         }
     }
 
@@ -73,6 +79,9 @@ impl TenantConfig {
                 "weight must be a positive number, got {}",
                 self.weight
             ));
+        }
+        if self.max_step_tokens == Some(0) {
+            return bad("max_step_tokens must be at least 1".into());
         }
         match (self.rate_tokens_per_s, self.burst_tokens) {
             (None, Some(_)) => return bad("burst_tokens needs rate_tokens_per_s".into()),
@@ -180,6 +189,15 @@ pub struct Tenant {
     pub used_blocks: usize,
     pub live_requests: u32,
     pub counters: TenantCounters,
+    pub metrics: TenantMetrics,
+    /// Admitted requests waiting to enter the running set, oldest first (slab ids).
+    pub waiting: VecDeque<usize>,
+    /// Its sequences in the running set.
+    pub running: u32,
+    /// Preempted requests of this tenant waiting in their tier's resume queue.
+    pub resuming: u32,
+    /// Virtual service: tokens served divided by weight (weighted fair share).
+    pub vtime: f64,
 }
 
 impl Tenant {
@@ -194,6 +212,11 @@ impl Tenant {
             used_blocks: 0,
             live_requests: 0,
             counters: TenantCounters::default(),
+            metrics: TenantMetrics::default(),
+            waiting: VecDeque::new(),
+            running: 0,
+            resuming: 0,
+            vtime: 0.0,
         }
     }
 
@@ -278,6 +301,14 @@ impl Tenants {
 
     pub fn len(&self) -> usize {
         self.by_name.len()
+    }
+
+    /// Iterate mutably over live tenants in slot order.
+    pub fn iter_mut(&mut self) -> impl Iterator<Item = (TenantId, &mut Tenant)> {
+        self.slots
+            .iter_mut()
+            .enumerate()
+            .filter_map(|(i, t)| t.as_mut().map(|t| (i, t)))
     }
 
     pub fn is_empty(&self) -> bool {

@@ -5,9 +5,11 @@ this package re-exports it and adds the pure-Python layers around it.
 """
 
 from kvsched._core import (
+    LATENCY_BUCKETS,
     NULL_PAGE,
     REJECT_REASONS,
     BlockPool,
+    FinishedRequest,
     InternalError,
     InvalidConfig,
     InvalidRequest,
@@ -18,6 +20,9 @@ from kvsched._core import (
     RestartRequired,
     Scheduler,
     SchedulerConfig,
+    StalePlan,
+    StepEvents,
+    StepPlan,
     TenantConfig,
     TenantExists,
     TenantInUse,
@@ -28,6 +33,11 @@ from kvsched._core import (
 )
 
 __all__ = [
+    "LATENCY_BUCKETS",
+    "FinishedRequest",
+    "StepEvents",
+    "StepPlan",
+    "StalePlan",
     "NULL_PAGE",
     "REJECT_REASONS",
     "BlockPool",

@@ -74,6 +74,13 @@ create_exception!(
 );
 create_exception!(
     kvsched,
+    StalePlan,
+    KvSchedError,
+    "commit() got a plan that is not the pending one (already committed, or from \
+     another scheduler), or step() was called before the last plan was committed."
+);
+create_exception!(
+    kvsched,
     RestartRequired,
     KvSchedError,
     "A restart-only knob (block_size, num_blocks, ...) was changed on a live object."
@@ -127,6 +134,7 @@ impl From<KvError> for PyErr {
                 KvError::TenantInUse { .. } => TenantInUse::new_err(message),
                 KvError::InvalidPage { .. } => PoolError::new_err(message),
                 KvError::OutOfPages { .. } => OutOfPages::new_err(message),
+                KvError::StalePlan(_) => StalePlan::new_err(message),
                 KvError::RestartRequired(_) => RestartRequired::new_err(message),
                 KvError::Internal(_) => InternalError::new_err(message),
             }
@@ -153,6 +161,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("TenantInUse", py.get_type::<TenantInUse>())?;
     m.add("PoolError", py.get_type::<PoolError>())?;
     m.add("OutOfPages", py.get_type::<OutOfPages>())?;
+    m.add("StalePlan", py.get_type::<StalePlan>())?;
     m.add("RestartRequired", py.get_type::<RestartRequired>())?;
     m.add("InternalError", py.get_type::<InternalError>())?;
 

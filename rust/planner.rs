@@ -1,0 +1,322 @@
+//! The step plan as arrays: writing them, padding them, checking them.
+//!
+//! The scheduler decides which sequences run and how many tokens each gets; this
+//! module turns that into the fixed-shape int32 arrays the attention kernel eats
+//! (see "The StepPlan contract" in DESIGN.md) and validates the result.
+//!
+//! Two buffer sets alternate (double buffering): the arrays of step N are written
+//! again at step N + 2, so the engine may keep reading them while step N + 1 is
+//! planned. Each buffer set remembers which sequence each page-table row holds,
+//! so a step rewrites only the rows and pages that changed since that buffer was
+//! last written: the cost follows what changed, not S x pages-per-sequence.
+
+use crate::buckets::TokenBuckets;
+use crate::error::{KvError, KvResult};
+use crate::pool::BlockPool;
+
+/// Fixed dimensions of every plan.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PlanShape {
+    /// Largest token bucket: the length of the token-indexed buffers.
+    pub max_tokens: usize,
+    /// S = max_num_seqs.
+    pub max_seqs: usize,
+    /// PPS = ceil(max_seq_len / block_size).
+    pub pages_per_seq: usize,
+    pub block_size: usize,
+    /// num_blocks * block_size: out of range, so a padded write is dropped.
+    pub pad_slot: i32,
+}
+
+/// Mutable views of one buffer set; the bindings back these with numpy arrays.
+pub struct PlanBuffers<'a> {
+    pub token_ids: &'a mut [i32],
+    pub positions: &'a mut [i32],
+    pub slot_mapping: &'a mut [i32],
+    pub cu_q_lens: &'a mut [i32],
+    pub kv_lens: &'a mut [i32],
+    /// Row-major [S, PPS].
+    pub page_indices: &'a mut [i32],
+    pub num_seqs: &'a mut [i32],
+    pub distribution: &'a mut [i32],
+    pub logits_indices: &'a mut [i32],
+}
+
+impl PlanBuffers<'_> {
+    fn check_shape(&self, s: &PlanShape) -> KvResult<()> {
+        let ok = self.token_ids.len() == s.max_tokens
+            && self.positions.len() == s.max_tokens
+            && self.slot_mapping.len() == s.max_tokens
+            && self.cu_q_lens.len() == s.max_seqs + 1
+            && self.kv_lens.len() == s.max_seqs
+            && self.page_indices.len() == s.max_seqs * s.pages_per_seq
+            && self.num_seqs.len() == 1
+            && self.distribution.len() == 3
+            && self.logits_indices.len() == s.max_seqs;
+        if ok {
+            Ok(())
+        } else {
+            Err(KvError::Internal(
+                "plan buffers do not match the plan shape".into(),
+            ))
+        }
+    }
+}
+
+/// Plan buffers owned by Rust (tests, benchmarks, Rust users of the core).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OwnedPlanBuffers {
+    pub token_ids: Vec<i32>,
+    pub positions: Vec<i32>,
+    pub slot_mapping: Vec<i32>,
+    pub cu_q_lens: Vec<i32>,
+    pub kv_lens: Vec<i32>,
+    pub page_indices: Vec<i32>,
+    pub num_seqs: Vec<i32>,
+    pub distribution: Vec<i32>,
+    pub logits_indices: Vec<i32>,
+}
+
+impl OwnedPlanBuffers {
+    pub fn new(s: &PlanShape) -> Self {
+        OwnedPlanBuffers {
+            token_ids: vec![0; s.max_tokens],
+            positions: vec![0; s.max_tokens],
+            slot_mapping: vec![s.pad_slot; s.max_tokens],
+            cu_q_lens: vec![0; s.max_seqs + 1],
+            kv_lens: vec![0; s.max_seqs],
+            page_indices: vec![0; s.max_seqs * s.pages_per_seq],
+            num_seqs: vec![0; 1],
+            distribution: vec![0; 3],
+            logits_indices: vec![0; s.max_seqs],
+        }
+    }
+
+    pub fn as_mut(&mut self) -> PlanBuffers<'_> {
+        PlanBuffers {
+            token_ids: &mut self.token_ids,
+            positions: &mut self.positions,
+            slot_mapping: &mut self.slot_mapping,
+            cu_q_lens: &mut self.cu_q_lens,
+            kv_lens: &mut self.kv_lens,
+            page_indices: &mut self.page_indices,
+            num_seqs: &mut self.num_seqs,
+            distribution: &mut self.distribution,
+            logits_indices: &mut self.logits_indices,
+        }
+    }
+}
+
+/// What one buffer set's page table holds, row by row.
+#[derive(Clone, Debug)]
+pub struct RowCache {
+    /// Key of the page list in each row (0: none). A sequence gets a fresh key
+    /// whenever its page list is rebuilt (entering the running set).
+    keys: Vec<u64>,
+    /// Pages written in each row; entries past it are page 0.
+    filled: Vec<u32>,
+}
+
+impl RowCache {
+    pub fn new(max_seqs: usize) -> Self {
+        RowCache {
+            keys: vec![0; max_seqs],
+            filled: vec![0; max_seqs],
+        }
+    }
+}
+
+/// One scheduled sequence, in plan order.
+pub struct SeqSlice<'a> {
+    /// Identifies the page list (see `RowCache`).
+    pub row_key: u64,
+    /// All tokens of the sequence; the scheduled ones are `[start, start + q_len)`.
+    pub tokens: &'a [i32],
+    pub start: usize,
+    pub q_len: usize,
+    pub pages: &'a [u32],
+}
+
+/// Where the padding and bucket choice landed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WrittenPlan {
+    pub num_seqs: usize,
+    pub num_tokens: usize,
+    pub bucket: usize,
+}
+
+/// Write a plan into `bufs`. `seqs` is in plan order: the `num_decode` decode
+/// sequences first. Rows are updated incrementally against `rows`.
+pub fn write_plan<'s>(
+    shape: &PlanShape,
+    buckets: &TokenBuckets,
+    bufs: &mut PlanBuffers<'_>,
+    rows: &mut RowCache,
+    num_decode: usize,
+    seqs: impl ExactSizeIterator<Item = SeqSlice<'s>>,
+) -> KvResult<WrittenPlan> {
+    bufs.check_shape(shape)?;
+    let n = seqs.len();
+    if n > shape.max_seqs {
+        return Err(KvError::Internal(format!(
+            "{n} sequences in a plan of {}",
+            shape.max_seqs
+        )));
+    }
+    let bs = shape.block_size;
+    let pps = shape.pages_per_seq;
+    let mut off = 0usize;
+    bufs.cu_q_lens[0] = 0;
+    for (i, seq) in seqs.enumerate() {
+        let end = off + seq.q_len;
+        if end > shape.max_tokens || seq.start + seq.q_len > seq.tokens.len() {
+            return Err(KvError::Internal(format!(
+                "sequence {i} overflows the plan ({end} tokens)"
+            )));
+        }
+        bufs.token_ids[off..end].copy_from_slice(&seq.tokens[seq.start..seq.start + seq.q_len]);
+        for (j, pos) in (seq.start..seq.start + seq.q_len).enumerate() {
+            bufs.positions[off + j] = pos as i32;
+            // A missing page is caught by validation below (it reads the row).
+            let page = seq.pages.get(pos / bs).copied().unwrap_or(0) as usize;
+            bufs.slot_mapping[off + j] = (page * bs + pos % bs) as i32;
+        }
+        let kv_len = seq.start + seq.q_len;
+        bufs.cu_q_lens[i + 1] = end as i32;
+        bufs.kv_lens[i] = kv_len as i32;
+        bufs.logits_indices[i] = end as i32 - 1;
+        if seq.pages.len() > pps {
+            return Err(KvError::Internal(format!(
+                "sequence {i} holds {} pages, a row has {pps}",
+                seq.pages.len()
+            )));
+        }
+        write_row(bufs.page_indices, rows, i, pps, seq.row_key, seq.pages);
+        off = end;
+    }
+    let bucket = buckets
+        .fit(off)
+        .ok_or_else(|| KvError::Internal(format!("{off} tokens fit no bucket")))?;
+    // Padding, exactly as the contract says.
+    bufs.token_ids[off..bucket].fill(0);
+    bufs.positions[off..bucket].fill(0);
+    bufs.slot_mapping[off..bucket].fill(shape.pad_slot);
+    bufs.cu_q_lens[n + 1..].fill(off as i32);
+    bufs.kv_lens[n..].fill(0);
+    bufs.logits_indices[n..].fill((off as i32 - 1).max(0));
+    for i in n..shape.max_seqs {
+        clear_row(bufs.page_indices, rows, i, pps);
+    }
+    bufs.num_seqs[0] = n as i32;
+    bufs.distribution
+        .copy_from_slice(&[num_decode as i32, num_decode as i32, n as i32]);
+    Ok(WrittenPlan {
+        num_seqs: n,
+        num_tokens: off,
+        bucket,
+    })
+}
+
+fn write_row(
+    table: &mut [i32],
+    rows: &mut RowCache,
+    i: usize,
+    pps: usize,
+    key: u64,
+    pages: &[u32],
+) {
+    let row = &mut table[i * pps..(i + 1) * pps];
+    let filled = rows.filled[i] as usize;
+    let from = if rows.keys[i] == key {
+        filled.min(pages.len())
+    } else {
+        0
+    };
+    for (dst, &p) in row[from..pages.len()].iter_mut().zip(&pages[from..]) {
+        *dst = p as i32;
+    }
+    if filled > pages.len() {
+        row[pages.len()..filled].fill(0);
+    }
+    rows.keys[i] = key;
+    rows.filled[i] = pages.len() as u32;
+}
+
+fn clear_row(table: &mut [i32], rows: &mut RowCache, i: usize, pps: usize) {
+    let filled = rows.filled[i] as usize;
+    if filled > 0 {
+        table[i * pps..i * pps + filled].fill(0);
+    }
+    rows.keys[i] = 0;
+    rows.filled[i] = 0;
+}
+
+/// The checks every plan passes before it is handed out. Reads the arrays as
+/// written: q_len >= 1 and <= kv_len, tokens within the bucket, pages cover
+/// kv_len, every slot agrees with the page table and lies in a page this
+/// sequence alone holds (so no slot is written twice), padding in place.
+pub fn validate(
+    shape: &PlanShape,
+    bufs: &PlanBuffers<'_>,
+    written: &WrittenPlan,
+    pool: &BlockPool,
+) -> KvResult<()> {
+    let bad = |m: String| Err(KvError::Internal(format!("invalid step plan: {m}")));
+    let bs = shape.block_size;
+    let pps = shape.pages_per_seq;
+    let n = written.num_seqs;
+    if written.num_tokens > written.bucket || written.bucket > shape.max_tokens {
+        return bad(format!(
+            "{} tokens in bucket {}",
+            written.num_tokens, written.bucket
+        ));
+    }
+    if bufs.cu_q_lens[n] as usize != written.num_tokens {
+        return bad("cu_q_lens does not end at the token count".into());
+    }
+    for i in 0..n {
+        let (lo, hi) = (bufs.cu_q_lens[i] as usize, bufs.cu_q_lens[i + 1] as usize);
+        let kv = bufs.kv_lens[i] as usize;
+        if hi <= lo || hi - lo > kv {
+            return bad(format!(
+                "sequence {i}: q_len {} and kv_len {kv}",
+                hi as i64 - lo as i64
+            ));
+        }
+        if kv > pps * bs {
+            return bad(format!("sequence {i}: kv_len {kv} exceeds a page row"));
+        }
+        let row = &bufs.page_indices[i * pps..(i + 1) * pps];
+        if row[..kv.div_ceil(bs)].contains(&0) {
+            return bad(format!("sequence {i}: pages do not cover kv_len {kv}"));
+        }
+        for t in lo..hi {
+            let pos = bufs.positions[t] as usize;
+            if pos != kv - (hi - t) {
+                return bad(format!("sequence {i}: token {t} at position {pos}"));
+            }
+            let page = row[pos / bs];
+            if bufs.slot_mapping[t] as i64 != page as i64 * bs as i64 + (pos % bs) as i64 {
+                return bad(format!(
+                    "sequence {i}: slot of token {t} disagrees with its row"
+                ));
+            }
+            if pool.refcount(page as u32) != 1 {
+                return bad(format!(
+                    "sequence {i}: writes into page {page}, not its own"
+                ));
+            }
+        }
+    }
+    let pad_ok = bufs.slot_mapping[written.num_tokens..written.bucket]
+        .iter()
+        .all(|&s| s == shape.pad_slot)
+        && bufs.kv_lens[n..].iter().all(|&k| k == 0)
+        && bufs.cu_q_lens[n..]
+            .iter()
+            .all(|&c| c as usize == written.num_tokens);
+    if !pad_ok {
+        return bad("padding out of contract".into());
+    }
+    Ok(())
+}

@@ -1,0 +1,289 @@
+//! `kvsched.SchedulerConfig` and `kvsched.TenantConfig`.
+
+use pyo3::prelude::*;
+
+use crate::error::KvError;
+use crate::{scheduler, tenant};
+
+/// Over-commit's default: reserve the prompt plus one block of growth.
+const DEFAULT_WATERMARK_BLOCKS: usize = 1;
+
+/// An optional value as Python writes it.
+fn py_opt<T: std::fmt::Debug>(v: Option<T>) -> String {
+    v.map_or_else(|| "None".to_owned(), |v| format!("{v:?}"))
+}
+
+/// Scheduler configuration. `num_blocks` and `block_size` are restart-only;
+/// every argument left out takes the core's default.
+#[pyclass(name = "SchedulerConfig", module = "kvsched", frozen, from_py_object)]
+#[derive(Clone)]
+pub struct PySchedulerConfig {
+    pub(super) inner: scheduler::SchedulerConfig,
+}
+
+#[pymethods]
+impl PySchedulerConfig {
+    #[new]
+    #[pyo3(signature = (*, num_blocks=None, block_size=None, max_num_seqs=None,
+        max_batched_tokens=None, max_seq_len=None, overhead_reserve=None, max_waiting=None,
+        long_prefill_chunk=None, token_buckets=None, admission=None, watermark_blocks=None,
+        preempt_lower_tiers=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        num_blocks: Option<usize>,
+        block_size: Option<usize>,
+        max_num_seqs: Option<usize>,
+        max_batched_tokens: Option<usize>,
+        max_seq_len: Option<usize>,
+        overhead_reserve: Option<f64>,
+        max_waiting: Option<usize>,
+        long_prefill_chunk: Option<usize>,
+        token_buckets: Option<Vec<usize>>,
+        admission: Option<&str>,
+        watermark_blocks: Option<usize>,
+        preempt_lower_tiers: Option<bool>,
+    ) -> PyResult<Self> {
+        let d = scheduler::SchedulerConfig::default();
+        let admission = match (admission.unwrap_or("reserve"), watermark_blocks) {
+            ("reserve", None) => scheduler::AdmissionMode::Reserve,
+            ("overcommit", w) => scheduler::AdmissionMode::Overcommit {
+                watermark_blocks: w.unwrap_or(DEFAULT_WATERMARK_BLOCKS),
+            },
+            ("reserve", Some(_)) => {
+                return Err(KvError::InvalidConfig(
+                    "watermark_blocks only applies to admission=\"overcommit\"".into(),
+                )
+                .into())
+            }
+            (other, _) => {
+                return Err(KvError::InvalidConfig(format!(
+                    "admission must be \"reserve\" or \"overcommit\", got {other:?}"
+                ))
+                .into())
+            }
+        };
+        let inner = scheduler::SchedulerConfig {
+            num_blocks: num_blocks.unwrap_or(d.num_blocks),
+            block_size: block_size.unwrap_or(d.block_size),
+            max_num_seqs: max_num_seqs.unwrap_or(d.max_num_seqs),
+            max_batched_tokens: max_batched_tokens.unwrap_or(d.max_batched_tokens),
+            max_seq_len: max_seq_len.unwrap_or(d.max_seq_len),
+            overhead_reserve: overhead_reserve.unwrap_or(d.overhead_reserve),
+            max_waiting: max_waiting.unwrap_or(d.max_waiting),
+            long_prefill_chunk: long_prefill_chunk.unwrap_or(d.long_prefill_chunk),
+            token_buckets,
+            admission,
+            preempt_lower_tiers: preempt_lower_tiers.unwrap_or(d.preempt_lower_tiers),
+        };
+        inner.validate()?;
+        Ok(PySchedulerConfig { inner })
+    }
+
+    /// Pages in the pool, the null page 0 included. Restart-only.
+    #[getter]
+    fn num_blocks(&self) -> usize {
+        self.inner.num_blocks
+    }
+    /// Tokens per page. Restart-only.
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.inner.block_size
+    }
+    /// Most sequences in one step.
+    #[getter]
+    fn max_num_seqs(&self) -> usize {
+        self.inner.max_num_seqs
+    }
+    /// Token budget of one step.
+    #[getter]
+    fn max_batched_tokens(&self) -> usize {
+        self.inner.max_batched_tokens
+    }
+    /// Longest prompt + max_tokens admitted.
+    #[getter]
+    fn max_seq_len(&self) -> usize {
+        self.inner.max_seq_len
+    }
+    /// Share of the pool kept out of admission.
+    #[getter]
+    fn overhead_reserve(&self) -> f64 {
+        self.inner.overhead_reserve
+    }
+    /// Admitted requests that may wait beyond the max_num_seqs that run.
+    #[getter]
+    fn max_waiting(&self) -> usize {
+        self.inner.max_waiting
+    }
+    /// Most prompt tokens one sequence gets in one step.
+    #[getter]
+    fn long_prefill_chunk(&self) -> usize {
+        self.inner.long_prefill_chunk
+    }
+    /// The token buckets steps are padded to (sizes, ascending).
+    #[getter]
+    fn token_buckets(&self) -> PyResult<Vec<usize>> {
+        Ok(self.inner.buckets()?.sizes().to_vec())
+    }
+    /// "reserve" (final-length reservation) or "overcommit" (with preemption).
+    #[getter]
+    fn admission(&self) -> &'static str {
+        match self.inner.admission {
+            scheduler::AdmissionMode::Reserve => "reserve",
+            scheduler::AdmissionMode::Overcommit { .. } => "overcommit",
+        }
+    }
+    /// Over-commit: blocks reserved beyond the prompt (None in reserve mode).
+    #[getter]
+    fn watermark_blocks(&self) -> Option<usize> {
+        match self.inner.admission {
+            scheduler::AdmissionMode::Reserve => None,
+            scheduler::AdmissionMode::Overcommit { watermark_blocks } => Some(watermark_blocks),
+        }
+    }
+    /// Whether a waiting higher-tier request preempts a lower-tier running one.
+    #[getter]
+    fn preempt_lower_tiers(&self) -> bool {
+        self.inner.preempt_lower_tiers
+    }
+
+    fn __repr__(&self) -> String {
+        let c = &self.inner;
+        format!(
+            "SchedulerConfig(num_blocks={}, block_size={}, max_num_seqs={}, \
+             max_batched_tokens={}, max_seq_len={}, overhead_reserve={:?}, max_waiting={}, \
+             long_prefill_chunk={}, admission={:?}, watermark_blocks={}, \
+             preempt_lower_tiers={})",
+            c.num_blocks,
+            c.block_size,
+            c.max_num_seqs,
+            c.max_batched_tokens,
+            c.max_seq_len,
+            c.overhead_reserve,
+            c.max_waiting,
+            c.long_prefill_chunk,
+            self.admission(),
+            py_opt(self.watermark_blocks()),
+            if c.preempt_lower_tiers {
+                "True"
+            } else {
+                "False"
+            }
+        )
+    }
+
+    fn __eq__(&self, other: &Self) -> bool {
+        self.inner == other.inner
+    }
+}
+
+/// A tenant: `tier` (0 most important), `kv_floor_blocks` (guaranteed),
+/// `kv_cap_blocks` (burst cap, None: the pool), `max_concurrent` live requests,
+/// a token bucket on prompt + max_tokens (`rate_tokens_per_s`, `burst_tokens`,
+/// default one second of rate) and a fair-share `weight`.
+#[pyclass(name = "TenantConfig", module = "kvsched", frozen, from_py_object)]
+#[derive(Clone)]
+pub struct PyTenantConfig {
+    pub(super) inner: tenant::TenantConfig,
+}
+
+#[pymethods]
+impl PyTenantConfig {
+    #[new]
+    #[pyo3(signature = (name, /, *, tier=0, kv_floor_blocks=0, kv_cap_blocks=None,
+        max_concurrent=None, rate_tokens_per_s=None, burst_tokens=None, weight=1.0,
+        max_step_tokens=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        name: String,
+        tier: u32,
+        kv_floor_blocks: usize,
+        kv_cap_blocks: Option<usize>,
+        max_concurrent: Option<u32>,
+        rate_tokens_per_s: Option<f64>,
+        burst_tokens: Option<f64>,
+        weight: f64,
+        max_step_tokens: Option<usize>,
+    ) -> PyResult<Self> {
+        let inner = tenant::TenantConfig {
+            name,
+            tier,
+            kv_floor_blocks,
+            kv_cap_blocks,
+            max_concurrent,
+            rate_tokens_per_s,
+            burst_tokens,
+            weight,
+            max_step_tokens,
+        };
+        inner.validate()?;
+        Ok(PyTenantConfig { inner })
+    }
+
+    /// The tenant's name (unique; a metric label).
+    #[getter]
+    fn name(&self) -> &str {
+        &self.inner.name
+    }
+    /// 0 is the most important tier.
+    #[getter]
+    fn tier(&self) -> u32 {
+        self.inner.tier
+    }
+    /// Blocks guaranteed to this tenant, never lent to others' reservations.
+    #[getter]
+    fn kv_floor_blocks(&self) -> usize {
+        self.inner.kv_floor_blocks
+    }
+    /// Most blocks it may hold reserved at once (None: bounded by the pool).
+    #[getter]
+    fn kv_cap_blocks(&self) -> Option<usize> {
+        self.inner.kv_cap_blocks
+    }
+    /// Most live requests (None: no per-tenant limit; 0 pauses the tenant).
+    #[getter]
+    fn max_concurrent(&self) -> Option<u32> {
+        self.inner.max_concurrent
+    }
+    /// Token-bucket refill rate, in prompt + max_tokens tokens per second.
+    #[getter]
+    fn rate_tokens_per_s(&self) -> Option<f64> {
+        self.inner.rate_tokens_per_s
+    }
+    /// Token-bucket size (None: one second of rate).
+    #[getter]
+    fn burst_tokens(&self) -> Option<f64> {
+        self.inner.burst_tokens
+    }
+    /// Share of service among the tenants of one tier.
+    #[getter]
+    fn weight(&self) -> f64 {
+        self.inner.weight
+    }
+    /// Largest step (tokens) this tenant's sequences are pulled into (None: no cap).
+    #[getter]
+    fn max_step_tokens(&self) -> Option<usize> {
+        self.inner.max_step_tokens
+    }
+
+    fn __repr__(&self) -> String {
+        let c = &self.inner;
+        format!(
+            "TenantConfig({:?}, tier={}, kv_floor_blocks={}, kv_cap_blocks={}, \
+             max_concurrent={}, rate_tokens_per_s={}, burst_tokens={}, weight={:?}, \
+             max_step_tokens={})",
+            c.name,
+            c.tier,
+            c.kv_floor_blocks,
+            py_opt(c.kv_cap_blocks),
+            py_opt(c.max_concurrent),
+            py_opt(c.rate_tokens_per_s),
+            py_opt(c.burst_tokens),
+            c.weight,
+            py_opt(c.max_step_tokens)
+        )
+    }
+
+    fn __eq__(&self, other: &Self) -> bool {
+        self.inner == other.inner
+    }
+}

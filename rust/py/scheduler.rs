@@ -1,0 +1,621 @@
+//! `kvsched.Scheduler`, `StepPlan`, `StepEvents` and `FinishedRequest`.
+//!
+//! The plan arrays are numpy arrays this object owns, two sets used in turn
+//! (double buffering). The core writes into them in place; Python only ever sees
+//! read-only views, made once at construction, so a step creates no arrays for
+//! the kernel inputs at all.
+
+use std::sync::Mutex;
+
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PySlice};
+
+use super::config::{PySchedulerConfig, PyTenantConfig};
+use super::{count_arg, int32_arg, int32_slice, locked, now_or_monotonic};
+use crate::error::{KvError, RejectReason};
+use crate::metrics::{Histogram, LATENCY_BOUNDS};
+use crate::planner::{PlanBuffers, PlanShape};
+use crate::scheduler::{self, CommitEvents, FinishedRequest, StepOutcome};
+
+/// One buffer set: the writable base arrays and the read-only views handed out.
+struct PlanArrays {
+    token_ids: Py<PyArray1<i32>>,
+    positions: Py<PyArray1<i32>>,
+    slot_mapping: Py<PyArray1<i32>>,
+    cu_q_lens: Py<PyArray1<i32>>,
+    kv_lens: Py<PyArray1<i32>>,
+    page_indices: Py<PyArray2<i32>>,
+    num_seqs: Py<PyArray1<i32>>,
+    distribution: Py<PyArray1<i32>>,
+    logits_indices: Py<PyArray1<i32>>,
+    /// Per bucket (same order as the buckets): views [:T] of the token arrays.
+    token_views: Vec<[Py<PyAny>; 3]>,
+    /// Views of cu_q_lens, kv_lens, page_indices, num_seqs, distribution, logits_indices.
+    seq_views: [Py<PyAny>; 6],
+}
+
+fn read_only_view(
+    py: Python<'_>,
+    base: &Bound<'_, PyAny>,
+    len: Option<usize>,
+) -> PyResult<Py<PyAny>> {
+    let view = match len {
+        Some(n) => base.get_item(PySlice::new(py, 0, n as isize, 1))?,
+        None => base.call_method0("view")?,
+    };
+    view.getattr("flags")?.setattr("writeable", false)?;
+    Ok(view.unbind())
+}
+
+impl PlanArrays {
+    fn new(py: Python<'_>, shape: &PlanShape, buckets: &[usize]) -> PyResult<Self> {
+        let (t, s, pps) = (shape.max_tokens, shape.max_seqs, shape.pages_per_seq);
+        let token_ids = PyArray1::<i32>::zeros(py, t, false);
+        let positions = PyArray1::<i32>::zeros(py, t, false);
+        let slot_mapping = PyArray1::from_vec(py, vec![shape.pad_slot; t]);
+        let cu_q_lens = PyArray1::<i32>::zeros(py, s + 1, false);
+        let kv_lens = PyArray1::<i32>::zeros(py, s, false);
+        let page_indices = PyArray2::<i32>::zeros(py, [s, pps], false);
+        let num_seqs = PyArray1::<i32>::zeros(py, 1, false);
+        let distribution = PyArray1::<i32>::zeros(py, 3, false);
+        let logits_indices = PyArray1::<i32>::zeros(py, s, false);
+        let token_views = buckets
+            .iter()
+            .map(|&b| {
+                Ok([
+                    read_only_view(py, token_ids.as_any(), Some(b))?,
+                    read_only_view(py, positions.as_any(), Some(b))?,
+                    read_only_view(py, slot_mapping.as_any(), Some(b))?,
+                ])
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let seq_views = [
+            read_only_view(py, cu_q_lens.as_any(), None)?,
+            read_only_view(py, kv_lens.as_any(), None)?,
+            read_only_view(py, page_indices.as_any(), None)?,
+            read_only_view(py, num_seqs.as_any(), None)?,
+            read_only_view(py, distribution.as_any(), None)?,
+            read_only_view(py, logits_indices.as_any(), None)?,
+        ];
+        Ok(PlanArrays {
+            token_ids: token_ids.unbind(),
+            positions: positions.unbind(),
+            slot_mapping: slot_mapping.unbind(),
+            cu_q_lens: cu_q_lens.unbind(),
+            kv_lens: kv_lens.unbind(),
+            page_indices: page_indices.unbind(),
+            num_seqs: num_seqs.unbind(),
+            distribution: distribution.unbind(),
+            logits_indices: logits_indices.unbind(),
+            token_views,
+            seq_views,
+        })
+    }
+}
+
+fn not_contiguous(_: numpy::AsSliceError) -> PyErr {
+    KvError::Internal("a plan buffer is not contiguous".into()).into()
+}
+
+/// The KV-cache manager and scheduler. Safe to share between threads.
+///
+/// Every time-dependent method takes `now` (seconds, float); left out, it is
+/// `time.monotonic()`. Pass it always or never.
+#[pyclass(name = "Scheduler", module = "kvsched", frozen)]
+pub struct PyScheduler {
+    inner: Mutex<scheduler::Scheduler>,
+    arrays: [PlanArrays; 2],
+    buckets: Vec<usize>,
+}
+
+#[pymethods]
+impl PyScheduler {
+    #[new]
+    #[pyo3(signature = (config=None, /))]
+    fn new(py: Python<'_>, config: Option<PySchedulerConfig>) -> PyResult<Self> {
+        let config = config.map(|c| c.inner).unwrap_or_default();
+        let core = scheduler::Scheduler::new(config)?;
+        let shape = *core.plan_shape();
+        let buckets = core.buckets().sizes().to_vec();
+        Ok(PyScheduler {
+            arrays: [
+                PlanArrays::new(py, &shape, &buckets)?,
+                PlanArrays::new(py, &shape, &buckets)?,
+            ],
+            buckets,
+            inner: Mutex::new(core),
+        })
+    }
+
+    /// The configuration this scheduler runs with.
+    #[getter]
+    fn config(&self) -> PyResult<PySchedulerConfig> {
+        Ok(PySchedulerConfig {
+            inner: locked(&self.inner, |s| s.config().clone())?,
+        })
+    }
+
+    /// The token buckets a step is padded to: one compiled program each.
+    #[getter]
+    fn token_buckets(&self) -> Vec<usize> {
+        self.buckets.clone()
+    }
+
+    /// Fixed plan dimensions: max_tokens (largest bucket), max_seqs (S),
+    /// pages_per_seq (PPS), block_size, pad_slot.
+    #[getter]
+    fn plan_shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = locked(&self.inner, |s| *s.plan_shape())?;
+        let d = PyDict::new(py);
+        d.set_item("max_tokens", s.max_tokens)?;
+        d.set_item("max_seqs", s.max_seqs)?;
+        d.set_item("pages_per_seq", s.pages_per_seq)?;
+        d.set_item("block_size", s.block_size)?;
+        d.set_item("pad_slot", s.pad_slot)?;
+        Ok(d)
+    }
+
+    /// Register a tenant. Raises TenantExists, or InvalidConfig when its floor does
+    /// not fit beside the other tenants' floors and reservations.
+    #[pyo3(signature = (config, /))]
+    fn add_tenant(&self, config: PyTenantConfig) -> PyResult<()> {
+        Ok(locked(&self.inner, |s| s.add_tenant(config.inner))??)
+    }
+
+    /// Replace a tenant's configuration live (matched by name). A raised floor
+    /// must be honourable now; a lowered cap limits only new admissions; the rate
+    /// bucket keeps its level, clipped to the new size.
+    #[pyo3(signature = (config, /, *, now=None))]
+    fn update_tenant(
+        &self,
+        py: Python<'_>,
+        config: PyTenantConfig,
+        now: Option<f64>,
+    ) -> PyResult<()> {
+        let now = now_or_monotonic(py, now)?;
+        Ok(locked(&self.inner, |s| {
+            s.update_tenant(config.inner, now)
+        })??)
+    }
+
+    /// Remove a tenant; refused with TenantInUse while it has live requests.
+    #[pyo3(signature = (name, /))]
+    fn remove_tenant(&self, name: &str) -> PyResult<()> {
+        Ok(locked(&self.inner, |s| s.remove_tenant(name))??)
+    }
+
+    /// The current configuration of tenant `name`.
+    #[pyo3(signature = (name, /))]
+    fn tenant(&self, name: &str) -> PyResult<PyTenantConfig> {
+        let config = locked(&self.inner, |s| {
+            s.tenants().by_name(name).map(|t| t.config.clone())
+        })??;
+        Ok(PyTenantConfig { inner: config })
+    }
+
+    /// Admit a request and return its id, or raise Rejected (reason, retry_after).
+    /// Admission reserves ceil((len(prompt_ids) + max_tokens) / block_size) blocks
+    /// (over-commit: the prompt plus the watermark). `prompt_ids` is a 1-D numpy
+    /// int32 array; sampling any of `stop_token_ids` finishes the request.
+    #[pyo3(signature = (tenant, prompt_ids, max_tokens, *, stop_token_ids=None, now=None))]
+    fn submit(
+        &self,
+        py: Python<'_>,
+        tenant: &str,
+        prompt_ids: &Bound<'_, PyAny>,
+        max_tokens: &Bound<'_, PyAny>,
+        stop_token_ids: Option<Vec<i32>>,
+        now: Option<f64>,
+    ) -> PyResult<u64> {
+        let arr = int32_arg(prompt_ids, "prompt_ids")?;
+        let prompt = int32_slice(&arr);
+        let max_tokens = count_arg(max_tokens, "max_tokens")?;
+        let now = now_or_monotonic(py, now)?;
+        let stops = stop_token_ids.unwrap_or_default();
+        Ok(locked(&self.inner, |s| {
+            s.submit_with_stops(tenant, &prompt, max_tokens, &stops, now)
+        })??)
+    }
+
+    /// Cancel a live request: its pages and reservation are released at once.
+    /// Raises UnknownRequest for an id that is not live.
+    #[pyo3(signature = (request_id, /))]
+    fn cancel(&self, request_id: u64) -> PyResult<()> {
+        locked(&self.inner, |s| s.cancel(request_id))??;
+        Ok(())
+    }
+
+    /// Plan the next step: a StepPlan, or None when nothing can run.
+    ///
+    /// The plan's arrays are read-only views of buffers this scheduler owns and
+    /// reuses: they stay valid until the second step() after this one (two buffer
+    /// sets alternate), so the engine may keep reading them while the next step
+    /// is planned. Copy them to keep them longer. Commit the plan before the next
+    /// step().
+    #[pyo3(signature = (*, now=None))]
+    fn step(&self, py: Python<'_>, now: Option<f64>) -> PyResult<Option<PyStepPlan>> {
+        let now = now_or_monotonic(py, now)?;
+        let outcome = locked(&self.inner, |s| -> PyResult<Option<StepOutcome>> {
+            let a = &self.arrays[s.next_parity()];
+            let (t, p, sm) = (
+                a.token_ids.bind(py),
+                a.positions.bind(py),
+                a.slot_mapping.bind(py),
+            );
+            let (cu, kv, pi) = (
+                a.cu_q_lens.bind(py),
+                a.kv_lens.bind(py),
+                a.page_indices.bind(py),
+            );
+            let (ns, di, li) = (
+                a.num_seqs.bind(py),
+                a.distribution.bind(py),
+                a.logits_indices.bind(py),
+            );
+            // SAFETY: these base arrays never leave this object (Python gets
+            // read-only views), each is its own contiguous allocation, and the
+            // scheduler lock plus the GIL make this the only access while the
+            // core writes.
+            let mut bufs = unsafe {
+                PlanBuffers {
+                    token_ids: t.as_slice_mut().map_err(not_contiguous)?,
+                    positions: p.as_slice_mut().map_err(not_contiguous)?,
+                    slot_mapping: sm.as_slice_mut().map_err(not_contiguous)?,
+                    cu_q_lens: cu.as_slice_mut().map_err(not_contiguous)?,
+                    kv_lens: kv.as_slice_mut().map_err(not_contiguous)?,
+                    page_indices: pi.as_slice_mut().map_err(not_contiguous)?,
+                    num_seqs: ns.as_slice_mut().map_err(not_contiguous)?,
+                    distribution: di.as_slice_mut().map_err(not_contiguous)?,
+                    logits_indices: li.as_slice_mut().map_err(not_contiguous)?,
+                }
+            };
+            Ok(s.step(now, &mut bufs)?)
+        })??;
+        let Some(out) = outcome else {
+            return Ok(None);
+        };
+        let a = &self.arrays[out.parity];
+        let b = self
+            .buckets
+            .iter()
+            .position(|&b| b == out.bucket)
+            .ok_or_else(|| KvError::Internal(format!("bucket {} unknown", out.bucket)))?;
+        let [tv, pv, sv] = &a.token_views[b];
+        let [cu, kv, pi, ns, di, li] = &a.seq_views;
+        let ids: Vec<i64> = out.request_ids.iter().map(|&id| id as i64).collect();
+        Ok(Some(PyStepPlan {
+            token_ids: tv.clone_ref(py),
+            positions: pv.clone_ref(py),
+            slot_mapping: sv.clone_ref(py),
+            cu_q_lens: cu.clone_ref(py),
+            kv_lens: kv.clone_ref(py),
+            page_indices: pi.clone_ref(py),
+            num_seqs: ns.clone_ref(py),
+            distribution: di.clone_ref(py),
+            logits_indices: li.clone_ref(py),
+            request_ids: ids.into_pyarray(py).unbind(),
+            samples: out.samples.into_pyarray(py).unbind(),
+            preempted: out.preempted,
+            step_id: out.step_id,
+            num_tokens: out.num_tokens,
+            bucket: out.bucket,
+            num_decode: out.num_decode,
+            n: out.num_seqs,
+        }))
+    }
+
+    /// Close a step: `sampled_ids` (1-D int32) holds one token per sequence in
+    /// plan order (ignored where `plan.samples` is False). Appends tokens,
+    /// finishes requests (max_tokens or a stop token) and frees their pages.
+    /// Raises StalePlan for a plan that is not the pending one and InvalidRequest
+    /// for malformed ids; then nothing changes.
+    #[pyo3(signature = (plan, sampled_ids, /, *, now=None))]
+    fn commit(
+        &self,
+        py: Python<'_>,
+        plan: &Bound<'_, PyStepPlan>,
+        sampled_ids: &Bound<'_, PyAny>,
+        now: Option<f64>,
+    ) -> PyResult<PyStepEvents> {
+        let arr = int32_arg(sampled_ids, "sampled_ids")?;
+        let sampled = int32_slice(&arr);
+        let now = now_or_monotonic(py, now)?;
+        let step_id = plan.get().step_id;
+        let events = locked(&self.inner, |s| s.commit(step_id, &sampled, now))??;
+        PyStepEvents::new(py, events)
+    }
+
+    /// Live (admitted, unfinished) requests.
+    #[getter]
+    fn live_requests(&self) -> PyResult<usize> {
+        locked(&self.inner, |s| s.live_requests())
+    }
+
+    /// A snapshot: pool counts, per-tenant usage, reservations, counters, latency
+    /// histograms (seconds; buckets are cumulative over kvsched.LATENCY_BUCKETS
+    /// plus +inf), and rejections by reason.
+    #[pyo3(signature = (*, now=None))]
+    fn stats<'py>(&self, py: Python<'py>, now: Option<f64>) -> PyResult<Bound<'py, PyDict>> {
+        let now = now_or_monotonic(py, now)?;
+        let st = locked(&self.inner, |s| s.stats(now))?;
+        stats_dict(py, &st)
+    }
+}
+
+/// One step's plan: the kernel's arrays (read-only views, see Scheduler.step for
+/// how long they stay valid) and host-side fields.
+#[pyclass(name = "StepPlan", module = "kvsched", frozen)]
+pub struct PyStepPlan {
+    /// int32 [T]: input token of each scheduled token; padding 0.
+    #[pyo3(get)]
+    token_ids: Py<PyAny>,
+    /// int32 [T]: absolute position of each token; padding 0.
+    #[pyo3(get)]
+    positions: Py<PyAny>,
+    /// int32 [T]: page * block_size + offset; padding num_blocks * block_size.
+    #[pyo3(get)]
+    slot_mapping: Py<PyAny>,
+    /// int32 [S+1]: cumulative query lengths, decode sequences first.
+    #[pyo3(get)]
+    cu_q_lens: Py<PyAny>,
+    /// int32 [S]: cached + newly scheduled tokens; padding 0.
+    #[pyo3(get)]
+    kv_lens: Py<PyAny>,
+    /// int32 [S, PPS]: page ids of each sequence; padding page 0.
+    #[pyo3(get)]
+    page_indices: Py<PyAny>,
+    /// int32 [1]: real sequences in the plan.
+    #[pyo3(get)]
+    num_seqs: Py<PyAny>,
+    /// int32 [3]: (decode-only, decode-only, all).
+    #[pyo3(get)]
+    distribution: Py<PyAny>,
+    /// int32 [S]: cu_q_lens[1:] - 1, the row whose logits are sampled.
+    #[pyo3(get)]
+    logits_indices: Py<PyAny>,
+    /// int64 [n]: request id of each sequence, in plan order.
+    #[pyo3(get)]
+    request_ids: Py<PyArray1<i64>>,
+    /// bool [n]: whether the token sampled for the sequence is used.
+    #[pyo3(get)]
+    samples: Py<PyArray1<bool>>,
+    /// Requests preempted while planning this step (queued again).
+    #[pyo3(get)]
+    preempted: Vec<u64>,
+    /// Identifies this plan for commit().
+    #[pyo3(get)]
+    step_id: u64,
+    /// Real tokens in the plan.
+    #[pyo3(get)]
+    num_tokens: usize,
+    /// T: the token bucket the arrays are padded to.
+    #[pyo3(get)]
+    bucket: usize,
+    /// Decode sequences (they come first).
+    #[pyo3(get)]
+    num_decode: usize,
+    n: usize,
+}
+
+#[pymethods]
+impl PyStepPlan {
+    /// Sequences in the plan.
+    fn __len__(&self) -> usize {
+        self.n
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "StepPlan(step_id={}, num_seqs={}, num_decode={}, num_tokens={}, bucket={})",
+            self.step_id, self.n, self.num_decode, self.num_tokens, self.bucket
+        )
+    }
+}
+
+/// A request that finished in a commit, with its output and timings (seconds,
+/// on the clock of the `now` values).
+#[pyclass(name = "FinishedRequest", module = "kvsched", frozen)]
+pub struct PyFinishedRequest {
+    #[pyo3(get)]
+    request_id: u64,
+    #[pyo3(get)]
+    tenant: String,
+    /// "length" (max_tokens reached) or "stop" (a stop token was sampled).
+    #[pyo3(get)]
+    reason: &'static str,
+    #[pyo3(get)]
+    prompt_len: usize,
+    /// int32: the generated tokens (a stop token included).
+    #[pyo3(get)]
+    output_ids: Py<PyArray1<i32>>,
+    #[pyo3(get)]
+    arrival: f64,
+    #[pyo3(get)]
+    first_scheduled: f64,
+    #[pyo3(get)]
+    first_token: f64,
+    #[pyo3(get)]
+    finished: f64,
+    /// Times it was preempted and recomputed.
+    #[pyo3(get)]
+    preemptions: u32,
+}
+
+#[pymethods]
+impl PyFinishedRequest {
+    /// Submit to first token.
+    #[getter]
+    fn ttft(&self) -> f64 {
+        self.first_token - self.arrival
+    }
+    /// Submit to finish.
+    #[getter]
+    fn e2e(&self) -> f64 {
+        self.finished - self.arrival
+    }
+    /// Submit to first entering the running set.
+    #[getter]
+    fn queue_time(&self) -> f64 {
+        self.first_scheduled - self.arrival
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> String {
+        format!(
+            "FinishedRequest(request_id={}, tenant={:?}, reason={:?}, output_len={})",
+            self.request_id,
+            self.tenant,
+            self.reason,
+            PyUntypedArrayMethods::len(self.output_ids.bind(py))
+        )
+    }
+}
+
+impl PyFinishedRequest {
+    fn new(py: Python<'_>, f: FinishedRequest) -> Self {
+        PyFinishedRequest {
+            request_id: f.id,
+            tenant: f.tenant,
+            reason: f.reason.as_str(),
+            prompt_len: f.prompt_len,
+            output_ids: f.output.into_pyarray(py).unbind(),
+            arrival: f.arrival,
+            first_scheduled: f.first_scheduled,
+            first_token: f.first_token,
+            finished: f.finished,
+            preemptions: f.preemptions,
+        }
+    }
+}
+
+/// What a commit did: new tokens (arrays, in plan order), finished requests,
+/// and requests the step preempted.
+#[pyclass(name = "StepEvents", module = "kvsched", frozen)]
+pub struct PyStepEvents {
+    /// int64 [k]: requests that got a token.
+    #[pyo3(get)]
+    request_ids: Py<PyArray1<i64>>,
+    /// int32 [k]: the token each got.
+    #[pyo3(get)]
+    tokens: Py<PyArray1<i32>>,
+    /// list[FinishedRequest].
+    #[pyo3(get)]
+    finished: Py<PyList>,
+    /// Request ids preempted (and queued again) by this step.
+    #[pyo3(get)]
+    preempted: Vec<u64>,
+}
+
+impl PyStepEvents {
+    fn new(py: Python<'_>, ev: CommitEvents) -> PyResult<Self> {
+        let ids: Vec<i64> = ev.request_ids.iter().map(|&id| id as i64).collect();
+        let finished = PyList::empty(py);
+        for f in ev.finished {
+            finished.append(Py::new(py, PyFinishedRequest::new(py, f))?)?;
+        }
+        Ok(PyStepEvents {
+            request_ids: ids.into_pyarray(py).unbind(),
+            tokens: ev.tokens.into_pyarray(py).unbind(),
+            finished: finished.unbind(),
+            preempted: ev.preempted,
+        })
+    }
+}
+
+#[pymethods]
+impl PyStepEvents {
+    fn __repr__(&self, py: Python<'_>) -> String {
+        format!(
+            "StepEvents(tokens={}, finished={}, preempted={})",
+            PyUntypedArrayMethods::len(self.tokens.bind(py)),
+            self.finished.bind(py).len(),
+            self.preempted.len()
+        )
+    }
+}
+
+fn reasons_dict<'py>(
+    py: Python<'py>,
+    counts: &[u64; RejectReason::COUNT],
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    for r in RejectReason::ALL {
+        d.set_item(r.as_str(), counts[r.index()])?;
+    }
+    Ok(d)
+}
+
+fn histogram_dict<'py>(py: Python<'py>, h: &Histogram) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("count", h.count())?;
+    d.set_item("sum", h.sum())?;
+    let mut cumulative = Vec::with_capacity(LATENCY_BOUNDS.len() + 1);
+    let mut acc = 0u64;
+    for &c in h.counts() {
+        acc += c;
+        cumulative.push(acc);
+    }
+    d.set_item("buckets", cumulative)?;
+    d.set_item("p50", h.quantile(0.5))?;
+    d.set_item("p99", h.quantile(0.99))?;
+    Ok(d)
+}
+
+fn stats_dict<'py>(
+    py: Python<'py>,
+    st: &scheduler::SchedulerStats,
+) -> PyResult<Bound<'py, PyDict>> {
+    let p = &st.pool;
+    let pool = PyDict::new(py);
+    pool.set_item("num_blocks", p.num_blocks)?;
+    pool.set_item("block_size", p.block_size)?;
+    pool.set_item("total", p.total)?;
+    pool.set_item("free", p.free)?;
+    pool.set_item("used", p.used)?;
+    pool.set_item("shared", p.shared)?;
+    pool.set_item("overhead_reserve", p.overhead_reserve)?;
+    pool.set_item("usable", p.usable)?;
+    pool.set_item("reserved", p.reserved)?;
+    pool.set_item("committed", p.committed)?;
+
+    let tenants = PyDict::new(py);
+    for t in &st.tenants {
+        let m = &t.metrics;
+        let d = PyDict::new(py);
+        d.set_item("tier", t.tier)?;
+        d.set_item("weight", t.weight)?;
+        d.set_item("kv_floor_blocks", t.kv_floor_blocks)?;
+        d.set_item("kv_cap_blocks", t.kv_cap_blocks)?;
+        d.set_item("reserved_blocks", t.reserved_blocks)?;
+        d.set_item("used_blocks", t.used_blocks)?;
+        d.set_item("live_requests", t.live_requests)?;
+        d.set_item("waiting", t.waiting)?;
+        d.set_item("running", t.running)?;
+        d.set_item("admitted", t.admitted)?;
+        d.set_item("finished", t.finished)?;
+        d.set_item("cancelled", t.cancelled)?;
+        d.set_item("rejected", reasons_dict(py, &t.rejected)?)?;
+        d.set_item("rate_tokens_available", t.rate_tokens_available)?;
+        d.set_item("tokens_in", m.tokens_in)?;
+        d.set_item("tokens_out", m.tokens_out)?;
+        d.set_item("prefill_tokens", m.prefill_tokens)?;
+        d.set_item("preemptions", m.preemptions)?;
+        d.set_item("virtual_time", t.vtime)?;
+        d.set_item("queue_time", histogram_dict(py, &m.queue_time)?)?;
+        d.set_item("ttft", histogram_dict(py, &m.ttft)?)?;
+        d.set_item("inter_token", histogram_dict(py, &m.inter_token)?)?;
+        d.set_item("e2e", histogram_dict(py, &m.e2e)?)?;
+        tenants.set_item(&t.name, d)?;
+    }
+
+    let out = PyDict::new(py);
+    out.set_item("pool", pool)?;
+    out.set_item("tenants", tenants)?;
+    out.set_item("live_requests", st.live_requests)?;
+    out.set_item("running", st.running)?;
+    out.set_item("waiting", st.waiting)?;
+    out.set_item("steps", st.steps)?;
+    out.set_item("preemptions", st.preemptions)?;
+    out.set_item("rejected", reasons_dict(py, &st.rejected)?)?;
+    Ok(out)
+}
