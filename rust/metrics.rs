@@ -7,19 +7,46 @@ pub const LATENCY_BOUNDS: [f64; 19] = [
     100.0, 200.0, 500.0,
 ];
 
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug)]
 pub struct Histogram {
     /// counts[i] = observations <= LATENCY_BOUNDS[i] and above the previous bound;
     /// the last slot counts those above every bound.
     counts: [u64; LATENCY_BOUNDS.len() + 1],
     sum: f64,
     count: u64,
+    /// The last value observed and its bucket: the decodes of one step share
+    /// their inter-token gap, so most observations skip the search.
+    memo: (f64, usize),
+}
+
+/// Equal when the observations are (the memo is a cache, not state).
+impl PartialEq for Histogram {
+    fn eq(&self, other: &Self) -> bool {
+        self.counts == other.counts && self.sum == other.sum && self.count == other.count
+    }
+}
+
+impl Default for Histogram {
+    fn default() -> Self {
+        Histogram {
+            counts: [0; LATENCY_BOUNDS.len() + 1],
+            sum: 0.0,
+            count: 0,
+            memo: (f64::NAN, 0), // NaN equals nothing: the first value searches
+        }
+    }
 }
 
 impl Histogram {
     pub fn observe(&mut self, seconds: f64) {
         let v = seconds.max(0.0);
-        let i = LATENCY_BOUNDS.partition_point(|&b| b < v);
+        let i = if v == self.memo.0 {
+            self.memo.1
+        } else {
+            let i = LATENCY_BOUNDS.partition_point(|&b| b < v);
+            self.memo = (v, i);
+            i
+        };
         self.counts[i] += 1;
         self.sum += v;
         self.count += 1;

@@ -12,7 +12,7 @@
 
 use crate::buckets::TokenBuckets;
 use crate::error::{KvError, KvResult};
-use crate::pool::BlockPool;
+use crate::pool::{BlockPool, BlockSize};
 
 /// Fixed dimensions of every plan.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -23,7 +23,7 @@ pub struct PlanShape {
     pub max_seqs: usize,
     /// PPS = ceil(max_seq_len / block_size).
     pub pages_per_seq: usize,
-    pub block_size: usize,
+    pub block_size: BlockSize,
     /// num_blocks * block_size: out of range, so a padded write is dropped.
     pub pad_slot: i32,
 }
@@ -147,12 +147,19 @@ pub struct WrittenPlan {
 
 /// Write a plan into `bufs`. `seqs` is in plan order: the `num_decode` decode
 /// sequences first. Rows are updated incrementally against `rows`.
+///
+/// The cheap checks run here, on every plan, as the arrays are written: each
+/// sequence runs at least one token, within its tokens; its pages cover exactly
+/// its kv_len and fit a row; the tokens fit a bucket; and the pages it writes are
+/// its own (refcount 1, looked up only while the pool shares any page at all),
+/// so no slot is written twice. `validate` re-reads the written arrays in full.
 pub fn write_plan<'s>(
     shape: &PlanShape,
     buckets: &TokenBuckets,
     bufs: &mut PlanBuffers<'_>,
     rows: &mut RowCache,
     num_decode: usize,
+    pool: &BlockPool,
     seqs: impl ExactSizeIterator<Item = SeqSlice<'s>>,
 ) -> KvResult<WrittenPlan> {
     bufs.check_shape(shape)?;
@@ -167,30 +174,50 @@ pub fn write_plan<'s>(
     let pps = shape.pages_per_seq;
     let mut off = 0usize;
     bufs.cu_q_lens[0] = 0;
+    let check_owner = pool.shared() > 0;
     for (i, seq) in seqs.enumerate() {
         let end = off + seq.q_len;
-        if end > shape.max_tokens || seq.start + seq.q_len > seq.tokens.len() {
+        let kv_len = seq.start + seq.q_len;
+        if seq.q_len == 0 || end > shape.max_tokens || kv_len > seq.tokens.len() {
             return Err(KvError::Internal(format!(
-                "sequence {i} overflows the plan ({end} tokens)"
+                "invalid step plan: sequence {i} runs {} tokens from {} (plan at {off})",
+                seq.q_len, seq.start
             )));
         }
-        bufs.token_ids[off..end].copy_from_slice(&seq.tokens[seq.start..seq.start + seq.q_len]);
-        for (j, pos) in (seq.start..seq.start + seq.q_len).enumerate() {
-            bufs.positions[off + j] = pos as i32;
-            // A missing page is caught by validation below (it reads the row).
-            let page = seq.pages.get(pos / bs).copied().unwrap_or(0) as usize;
-            bufs.slot_mapping[off + j] = (page * bs + pos % bs) as i32;
-        }
-        let kv_len = seq.start + seq.q_len;
-        bufs.cu_q_lens[i + 1] = end as i32;
-        bufs.kv_lens[i] = kv_len as i32;
-        bufs.logits_indices[i] = end as i32 - 1;
-        if seq.pages.len() > pps {
+        if seq.pages.len() != bs.blocks_for(kv_len) || seq.pages.len() > pps {
             return Err(KvError::Internal(format!(
-                "sequence {i} holds {} pages, a row has {pps}",
+                "invalid step plan: sequence {i} has {} pages for kv_len {kv_len}",
                 seq.pages.len()
             )));
         }
+        if seq.q_len == 1 {
+            // The decode case: one token, no copy loop.
+            let pos = seq.start;
+            let (idx, in_page) = bs.split(pos);
+            let page = seq.pages[idx];
+            if check_owner && pool.refcount(page) != 1 {
+                return Err(not_own(i, page));
+            }
+            bufs.token_ids[off] = seq.tokens[pos];
+            bufs.positions[off] = pos as i32;
+            bufs.slot_mapping[off] = (page as usize * bs.get() + in_page) as i32;
+        } else {
+            bufs.token_ids[off..end].copy_from_slice(&seq.tokens[seq.start..kv_len]);
+            let mut last_page = u32::MAX;
+            for (j, pos) in (seq.start..kv_len).enumerate() {
+                let (idx, in_page) = bs.split(pos);
+                let page = seq.pages[idx];
+                if check_owner && page != last_page && pool.refcount(page) != 1 {
+                    return Err(not_own(i, page));
+                }
+                last_page = page;
+                bufs.positions[off + j] = pos as i32;
+                bufs.slot_mapping[off + j] = (page as usize * bs.get() + in_page) as i32;
+            }
+        }
+        bufs.cu_q_lens[i + 1] = end as i32;
+        bufs.kv_lens[i] = kv_len as i32;
+        bufs.logits_indices[i] = end as i32 - 1;
         write_row(bufs.page_indices, rows, i, pps, seq.row_key, seq.pages);
         off = end;
     }
@@ -215,6 +242,12 @@ pub fn write_plan<'s>(
         num_tokens: off,
         bucket,
     })
+}
+
+fn not_own(i: usize, page: u32) -> KvError {
+    KvError::Internal(format!(
+        "invalid step plan: sequence {i} writes into page {page}, which it does not hold alone"
+    ))
 }
 
 fn write_row(
@@ -251,10 +284,11 @@ fn clear_row(table: &mut [i32], rows: &mut RowCache, i: usize, pps: usize) {
     rows.filled[i] = 0;
 }
 
-/// The checks every plan passes before it is handed out. Reads the arrays as
-/// written: q_len >= 1 and <= kv_len, tokens within the bucket, pages cover
-/// kv_len, every slot agrees with the page table and lies in a page this
-/// sequence alone holds (so no slot is written twice), padding in place.
+/// A full re-read of a written plan, independent of how it was written: every
+/// slot agrees with its sequence's page row, rows cover kv_len exactly, pages
+/// written are held alone, padding is in contract. It reads each used row, so it
+/// costs about S page-table cache lines: the scheduler runs it in debug builds
+/// (the Rust tests) and on request (`SchedulerConfig.full_validation`).
 pub fn validate(
     shape: &PlanShape,
     bufs: &PlanBuffers<'_>,
@@ -262,7 +296,7 @@ pub fn validate(
     pool: &BlockPool,
 ) -> KvResult<()> {
     let bad = |m: String| Err(KvError::Internal(format!("invalid step plan: {m}")));
-    let bs = shape.block_size;
+    let bs = shape.block_size.get();
     let pps = shape.pages_per_seq;
     let n = written.num_seqs;
     if written.num_tokens > written.bucket || written.bucket > shape.max_tokens {
@@ -287,9 +321,13 @@ pub fn validate(
             return bad(format!("sequence {i}: kv_len {kv} exceeds a page row"));
         }
         let row = &bufs.page_indices[i * pps..(i + 1) * pps];
-        if row[..kv.div_ceil(bs)].contains(&0) {
-            return bad(format!("sequence {i}: pages do not cover kv_len {kv}"));
+        let used = kv.div_ceil(bs);
+        if row[..used].contains(&0) || row[used..].iter().any(|&p| p != 0) {
+            return bad(format!(
+                "sequence {i}: row does not cover kv_len {kv} exactly"
+            ));
         }
+        let mut last_page = -1;
         for t in lo..hi {
             let pos = bufs.positions[t] as usize;
             if pos != kv - (hi - t) {
@@ -301,16 +339,18 @@ pub fn validate(
                     "sequence {i}: slot of token {t} disagrees with its row"
                 ));
             }
-            if pool.refcount(page as u32) != 1 {
+            if page != last_page && pool.refcount(page as u32) != 1 {
                 return bad(format!(
                     "sequence {i}: writes into page {page}, not its own"
                 ));
             }
+            last_page = page;
         }
     }
     let pad_ok = bufs.slot_mapping[written.num_tokens..written.bucket]
         .iter()
         .all(|&s| s == shape.pad_slot)
+        && bufs.page_indices[n * pps..].iter().all(|&p| p == 0)
         && bufs.kv_lens[n..].iter().all(|&k| k == 0)
         && bufs.cu_q_lens[n..]
             .iter()

@@ -35,6 +35,51 @@ macro_rules! page_id {
 }
 page_id!(u32, i32, i64);
 
+/// Tokens per page, with the division a hot loop needs: a shift and a mask when
+/// the size is a power of two (the usual case), a real division otherwise.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockSize {
+    size: usize,
+    /// log2(size) when size is a power of two, else u32::MAX.
+    shift: u32,
+}
+
+impl BlockSize {
+    pub fn new(size: usize) -> Self {
+        let shift = if size.is_power_of_two() {
+            size.trailing_zeros()
+        } else {
+            u32::MAX
+        };
+        BlockSize { size, shift }
+    }
+
+    #[inline]
+    pub fn get(self) -> usize {
+        self.size
+    }
+
+    /// (page index, offset in the page) of token position `pos`.
+    #[inline]
+    pub fn split(self, pos: usize) -> (usize, usize) {
+        if self.shift != u32::MAX {
+            (pos >> self.shift, pos & (self.size - 1))
+        } else {
+            (pos / self.size, pos % self.size)
+        }
+    }
+
+    /// Pages needed to hold `tokens` tokens.
+    #[inline]
+    pub fn blocks_for(self, tokens: usize) -> usize {
+        if self.shift != u32::MAX {
+            (tokens + self.size - 1) >> self.shift
+        } else {
+            tokens.div_ceil(self.size)
+        }
+    }
+}
+
 /// Checks on a pool's shape, shared by `BlockPool::new` and the scheduler's config.
 ///
 /// Slots (`page * block_size + offset`) are int32 in the step plan, and the
@@ -61,7 +106,7 @@ pub fn validate_shape(num_blocks: usize, block_size: usize) -> KvResult<()> {
 
 #[derive(Clone, Debug)]
 pub struct BlockPool {
-    block_size: u32,
+    block_size: BlockSize,
     /// References held on each page; index = page id. refcount[0] stays 0.
     refcount: Vec<u32>,
     /// Free page ids, used as a stack (allocate pops from the end).
@@ -77,7 +122,7 @@ impl BlockPool {
         // Reverse order so that pages come out 1, 2, 3, ... from a fresh pool.
         let free: Vec<u32> = (1..num_blocks as u32).rev().collect();
         Ok(BlockPool {
-            block_size: block_size as u32,
+            block_size: BlockSize::new(block_size),
             refcount: vec![0; num_blocks],
             free,
             shared: 0,
@@ -85,7 +130,7 @@ impl BlockPool {
     }
 
     pub fn block_size(&self) -> usize {
-        self.block_size as usize
+        self.block_size.get()
     }
 
     /// All pages, the null page included.
@@ -116,8 +161,9 @@ impl BlockPool {
     }
 
     /// Blocks needed to hold `tokens` tokens.
+    #[inline]
     pub fn blocks_for(&self, tokens: usize) -> usize {
-        tokens.div_ceil(self.block_size as usize)
+        self.block_size.blocks_for(tokens)
     }
 
     /// Take one free page with one reference.
@@ -315,6 +361,17 @@ mod tests {
         pool.free(&[p as i64]).unwrap();
         assert_eq!(pool.used(), 0);
         assert!(pool.retain(&[p as i64]).is_err(), "retain of a free page");
+    }
+
+    #[test]
+    fn block_size_math_matches_division() {
+        for size in [1usize, 3, 8, 16, 24, 64] {
+            let b = BlockSize::new(size);
+            for pos in 0..200 {
+                assert_eq!(b.split(pos), (pos / size, pos % size));
+                assert_eq!(b.blocks_for(pos), pos.div_ceil(size));
+            }
+        }
     }
 
     #[test]

@@ -55,6 +55,9 @@ pub struct SchedulerConfig {
     /// A waiting request of a higher tier that finds no slot (or, over-committed,
     /// no pages) preempts the lowest-tier, most recently admitted running one.
     pub preempt_lower_tiers: bool,
+    /// Re-read every plan in full after writing it (always on in debug builds).
+    /// The cheap checks run on every plan regardless.
+    pub full_validation: bool,
 }
 
 impl Default for SchedulerConfig {
@@ -71,6 +74,7 @@ impl Default for SchedulerConfig {
             token_buckets: None,
             admission: AdmissionMode::Reserve,
             preempt_lower_tiers: false,
+            full_validation: false,
         }
     }
 }
@@ -121,7 +125,7 @@ impl SchedulerConfig {
             max_tokens: self.buckets()?.largest(),
             max_seqs: self.max_num_seqs,
             pages_per_seq: self.max_seq_len.div_ceil(self.block_size),
-            block_size: self.block_size,
+            block_size: crate::pool::BlockSize::new(self.block_size),
             pad_slot: (self.num_blocks * self.block_size) as i32,
         })
     }
@@ -153,28 +157,36 @@ enum Place {
 }
 
 /// One admitted, unfinished request.
+///
+/// `repr(C)` and 64-byte alignment keep what a decode step touches in the first
+/// cache line and what its commit touches in the second: a step visits every
+/// running request, so lines per request are the cost of a step.
 #[derive(Clone, Debug)]
+#[repr(C, align(64))]
 pub struct Request {
-    pub id: u64,
-    pub tenant: TenantId,
+    // Line 1: read by step().
     /// Prompt followed by the tokens generated so far.
     pub tokens: Vec<i32>,
-    pub prompt_len: usize,
-    pub max_tokens: usize,
-    pub stop_token_ids: Vec<i32>,
-    /// Blocks reserved at admission, held until it ends.
-    pub reserved_blocks: usize,
     /// Pages holding its KV, in order.
     pub pages: Vec<u32>,
     /// Tokens whose KV is written (committed steps only).
     pub num_computed: usize,
-    place: Place,
     /// Identifies this page list in the plan's row caches; renewed on (re)entry.
     row_key: u64,
+    // Line 2: read by commit().
+    pub id: u64,
+    pub tenant: TenantId,
+    place: Place,
+    pub max_tokens: usize,
+    pub prompt_len: usize,
+    pub last_token: Option<f64>,
+    // Colder.
+    pub stop_token_ids: Vec<i32>,
+    pub first_token: Option<f64>,
+    /// Blocks reserved at admission, held until it ends.
+    pub reserved_blocks: usize,
     pub arrival: f64,
     pub first_scheduled: Option<f64>,
-    pub first_token: Option<f64>,
-    pub last_token: Option<f64>,
     pub preemptions: u32,
 }
 
@@ -347,6 +359,8 @@ pub struct Scheduler {
     next_row_key: u64,
     rejected: [u64; RejectReason::COUNT],
     preemptions: u64,
+    /// Scratch: tokens served per tenant slot in the step being planned.
+    served: Vec<usize>,
 }
 
 impl Scheduler {
@@ -376,6 +390,7 @@ impl Scheduler {
             next_row_key: 1,
             rejected: [0; RejectReason::COUNT],
             preemptions: 0,
+            served: Vec::new(),
             config,
         })
     }
@@ -811,18 +826,17 @@ impl Scheduler {
         let mut q_lens: Vec<usize> = vec![1; num_decode];
         let mut scheduled = num_decode;
 
-        // A tier's max_step_tokens shrinks the step while one of its sequences runs.
-        let mut budget = self.config.max_batched_tokens;
-        for &slab in &self.running {
-            if let Some(cap) = self
-                .tenants
-                .get(self.req(slab).tenant)
-                .config
-                .max_step_tokens
-            {
-                budget = budget.min(cap);
-            }
-        }
+        // A tenant's max_step_tokens shrinks the step while one of its sequences runs.
+        let budget_cap = self
+            .tenants
+            .iter()
+            .filter(|(_, t)| t.running > 0)
+            .filter_map(|(_, t)| t.config.max_step_tokens)
+            .min();
+        let mut budget = self
+            .config
+            .max_batched_tokens
+            .min(budget_cap.unwrap_or(usize::MAX));
 
         // Prefills already running resume where they stopped, in entry order.
         let mut pos = num_decode;
@@ -869,50 +883,65 @@ impl Scheduler {
             return Ok(None);
         }
         let parity = self.next_parity();
+        let n = q_lens.len();
+        self.served.resize(self.tenants.slots_len(), 0);
+        let mut seqs = Vec::with_capacity(n);
+        let mut request_ids = Vec::with_capacity(n);
+        let mut samples = Vec::with_capacity(n);
         let written = {
+            // One pass over the scheduled sequences writes the arrays and records
+            // what commit needs (disjoint fields, so the borrows coexist).
             let slab = &self.slab;
-            let seqs = self.running[..q_lens.len()]
-                .iter()
-                .zip(&q_lens)
-                .map(|(&s, &q)| {
-                    let r = slab[s].as_ref().expect("running request");
-                    SeqSlice {
-                        row_key: r.row_key,
-                        tokens: &r.tokens,
-                        start: r.num_computed,
-                        q_len: q,
-                        pages: &r.pages,
-                    }
-                });
+            let served = &mut self.served;
+            let scheduled =
+                self.running[..n]
+                    .iter()
+                    .zip(&q_lens)
+                    .enumerate()
+                    .map(|(pos, (&s, &q))| {
+                        let r = slab[s].as_ref().expect("running request");
+                        let done = r.num_computed + q == r.tokens.len();
+                        served[r.tenant] += q;
+                        seqs.push(PendingSeq {
+                            slab: s,
+                            id: r.id,
+                            q_len: q,
+                            samples: done,
+                            decode: pos < num_decode,
+                        });
+                        request_ids.push(r.id);
+                        samples.push(done);
+                        SeqSlice {
+                            row_key: r.row_key,
+                            tokens: &r.tokens,
+                            start: r.num_computed,
+                            q_len: q,
+                            pages: &r.pages,
+                        }
+                    });
             planner::write_plan(
                 &self.shape,
                 &self.buckets,
                 bufs,
                 &mut self.rows[parity],
                 num_decode,
-                seqs,
+                &self.pool,
+                scheduled,
             )?
         };
-        planner::validate(&self.shape, bufs, &written, &self.pool)?;
-
-        let mut seqs = Vec::with_capacity(q_lens.len());
-        let mut request_ids = Vec::with_capacity(q_lens.len());
-        let mut samples = Vec::with_capacity(q_lens.len());
-        for (pos, (&slab, &q)) in self.running.iter().zip(&q_lens).enumerate() {
-            let r = self.slab[slab].as_ref().expect("running request");
-            let done = r.num_computed + q == r.tokens.len();
-            let t = self.tenants.get_mut(r.tenant);
-            t.vtime += q as f64 / t.config.weight;
-            seqs.push(PendingSeq {
-                slab,
-                id: r.id,
-                q_len: q,
-                samples: done,
-                decode: pos < num_decode,
-            });
-            request_ids.push(r.id);
-            samples.push(done);
+        if cfg!(debug_assertions) || self.config.full_validation {
+            planner::validate(&self.shape, bufs, &written, &self.pool)?;
         }
+        // Weighted fair share: virtual time grows by tokens served / weight (summed
+        // per tenant first: one division per tenant, not per sequence).
+        for (tid, tokens) in self.served.iter_mut().enumerate() {
+            if *tokens > 0 {
+                let t = self.tenants.get_mut(tid);
+                t.vtime += *tokens as f64 / t.config.weight;
+                *tokens = 0;
+            }
+        }
+
         let step_id = (self.instance << STEP_ID_BITS) | (self.steps % (1 << STEP_ID_BITS));
         self.steps += 1;
         self.pending = Some(Pending {
@@ -962,27 +991,21 @@ impl Scheduler {
     /// Give every decode sequence the page its next token needs. Over-committed,
     /// preempt (lowest tier, most recently admitted) until they fit.
     fn decode_pages(&mut self, preempted: &mut Vec<u64>) -> KvResult<()> {
-        loop {
-            let need = self.running[..self.num_decode]
-                .iter()
-                .filter(|&&s| {
-                    let r = self.req(s);
-                    self.pool.blocks_for(r.num_computed + 1) > r.pages.len()
-                })
-                .count();
-            if need <= self.pool.free_count() {
-                break;
-            }
-            match self.config.admission {
-                AdmissionMode::Reserve => {
-                    return Err(KvError::Internal(
-                        "reserve mode ran out of pages for decodes".into(),
-                    ))
+        // Reserve mode needs no count: every page is within a reservation.
+        if matches!(self.config.admission, AdmissionMode::Overcommit { .. }) {
+            loop {
+                let need = self.running[..self.num_decode]
+                    .iter()
+                    .filter(|&&s| {
+                        let r = self.req(s);
+                        self.pool.blocks_for(r.num_computed + 1) > r.pages.len()
+                    })
+                    .count();
+                if need <= self.pool.free_count() {
+                    break;
                 }
-                AdmissionMode::Overcommit { .. } => {
-                    let pos = self.victim(None).expect("decodes are running");
-                    self.preempt(pos, preempted);
-                }
+                let pos = self.victim(None).expect("decodes are running");
+                self.preempt(pos, preempted);
             }
         }
         for i in 0..self.num_decode {
@@ -1027,8 +1050,10 @@ impl Scheduler {
         }
         let pending = self.pending.take().expect("checked above");
         let mut events = CommitEvents {
+            request_ids: Vec::with_capacity(pending.seqs.len()),
+            tokens: Vec::with_capacity(pending.seqs.len()),
+            finished: Vec::new(),
             preempted: pending.preempted,
-            ..CommitEvents::default()
         };
         let mut done: Vec<(usize, FinishReason)> = Vec::new();
         for (s, &token) in pending.seqs.iter().zip(sampled) {

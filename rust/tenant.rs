@@ -303,6 +303,11 @@ impl Tenants {
         self.by_name.len()
     }
 
+    /// Slots, live or free: an upper bound on every TenantId.
+    pub fn slots_len(&self) -> usize {
+        self.slots.len()
+    }
+
     /// Iterate mutably over live tenants in slot order.
     pub fn iter_mut(&mut self) -> impl Iterator<Item = (TenantId, &mut Tenant)> {
         self.slots

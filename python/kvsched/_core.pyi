@@ -97,6 +97,7 @@ class SchedulerConfig:
         admission: str | None = None,
         watermark_blocks: int | None = None,
         preempt_lower_tiers: bool | None = None,
+        full_validation: bool | None = None,
     ) -> SchedulerConfig: ...
     @property
     def num_blocks(self) -> int: ...
@@ -122,6 +123,8 @@ class SchedulerConfig:
     def watermark_blocks(self) -> int | None: ...
     @property
     def preempt_lower_tiers(self) -> bool: ...
+    @property
+    def full_validation(self) -> bool: ...
 
 @final
 class TenantConfig:

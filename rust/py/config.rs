@@ -27,7 +27,7 @@ impl PySchedulerConfig {
     #[pyo3(signature = (*, num_blocks=None, block_size=None, max_num_seqs=None,
         max_batched_tokens=None, max_seq_len=None, overhead_reserve=None, max_waiting=None,
         long_prefill_chunk=None, token_buckets=None, admission=None, watermark_blocks=None,
-        preempt_lower_tiers=None))]
+        preempt_lower_tiers=None, full_validation=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: Option<usize>,
@@ -42,6 +42,7 @@ impl PySchedulerConfig {
         admission: Option<&str>,
         watermark_blocks: Option<usize>,
         preempt_lower_tiers: Option<bool>,
+        full_validation: Option<bool>,
     ) -> PyResult<Self> {
         let d = scheduler::SchedulerConfig::default();
         let admission = match (admission.unwrap_or("reserve"), watermark_blocks) {
@@ -74,6 +75,7 @@ impl PySchedulerConfig {
             token_buckets,
             admission,
             preempt_lower_tiers: preempt_lower_tiers.unwrap_or(d.preempt_lower_tiers),
+            full_validation: full_validation.unwrap_or(d.full_validation),
         };
         inner.validate()?;
         Ok(PySchedulerConfig { inner })
@@ -144,6 +146,12 @@ impl PySchedulerConfig {
     #[getter]
     fn preempt_lower_tiers(&self) -> bool {
         self.inner.preempt_lower_tiers
+    }
+    /// Whether every plan is re-read in full after it is written (the cheap
+    /// checks always run).
+    #[getter]
+    fn full_validation(&self) -> bool {
+        self.inner.full_validation
     }
 
     fn __repr__(&self) -> String {

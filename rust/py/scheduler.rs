@@ -151,7 +151,7 @@ impl PyScheduler {
         d.set_item("max_tokens", s.max_tokens)?;
         d.set_item("max_seqs", s.max_seqs)?;
         d.set_item("pages_per_seq", s.pages_per_seq)?;
-        d.set_item("block_size", s.block_size)?;
+        d.set_item("block_size", s.block_size.get())?;
         d.set_item("pad_slot", s.pad_slot)?;
         Ok(d)
     }
