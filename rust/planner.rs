@@ -250,7 +250,33 @@ fn not_own(i: usize, page: u32) -> KvError {
     ))
 }
 
+#[inline]
 fn write_row(
+    table: &mut [i32],
+    rows: &mut RowCache,
+    i: usize,
+    pps: usize,
+    key: u64,
+    pages: &[u32],
+) {
+    let filled = rows.filled[i] as usize;
+    if rows.keys[i] == key {
+        // The common cases: a running sequence whose row is as it was, or has
+        // grown by the one page this step's tokens opened.
+        if filled == pages.len() {
+            return;
+        }
+        if filled + 1 == pages.len() {
+            table[i * pps + filled] = pages[filled] as i32;
+            rows.filled[i] += 1;
+            return;
+        }
+    }
+    write_row_slow(table, rows, i, pps, key, pages);
+}
+
+#[cold]
+fn write_row_slow(
     table: &mut [i32],
     rows: &mut RowCache,
     i: usize,

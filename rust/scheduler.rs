@@ -1008,10 +1008,15 @@ impl Scheduler {
                 self.preempt(pos, preempted);
             }
         }
+        let bs = self.shape.block_size;
         for i in 0..self.num_decode {
             let slab = self.running[i];
-            let len = self.req(slab).num_computed + 1;
-            self.grow_pages(slab, len)?;
+            let r = self.req(slab);
+            // Fifteen steps in sixteen (block 16) the page is already there.
+            if bs.blocks_for(r.num_computed + 1) > r.pages.len() {
+                let len = r.num_computed + 1;
+                self.grow_pages(slab, len)?;
+            }
         }
         Ok(())
     }
@@ -1081,7 +1086,7 @@ impl Scheduler {
             t.metrics.tokens_out += 1;
             events.request_ids.push(r.id);
             events.tokens.push(token);
-            let reason = if r.stop_token_ids.contains(&token) {
+            let reason = if !r.stop_token_ids.is_empty() && r.stop_token_ids.contains(&token) {
                 Some(FinishReason::Stop)
             } else if r.generated() >= r.max_tokens {
                 Some(FinishReason::Length)
