@@ -125,6 +125,21 @@ pub fn decide(
         ));
     }
 
+    if cap.overcommit_watermark_blocks.is_some() && final_blocks > cap.usable_blocks {
+        // Over-committed, the reservation is smaller than the final length; a
+        // request longer than the whole pool would preempt itself forever.
+        return Err(reject(
+            tenant,
+            PoolFull,
+            None,
+            format!(
+                "request needs {final_blocks} blocks at its final length, more than the \
+                 {} usable blocks of the pool",
+                cap.usable_blocks
+            ),
+        ));
+    }
+
     if let Some(max) = tenant.config.max_concurrent {
         if tenant.live_requests >= max {
             return Err(reject(

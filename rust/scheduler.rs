@@ -150,10 +150,20 @@ impl FinishReason {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Place {
-    /// In its tenant's queue, or (preempted) in its tier's resume queue.
-    Waiting,
+    /// In its tenant's queue.
+    Queued,
+    /// Preempted, in the resume queue of this tier (its tier when it was
+    /// preempted: a tenant's tier may change while it waits).
+    Resuming(u32),
     /// In the running set at this position.
     Running(usize),
+}
+
+/// Where the next request to enter the running set comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum WaitFrom {
+    Tenant(TenantId),
+    Resume(u32),
 }
 
 /// One admitted, unfinished request.
@@ -361,6 +371,8 @@ pub struct Scheduler {
     preemptions: u64,
     /// Scratch: tokens served per tenant slot in the step being planned.
     served: Vec<usize>,
+    /// Preempted by a step that ran nothing; reported with the next plan.
+    unreported_preempted: Vec<u64>,
 }
 
 impl Scheduler {
@@ -391,6 +403,7 @@ impl Scheduler {
             rejected: [0; RejectReason::COUNT],
             preemptions: 0,
             served: Vec::new(),
+            unreported_preempted: Vec::new(),
             config,
         })
     }
@@ -550,7 +563,7 @@ impl Scheduler {
             reserved_blocks: admit.blocks,
             pages: Vec::new(),
             num_computed: 0,
-            place: Place::Waiting,
+            place: Place::Queued,
             row_key: 0,
             arrival: now,
             first_scheduled: None,
@@ -594,7 +607,7 @@ impl Scheduler {
     fn release(&mut self, slab: usize) -> Request {
         match self.req(slab).place {
             Place::Running(pos) => self.remove_running(pos),
-            Place::Waiting => self.remove_waiting(slab),
+            Place::Queued | Place::Resuming(_) => self.remove_waiting(slab),
         }
         let req = self.slab[slab].take().expect("live slab entry");
         self.free_slab.push(slab);
@@ -610,22 +623,26 @@ impl Scheduler {
     }
 
     fn remove_waiting(&mut self, slab: usize) {
-        let tid = self.req(slab).tenant;
-        let t = self.tenants.get_mut(tid);
-        if let Some(i) = t.waiting.iter().position(|&s| s == slab) {
-            t.waiting.remove(i);
-            return;
-        }
-        t.resuming -= 1;
-        let tier = t.config.tier;
-        let queue = self
-            .resume
-            .get_mut(&tier)
-            .expect("resume queue of its tier");
-        let i = queue.iter().position(|&s| s == slab).expect("queued");
-        queue.remove(i);
-        if queue.is_empty() {
-            self.resume.remove(&tier);
+        let (tid, place) = (self.req(slab).tenant, self.req(slab).place);
+        match place {
+            Place::Queued => {
+                let t = self.tenants.get_mut(tid);
+                let i = t.waiting.iter().position(|&s| s == slab).expect("queued");
+                t.waiting.remove(i);
+            }
+            Place::Resuming(tier) => {
+                let queue = self
+                    .resume
+                    .get_mut(&tier)
+                    .expect("resume queue of its tier");
+                let i = queue.iter().position(|&s| s == slab).expect("queued");
+                queue.remove(i);
+                if queue.is_empty() {
+                    self.resume.remove(&tier);
+                }
+                self.tenants.get_mut(tid).resuming -= 1;
+            }
+            Place::Running(_) => unreachable!("not waiting"),
         }
     }
 
@@ -657,7 +674,8 @@ impl Scheduler {
         }
         let tid = self.req(slab).tenant;
         self.tenants.get_mut(tid).running -= 1;
-        self.req_mut(slab).place = Place::Waiting;
+        // Its caller puts it somewhere (a resume queue) or drops it.
+        self.req_mut(slab).place = Place::Queued;
     }
 
     /// A prefill sequence that sampled its first token becomes a decode.
@@ -706,6 +724,7 @@ impl Scheduler {
         t.resuming += 1;
         let tier = t.config.tier;
         self.preemptions += 1;
+        self.req_mut(slab).place = Place::Resuming(tier);
         let queue = self.resume.entry(tier).or_default();
         // Admission order (request ids grow with it) within the resume queue.
         let at = queue.partition_point(|&s| self.slab[s].as_ref().expect("live").id < id);
@@ -728,8 +747,8 @@ impl Scheduler {
             .map(|(_, _, pos)| pos)
     }
 
-    /// Where the next request to enter the running set comes from.
-    fn peek_waiting(&self) -> Option<(usize, Option<TenantId>)> {
+    /// The next request to enter the running set, and where it waits.
+    fn peek_waiting(&self) -> Option<(usize, WaitFrom)> {
         let best_tenant = self
             .tenants
             .iter()
@@ -742,30 +761,42 @@ impl Scheduler {
             .map(|(id, t)| (t.config.tier, id));
         let best_resume = self.resume.iter().next().map(|(&tier, q)| (tier, q[0]));
         match (best_resume, best_tenant) {
-            (Some((rt, slab)), Some((tt, _))) if rt <= tt => Some((slab, None)),
-            (Some((_, slab)), None) => Some((slab, None)),
-            (_, Some((_, tid))) => Some((self.tenants.get(tid).waiting[0], Some(tid))),
+            (Some((rt, slab)), Some((tt, _))) if rt <= tt => Some((slab, WaitFrom::Resume(rt))),
+            (Some((rt, slab)), None) => Some((slab, WaitFrom::Resume(rt))),
+            (_, Some((_, tid))) => Some((self.tenants.get(tid).waiting[0], WaitFrom::Tenant(tid))),
             (None, None) => None,
         }
     }
 
-    fn pop_waiting(&mut self, slab: usize, from: Option<TenantId>) {
+    fn pop_waiting(&mut self, slab: usize, from: WaitFrom) {
         match from {
-            Some(tid) => {
+            WaitFrom::Tenant(tid) => {
                 let popped = self.tenants.get_mut(tid).waiting.pop_front();
                 debug_assert_eq!(popped, Some(slab));
             }
-            None => {
-                let tid = self.req(slab).tenant;
-                let t = self.tenants.get_mut(tid);
-                t.resuming -= 1;
-                let tier = t.config.tier;
+            WaitFrom::Resume(tier) => {
                 let q = self.resume.get_mut(&tier).expect("resume queue");
-                q.pop_front();
+                let popped = q.pop_front();
+                debug_assert_eq!(popped, Some(slab));
                 if q.is_empty() {
                     self.resume.remove(&tier);
                 }
+                let tid = self.req(slab).tenant;
+                self.tenants.get_mut(tid).resuming -= 1;
             }
+        }
+    }
+
+    /// Prefill tokens the step still has room for. When decodes alone fill a
+    /// (capped) step, the first prefill still moves by up to the cap: a cap
+    /// below the number of running decodes must not stall prefill, and with it
+    /// the entry of new requests, until those decodes finish.
+    fn prefill_room(&self, budget: usize, scheduled: usize, num_decode: usize) -> usize {
+        let room = budget.saturating_sub(scheduled);
+        if room == 0 && scheduled == num_decode {
+            budget.min(self.config.max_batched_tokens.saturating_sub(scheduled))
+        } else {
+            room
         }
     }
 
@@ -806,9 +837,11 @@ impl Scheduler {
 
     // -- one step -------------------------------------------------------------------
 
-    /// Plan the next step into `bufs` (the buffer set `next_parity()` names).
-    /// Returns None when nothing can run. The plan must be committed before the
-    /// next step.
+    /// Plan the next step into `bufs`, which must be the buffer set
+    /// `next_parity()` names: each set's page-table rows are updated against
+    /// what that set held two steps ago, so passing any other buffer leaves stale
+    /// rows (only `full_validation` would catch it). Returns None when nothing can
+    /// run. The plan must be committed before the next step.
     pub fn step(&mut self, now: f64, bufs: &mut PlanBuffers<'_>) -> KvResult<Option<StepOutcome>> {
         if self.pending.is_some() {
             return Err(KvError::StalePlan(
@@ -839,11 +872,21 @@ impl Scheduler {
             .min(budget_cap.unwrap_or(usize::MAX));
 
         // Prefills already running resume where they stopped, in entry order.
+        let overcommit = matches!(self.config.admission, AdmissionMode::Overcommit { .. });
         let mut pos = num_decode;
         while pos < self.running.len() {
             let slab = self.running[pos];
-            let chunk = self.prefill_chunk(slab, budget.saturating_sub(scheduled));
+            let room = self.prefill_room(budget, scheduled, num_decode);
+            let chunk = self.prefill_chunk(slab, room);
             if chunk == 0 {
+                if overcommit && scheduled == 0 {
+                    // Nothing runs and no page is free: the running prefills hold
+                    // the pool between them. Preempt (lowest tier, most recently
+                    // admitted) until the first of them can move.
+                    let victim = self.victim(None).expect("a prefill is running");
+                    self.preempt(victim, &mut preempted);
+                    continue;
+                }
                 break;
             }
             let len = self.req(slab).num_computed + chunk;
@@ -853,7 +896,8 @@ impl Scheduler {
             pos += 1;
         }
 
-        // New sequences enter while there are slots and budget.
+        // New sequences enter while there are slots and budget. The best waiting
+        // request holds the line: nothing of lower priority passes it.
         if pos == self.running.len() {
             while self.running.len() < self.config.max_num_seqs {
                 let Some((slab, from)) = self.peek_waiting() else {
@@ -865,7 +909,8 @@ impl Scheduler {
                     .config
                     .max_step_tokens;
                 let entry_budget = budget.min(cap.unwrap_or(usize::MAX));
-                let chunk = self.prefill_chunk(slab, entry_budget.saturating_sub(scheduled));
+                let room = self.prefill_room(entry_budget, scheduled, num_decode);
+                let chunk = self.prefill_chunk(slab, room);
                 if chunk == 0 {
                     break;
                 }
@@ -879,8 +924,15 @@ impl Scheduler {
             }
         }
 
-        if q_lens.is_empty() && preempted.is_empty() {
+        if q_lens.is_empty() {
+            // Preemptions of a step that runs nothing are reported with the next plan.
+            self.unreported_preempted.extend(preempted);
             return Ok(None);
+        }
+        if !self.unreported_preempted.is_empty() {
+            let mut all = std::mem::take(&mut self.unreported_preempted);
+            all.extend(preempted);
+            preempted = all;
         }
         let parity = self.next_parity();
         let n = q_lens.len();
@@ -1188,7 +1240,11 @@ impl Scheduler {
         let mut used = vec![0usize; n_tenants];
         let mut live = vec![0u32; n_tenants];
         let mut running = vec![0u32; n_tenants];
+        let mut resuming = vec![0u32; n_tenants];
         let mut owner = vec![0u64; self.pool.num_blocks()];
+        if self.num_decode > self.running.len() {
+            return Err("num_decode exceeds the running set".into());
+        }
         let mut seen = 0;
         for (slab, r) in self.slab.iter().enumerate() {
             let Some(r) = r else { continue };
@@ -1215,9 +1271,19 @@ impl Scheduler {
                     }
                     running[r.tenant] += 1;
                 }
-                Place::Waiting => {
+                Place::Queued | Place::Resuming(_) => {
                     if !r.pages.is_empty() || r.num_computed != 0 {
                         return Err(format!("waiting request {} holds KV", r.id));
+                    }
+                    let queued = match r.place {
+                        Place::Resuming(tier) => {
+                            resuming[r.tenant] += 1;
+                            self.resume.get(&tier).is_some_and(|q| q.contains(&slab))
+                        }
+                        _ => self.tenants.get(r.tenant).waiting.contains(&slab),
+                    };
+                    if !queued {
+                        return Err(format!("request {} is not in the queue it names", r.id));
                     }
                 }
             }
@@ -1257,8 +1323,13 @@ impl Scheduler {
         let mut committed = 0;
         for (id, t) in self.tenants.iter() {
             let name = &t.config.name;
-            if (t.reserved_blocks, t.used_blocks, t.live_requests, t.running)
-                != (reserved[id], used[id], live[id], running[id])
+            if (
+                t.reserved_blocks,
+                t.used_blocks,
+                t.live_requests,
+                t.running,
+                t.resuming,
+            ) != (reserved[id], used[id], live[id], running[id], resuming[id])
             {
                 return Err(format!(
                     "tenant {name:?} accounting differs from its requests"

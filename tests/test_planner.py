@@ -76,8 +76,12 @@ def test_plan_arrays_are_read_only():
     eng.submit("a", ids(5), 2, now=0.0)
     plan = sched.step(now=0.0)
     for name in ("token_ids", "slot_mapping", "page_indices", "cu_q_lens", "kv_lens"):
+        arr = getattr(plan, name)
         with pytest.raises(ValueError, match="read-only"):
-            getattr(plan, name)[0] = 1
+            arr[0] = 1
+        base = arr if arr.base is None else arr.base  # the view's base is frozen too
+        with pytest.raises(ValueError, match="read-only"):
+            base[0] = 1
 
 
 def test_plan_arrays_live_until_the_second_step_after():

@@ -3,8 +3,9 @@
 //!
 //! Each class is `frozen` with a Mutex inside, so several Python threads can
 //! share one object and get correct answers instead of "already borrowed".
-//! The GIL is held throughout: every call is short, and the core never calls
-//! back into Python while it holds a lock.
+//! The GIL is held throughout (the module declares `gil_used`): every call is
+//! short, and the core never calls back into Python while it holds a lock;
+//! errors become Python exceptions only after the lock is released.
 
 mod config;
 mod errors;
@@ -97,7 +98,10 @@ fn count_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
 }
 
 /// kvsched's native core: the block pool, tenants, admission and scheduler.
-#[pymodule(name = "_core")]
+///
+/// `gil_used = true`: on free-threaded Python the interpreter keeps the GIL on
+/// while this module is loaded, which the plan buffers' safety argument relies on.
+#[pymodule(name = "_core", gil_used = true)]
 mod core_module {
     #[pymodule_export]
     use super::config::{PySchedulerConfig, PyTenantConfig};

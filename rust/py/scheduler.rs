@@ -1,9 +1,10 @@
 //! `kvsched.Scheduler`, `StepPlan`, `StepEvents` and `FinishedRequest`.
 //!
 //! The plan arrays are numpy arrays this object owns, two sets used in turn
-//! (double buffering). The core writes into them in place; Python only ever sees
-//! read-only views, made once at construction, so a step creates no arrays for
-//! the kernel inputs at all.
+//! (double buffering). The core writes into them in place through raw slices;
+//! to Python they are read-only (the WRITEABLE flag is cleared on every one, and
+//! the per-bucket token arrays are views of them), so a step creates no arrays
+//! for the kernel inputs at all.
 
 use std::sync::Mutex;
 
@@ -13,12 +14,12 @@ use pyo3::types::{PyDict, PyList, PySlice};
 
 use super::config::{PySchedulerConfig, PyTenantConfig};
 use super::{count_arg, int32_arg, int32_slice, locked, now_or_monotonic};
-use crate::error::{KvError, RejectReason};
+use crate::error::{KvError, KvResult, RejectReason};
 use crate::metrics::{Histogram, LATENCY_BOUNDS};
 use crate::planner::{PlanBuffers, PlanShape};
 use crate::scheduler::{self, CommitEvents, FinishedRequest, StepOutcome};
 
-/// One buffer set: the writable base arrays and the read-only views handed out.
+/// One buffer set: the arrays the core writes and the views handed out.
 struct PlanArrays {
     token_ids: Py<PyArray1<i32>>,
     positions: Py<PyArray1<i32>>,
@@ -31,21 +32,18 @@ struct PlanArrays {
     logits_indices: Py<PyArray1<i32>>,
     /// Per bucket (same order as the buckets): views [:T] of the token arrays.
     token_views: Vec<[Py<PyAny>; 3]>,
-    /// Views of cu_q_lens, kv_lens, page_indices, num_seqs, distribution, logits_indices.
-    seq_views: [Py<PyAny>; 6],
 }
 
-fn read_only_view(
-    py: Python<'_>,
-    base: &Bound<'_, PyAny>,
-    len: Option<usize>,
-) -> PyResult<Py<PyAny>> {
-    let view = match len {
-        Some(n) => base.get_item(PySlice::new(py, 0, n as isize, 1))?,
-        None => base.call_method0("view")?,
-    };
-    view.getattr("flags")?.setattr("writeable", false)?;
-    Ok(view.unbind())
+/// Clear the WRITEABLE flag: Python cannot write the plan arrays (the core's
+/// page-table row cache trusts that rows hold what it wrote).
+fn freeze(arr: &Bound<'_, PyAny>) -> PyResult<()> {
+    arr.getattr("flags")?.setattr("writeable", false)
+}
+
+fn prefix_view(py: Python<'_>, base: &Bound<'_, PyAny>, len: usize) -> PyResult<Py<PyAny>> {
+    Ok(base
+        .get_item(PySlice::new(py, 0, len as isize, 1))?
+        .unbind())
 }
 
 impl PlanArrays {
@@ -60,24 +58,29 @@ impl PlanArrays {
         let num_seqs = PyArray1::<i32>::zeros(py, 1, false);
         let distribution = PyArray1::<i32>::zeros(py, 3, false);
         let logits_indices = PyArray1::<i32>::zeros(py, s, false);
+        for arr in [
+            token_ids.as_any(),
+            positions.as_any(),
+            slot_mapping.as_any(),
+            cu_q_lens.as_any(),
+            kv_lens.as_any(),
+            page_indices.as_any(),
+            num_seqs.as_any(),
+            distribution.as_any(),
+            logits_indices.as_any(),
+        ] {
+            freeze(arr)?;
+        }
         let token_views = buckets
             .iter()
             .map(|&b| {
                 Ok([
-                    read_only_view(py, token_ids.as_any(), Some(b))?,
-                    read_only_view(py, positions.as_any(), Some(b))?,
-                    read_only_view(py, slot_mapping.as_any(), Some(b))?,
+                    prefix_view(py, token_ids.as_any(), b)?,
+                    prefix_view(py, positions.as_any(), b)?,
+                    prefix_view(py, slot_mapping.as_any(), b)?,
                 ])
             })
             .collect::<PyResult<Vec<_>>>()?;
-        let seq_views = [
-            read_only_view(py, cu_q_lens.as_any(), None)?,
-            read_only_view(py, kv_lens.as_any(), None)?,
-            read_only_view(py, page_indices.as_any(), None)?,
-            read_only_view(py, num_seqs.as_any(), None)?,
-            read_only_view(py, distribution.as_any(), None)?,
-            read_only_view(py, logits_indices.as_any(), None)?,
-        ];
         Ok(PlanArrays {
             token_ids: token_ids.unbind(),
             positions: positions.unbind(),
@@ -89,13 +92,12 @@ impl PlanArrays {
             distribution: distribution.unbind(),
             logits_indices: logits_indices.unbind(),
             token_views,
-            seq_views,
         })
     }
 }
 
-fn not_contiguous(_: numpy::AsSliceError) -> PyErr {
-    KvError::Internal("a plan buffer is not contiguous".into()).into()
+fn not_contiguous(_: numpy::AsSliceError) -> KvError {
+    KvError::Internal("a plan buffer is not contiguous".into())
 }
 
 /// The KV-cache manager and scheduler. Safe to share between threads.
@@ -236,7 +238,7 @@ impl PyScheduler {
     #[pyo3(signature = (*, now=None))]
     fn step(&self, py: Python<'_>, now: Option<f64>) -> PyResult<Option<PyStepPlan>> {
         let now = now_or_monotonic(py, now)?;
-        let outcome = locked(&self.inner, |s| -> PyResult<Option<StepOutcome>> {
+        let outcome = locked(&self.inner, |s| -> KvResult<Option<StepOutcome>> {
             let a = &self.arrays[s.next_parity()];
             let (t, p, sm) = (
                 a.token_ids.bind(py),
@@ -253,10 +255,11 @@ impl PyScheduler {
                 a.distribution.bind(py),
                 a.logits_indices.bind(py),
             );
-            // SAFETY: these base arrays never leave this object (Python gets
-            // read-only views), each is its own contiguous allocation, and the
-            // scheduler lock plus the GIL make this the only access while the
-            // core writes.
+            // SAFETY: each array is its own contiguous allocation that this object
+            // created; Python sees it read-only (WRITEABLE cleared, and views of it
+            // inherit that); the module declares it needs the GIL, and the GIL plus
+            // the scheduler lock make this the only access while the core writes.
+            // Readers of an older plan see these bytes change, as documented.
             let mut bufs = unsafe {
                 PlanBuffers {
                     token_ids: t.as_slice_mut().map_err(not_contiguous)?,
@@ -270,7 +273,7 @@ impl PyScheduler {
                     logits_indices: li.as_slice_mut().map_err(not_contiguous)?,
                 }
             };
-            Ok(s.step(now, &mut bufs)?)
+            s.step(now, &mut bufs)
         })??;
         let Some(out) = outcome else {
             return Ok(None);
@@ -282,18 +285,17 @@ impl PyScheduler {
             .position(|&b| b == out.bucket)
             .ok_or_else(|| KvError::Internal(format!("bucket {} unknown", out.bucket)))?;
         let [tv, pv, sv] = &a.token_views[b];
-        let [cu, kv, pi, ns, di, li] = &a.seq_views;
         let ids: Vec<i64> = out.request_ids.iter().map(|&id| id as i64).collect();
         Ok(Some(PyStepPlan {
             token_ids: tv.clone_ref(py),
             positions: pv.clone_ref(py),
             slot_mapping: sv.clone_ref(py),
-            cu_q_lens: cu.clone_ref(py),
-            kv_lens: kv.clone_ref(py),
-            page_indices: pi.clone_ref(py),
-            num_seqs: ns.clone_ref(py),
-            distribution: di.clone_ref(py),
-            logits_indices: li.clone_ref(py),
+            cu_q_lens: a.cu_q_lens.clone_ref(py).into_any(),
+            kv_lens: a.kv_lens.clone_ref(py).into_any(),
+            page_indices: a.page_indices.clone_ref(py).into_any(),
+            num_seqs: a.num_seqs.clone_ref(py).into_any(),
+            distribution: a.distribution.clone_ref(py).into_any(),
+            logits_indices: a.logits_indices.clone_ref(py).into_any(),
             request_ids: ids.into_pyarray(py).unbind(),
             samples: out.samples.into_pyarray(py).unbind(),
             preempted: out.preempted,

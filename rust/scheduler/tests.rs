@@ -815,3 +815,379 @@ proptest! {
         prop_assert_eq!(tight.s.pool().used(), 0);
     }
 }
+
+// ---------------------------------------------------------------------------
+// Regressions from review: tier changes while preempted, over-commit stalls, a
+// capped tenant at the head of the queue; and a fuzzer over every operation,
+// cancels and submits between step and commit included, that checks each plan's
+// rows against the page lists and the KV read back through them.
+
+mod review {
+    use super::*;
+
+    fn step_commit(h: &mut Harness) -> Option<StepOutcome> {
+        let ev = h.step();
+        ev.map(|_| h.outcomes.last().unwrap().clone())
+    }
+
+    /// Tier change while a preempted request sits in its old tier's resume queue.
+    #[test]
+    fn tier_change_with_request_in_resume_queue_then_cancel() {
+        let mut c = config(101, 16);
+        c.max_num_seqs = 1;
+        c.preempt_lower_tiers = true;
+        let mut h = Harness::new(c);
+        let mut lo = tenant("lo", 0, None);
+        lo.tier = 1;
+        h.tenant(lo.clone());
+        h.tenant(tenant("hi", 0, None));
+        let a = h.submit("lo", &prompt(10, 1), 20);
+        step_commit(&mut h);
+        let _b = h.submit("hi", &prompt(10, 2), 20);
+        let out = step_commit(&mut h).unwrap();
+        assert_eq!(out.preempted, vec![a]);
+        lo.tier = 2;
+        h.s.update_tenant(lo, h.now).unwrap();
+        h.s.check_invariants().unwrap();
+        h.s.cancel(a).unwrap(); // remove_waiting looks in resume[2]
+    }
+
+    #[test]
+    fn tier_change_with_request_in_resume_queue_then_run() {
+        let mut c = config(101, 16);
+        c.max_num_seqs = 1;
+        c.preempt_lower_tiers = true;
+        let mut h = Harness::new(c);
+        let mut lo = tenant("lo", 0, None);
+        lo.tier = 1;
+        h.tenant(lo.clone());
+        h.tenant(tenant("hi", 0, None));
+        let a = h.submit("lo", &prompt(10, 1), 20);
+        step_commit(&mut h);
+        let _b = h.submit("hi", &prompt(10, 2), 3);
+        let out = step_commit(&mut h).unwrap();
+        assert_eq!(out.preempted, vec![a]);
+        lo.tier = 0; // now same tier as hi
+        h.s.update_tenant(lo, h.now).unwrap();
+        h.run(200);
+    }
+
+    /// Over-commit: two recomputing prefills whose KV together exceeds the pool.
+    #[test]
+    fn overcommit_resumed_prefills_never_deadlock() {
+        let c = SchedulerConfig {
+            num_blocks: 11,
+            block_size: 8,
+            max_num_seqs: 4,
+            max_batched_tokens: 32,
+            max_seq_len: 100,
+            overhead_reserve: 0.0,
+            max_waiting: 30,
+            long_prefill_chunk: 16,
+            admission: AdmissionMode::Overcommit {
+                watermark_blocks: 0,
+            },
+            preempt_lower_tiers: true,
+            ..SchedulerConfig::default()
+        };
+        let mut h = Harness::new(c);
+        let mut lo = tenant("lo", 0, None);
+        lo.tier = 1;
+        h.tenant(lo);
+        h.tenant(tenant("hi", 0, None));
+        // Each fits the 10-page pool alone (80 tokens), not both together.
+        let _a = h.submit("lo", &prompt(8, 1), 72);
+        let _b = h.submit("lo", &prompt(8, 2), 72);
+        let mut hi_sent = false;
+        let mut nones = 0;
+        for i in 0..2000 {
+            if h.s.live_requests() == 0 {
+                return;
+            }
+            if !hi_sent && h.s.pool().free_count() <= 1 && i > 3 {
+                h.submit("hi", &prompt(8, 3), 40);
+                hi_sent = true;
+            }
+            match h.step() {
+                None => {
+                    nones += 1;
+                    let st = h.s.stats(h.now);
+                    assert!(nones <= 5, "stalled at step {i}: {st:?}");
+                }
+                Some(_) => nones = 0,
+            }
+        }
+        panic!("no finish");
+    }
+}
+
+mod review_fuzz {
+    use super::*;
+
+    #[derive(Clone, Debug)]
+    enum FOp {
+        Submit {
+            t: usize,
+            n: usize,
+            m: usize,
+            stop: bool,
+        },
+        Step {
+            cancel_mid: Option<usize>,
+            submit_mid: bool,
+        },
+        Cancel {
+            pick: usize,
+        },
+        Update {
+            t: usize,
+            floor: usize,
+            step_cap: Option<usize>,
+            weight: u8,
+            tier: u32,
+        },
+    }
+
+    fn fop(tiers: bool) -> impl Strategy<Value = FOp> {
+        prop_oneof![
+            4 => (0usize..3, 1usize..50, 1usize..40, any::<bool>())
+                .prop_map(|(t, n, m, stop)| FOp::Submit { t, n, m, stop }),
+            8 => (prop::option::weighted(0.3, any::<usize>()), prop::bool::weighted(0.2))
+                .prop_map(|(cancel_mid, submit_mid)| FOp::Step { cancel_mid, submit_mid }),
+            1 => any::<usize>().prop_map(|pick| FOp::Cancel { pick }),
+            1 => (0usize..3, 0usize..6, prop::option::of(1usize..20), 1u8..4, 0u32..3)
+                .prop_map(move |(t, floor, step_cap, weight, tier)| FOp::Update { t, floor, step_cap, weight, tier: if tiers { tier } else { t as u32 } }),
+        ]
+    }
+
+    fn check_rows(s: &Scheduler, b: &OwnedPlanBuffers, out: &StepOutcome) -> Result<(), String> {
+        let pps = s.plan_shape().pages_per_seq;
+        for (i, &id) in out.request_ids.iter().enumerate() {
+            let r = s.request(id).map_err(|e| e.to_string())?;
+            let row = &b.page_indices[i * pps..(i + 1) * pps];
+            let want: Vec<i32> = r
+                .pages
+                .iter()
+                .map(|&p| p as i32)
+                .chain(std::iter::repeat(0))
+                .take(pps)
+                .collect();
+            if row != &want[..] {
+                return Err(format!("row {i} of request {id}: {row:?} != {want:?}"));
+            }
+        }
+        for i in out.num_seqs..s.plan_shape().max_seqs {
+            if b.page_indices[i * pps..(i + 1) * pps]
+                .iter()
+                .any(|&p| p != 0)
+            {
+                return Err(format!("pad row {i} dirty"));
+            }
+        }
+        Ok(())
+    }
+
+    fn run(
+        ops: Vec<FOp>,
+        over: bool,
+        preempt: bool,
+        bs: usize,
+        pages: usize,
+        seqs: usize,
+        chunk: usize,
+    ) -> Result<(), TestCaseError> {
+        let c = SchedulerConfig {
+            num_blocks: pages + 1,
+            block_size: bs,
+            max_num_seqs: seqs,
+            max_batched_tokens: 24.max(seqs),
+            max_seq_len: 96.min(pages * bs).max(2),
+            overhead_reserve: 0.0,
+            max_waiting: 6,
+            long_prefill_chunk: chunk,
+            admission: if over {
+                AdmissionMode::Overcommit {
+                    watermark_blocks: 1,
+                }
+            } else {
+                AdmissionMode::Reserve
+            },
+            preempt_lower_tiers: preempt,
+            ..SchedulerConfig::default()
+        };
+        let mut h = Harness::new(c);
+        for (tier, name) in NAMES[..3].iter().enumerate() {
+            let mut tc = tenant(name, 0, None);
+            tc.tier = tier as u32;
+            h.tenant(tc);
+        }
+        let mut k = 0i32;
+        let mut nones = 0;
+        for op in ops {
+            match op {
+                FOp::Submit { t, n, m, stop } => {
+                    k += 1;
+                    let p = prompt(n, k);
+                    let stops: Vec<i32> = if stop {
+                        (0..50_000).step_by(7).collect()
+                    } else {
+                        vec![]
+                    };
+                    let _ = h.s.submit_with_stops(NAMES[t], &p, m, &stops, h.now);
+                }
+                FOp::Step {
+                    cancel_mid,
+                    submit_mid,
+                } => {
+                    let parity = h.s.next_parity();
+                    let out =
+                        h.s.step(h.now, &mut h.bufs[parity].as_mut())
+                            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                    let Some(out) = out else {
+                        if h.s.live_requests() > 0 {
+                            nones += 1;
+                            prop_assert!(nones < 4, "stalled: {:?}", h.s.stats(h.now).pool);
+                        }
+                        continue;
+                    };
+                    nones = 0;
+                    check_rows(&h.s, &h.bufs[parity], &out).map_err(TestCaseError::fail)?;
+                    let b = &h.bufs[parity];
+                    let bsz = bs;
+                    let pps = h.s.plan_shape().pages_per_seq;
+                    for t in 0..out.num_tokens {
+                        h.kv[b.slot_mapping[t] as usize] = b.token_ids[t];
+                    }
+                    let mut sampled = Vec::new();
+                    for i in 0..out.num_seqs {
+                        let kv_len = b.kv_lens[i] as usize;
+                        let row = &b.page_indices[i * pps..(i + 1) * pps];
+                        let read: Vec<i32> = (0..kv_len)
+                            .map(|p| h.kv[row[p / bsz] as usize * bsz + p % bsz])
+                            .collect();
+                        let truth = &h.s.request(out.request_ids[i]).unwrap().tokens[..kv_len];
+                        prop_assert_eq!(&read[..], truth);
+                        sampled.push(sample_of(&read));
+                    }
+                    if let Some(pick) = cancel_mid {
+                        let ids: Vec<u64> = (1..=k as u64 + 1)
+                            .filter(|&id| h.s.request(id).is_ok())
+                            .collect();
+                        if !ids.is_empty() {
+                            h.s.cancel(ids[pick % ids.len()]).unwrap();
+                        }
+                        h.s.check_invariants().map_err(TestCaseError::fail)?;
+                    }
+                    if submit_mid {
+                        k += 1;
+                        let _ = h.s.submit(NAMES[0], &prompt(5, k), 5, h.now);
+                    }
+                    h.s.commit(out.step_id, &sampled, h.now)
+                        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                    h.now += 0.01;
+                }
+                FOp::Cancel { pick } => {
+                    let ids: Vec<u64> = (1..=k as u64 + 1)
+                        .filter(|&id| h.s.request(id).is_ok())
+                        .collect();
+                    if !ids.is_empty() {
+                        h.s.cancel(ids[pick % ids.len()]).unwrap();
+                    }
+                }
+                FOp::Update {
+                    t,
+                    floor,
+                    step_cap,
+                    weight,
+                    tier,
+                } => {
+                    let mut c = h.s.tenants().by_name(NAMES[t]).unwrap().config.clone();
+                    c.kv_floor_blocks = floor;
+                    c.max_step_tokens = step_cap;
+                    c.weight = weight as f64;
+                    c.tier = tier;
+                    let _ = h.s.update_tenant(c, h.now);
+                }
+            }
+            h.s.check_invariants().map_err(TestCaseError::fail)?;
+        }
+        Ok(())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+        #[test]
+        fn fuzz_reserve(ops in prop::collection::vec(fop(false), 1..200), preempt in any::<bool>(),
+                        bs in prop::sample::select(vec![1usize, 2, 4, 8]), seqs in 1usize..6, chunk in 1usize..30) {
+            run(ops, false, preempt, bs, 200, seqs, chunk)?;
+        }
+        #[test]
+        fn fuzz_over(ops in prop::collection::vec(fop(false), 1..200), preempt in any::<bool>(),
+                        bs in prop::sample::select(vec![1usize, 2, 4, 8]), seqs in 1usize..6, chunk in 1usize..30, pages in 8usize..40) {
+            run(ops, true, preempt, bs, pages, seqs, chunk)?;
+        }
+    }
+}
+mod review2 {
+    use super::*;
+    #[test]
+    fn tier_change_pops_the_wrong_resume_queue() {
+        let mut c = config(101, 16);
+        c.max_num_seqs = 2;
+        c.preempt_lower_tiers = true;
+        let mut h = Harness::new(c);
+        let mut l1 = tenant("l1", 0, None);
+        l1.tier = 1;
+        h.tenant(l1.clone());
+        let mut l2 = tenant("l2", 0, None);
+        l2.tier = 2;
+        h.tenant(l2);
+        h.tenant(tenant("hi", 0, None));
+        let a = h.submit("l1", &prompt(10, 1), 30);
+        let b = h.submit("l2", &prompt(10, 2), 30);
+        h.step();
+        h.submit("hi", &prompt(10, 3), 3);
+        h.submit("hi", &prompt(10, 4), 3);
+        h.step();
+        h.step();
+        assert!(!h.s.request(a).unwrap().is_running() && !h.s.request(b).unwrap().is_running());
+        l1.tier = 2;
+        h.s.update_tenant(l1, h.now).unwrap();
+        h.s.check_invariants().unwrap();
+        for _ in 0..10 {
+            h.step();
+        } // Harness::step checks invariants after every commit
+    }
+}
+mod review3 {
+    use super::*;
+    #[test]
+    fn a_capped_tenant_at_the_queue_head_neither_starves_nor_idles_slots() {
+        let mut c = config(1001, 16);
+        c.max_num_seqs = 8;
+        let mut h = Harness::new(c);
+        let mut x = tenant("x", 0, None);
+        x.max_step_tokens = Some(2);
+        h.tenant(x);
+        h.tenant(tenant("b", 0, None));
+        for i in 0..3 {
+            h.submit("b", &prompt(4, i), 100);
+        }
+        h.step();
+        h.step();
+        h.submit("x", &prompt(4, 9), 5);
+        for i in 0..3 {
+            h.submit("b", &prompt(4, 10 + i), 5);
+        }
+        for _ in 0..20 {
+            h.step();
+        }
+        // x enters at once (its first chunk is allowed even though the running
+        // decodes alone exceed its cap), b's short requests follow once x is done,
+        // and all of them finish while b's long decodes are still running.
+        let st = h.s.stats(h.now);
+        let finished = |name: &str| st.tenants.iter().find(|t| t.name == name).unwrap().finished;
+        assert_eq!((finished("x"), finished("b")), (1, 3));
+        assert_eq!((st.running, st.waiting), (3, 0));
+    }
+}
