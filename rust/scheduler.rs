@@ -21,6 +21,9 @@ use crate::planner::{self, PlanBuffers, PlanShape, RowCache, SeqSlice};
 use crate::pool::BlockPool;
 use crate::tenant::{TenantConfig, TenantId, Tenants};
 
+/// Over-commit's default watermark: reserve the prompt plus one block of growth.
+pub const DEFAULT_WATERMARK_BLOCKS: usize = 1;
+
 /// How admission reserves memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AdmissionMode {

@@ -5,9 +5,6 @@ use pyo3::prelude::*;
 use crate::error::KvError;
 use crate::{scheduler, tenant};
 
-/// Over-commit's default: reserve the prompt plus one block of growth.
-const DEFAULT_WATERMARK_BLOCKS: usize = 1;
-
 /// An optional value as Python writes it.
 fn py_opt<T: std::fmt::Debug>(v: Option<T>) -> String {
     v.map_or_else(|| "None".to_owned(), |v| format!("{v:?}"))
@@ -48,7 +45,7 @@ impl PySchedulerConfig {
         let admission = match (admission.unwrap_or("reserve"), watermark_blocks) {
             ("reserve", None) => scheduler::AdmissionMode::Reserve,
             ("overcommit", w) => scheduler::AdmissionMode::Overcommit {
-                watermark_blocks: w.unwrap_or(DEFAULT_WATERMARK_BLOCKS),
+                watermark_blocks: w.unwrap_or(scheduler::DEFAULT_WATERMARK_BLOCKS),
             },
             ("reserve", Some(_)) => {
                 return Err(KvError::InvalidConfig(

@@ -830,9 +830,9 @@ mod review {
         ev.map(|_| h.outcomes.last().unwrap().clone())
     }
 
-    /// Tier change while a preempted request sits in its old tier's resume queue.
-    #[test]
-    fn tier_change_with_request_in_resume_queue_then_cancel() {
+    /// One slot; tenant "lo" (tier 1) runs request `a` until "hi" (tier 0)
+    /// preempts it, then "lo" moves to `new_tier` while `a` waits to resume.
+    fn preempted_then_retiered(hi_max_tokens: usize, new_tier: u32) -> (Harness, u64) {
         let mut c = config(101, 16);
         c.max_num_seqs = 1;
         c.preempt_lower_tiers = true;
@@ -843,33 +843,27 @@ mod review {
         h.tenant(tenant("hi", 0, None));
         let a = h.submit("lo", &prompt(10, 1), 20);
         step_commit(&mut h);
-        let _b = h.submit("hi", &prompt(10, 2), 20);
+        h.submit("hi", &prompt(10, 2), hi_max_tokens);
         let out = step_commit(&mut h).unwrap();
         assert_eq!(out.preempted, vec![a]);
-        lo.tier = 2;
+        lo.tier = new_tier;
         h.s.update_tenant(lo, h.now).unwrap();
         h.s.check_invariants().unwrap();
-        h.s.cancel(a).unwrap(); // remove_waiting looks in resume[2]
+        (h, a)
+    }
+
+    #[test]
+    fn tier_change_with_request_in_resume_queue_then_cancel() {
+        let (mut h, a) = preempted_then_retiered(20, 2);
+        h.s.cancel(a).unwrap(); // found in the queue it sits in, not its new tier's
+        h.s.check_invariants().unwrap();
     }
 
     #[test]
     fn tier_change_with_request_in_resume_queue_then_run() {
-        let mut c = config(101, 16);
-        c.max_num_seqs = 1;
-        c.preempt_lower_tiers = true;
-        let mut h = Harness::new(c);
-        let mut lo = tenant("lo", 0, None);
-        lo.tier = 1;
-        h.tenant(lo.clone());
-        h.tenant(tenant("hi", 0, None));
-        let a = h.submit("lo", &prompt(10, 1), 20);
-        step_commit(&mut h);
-        let _b = h.submit("hi", &prompt(10, 2), 3);
-        let out = step_commit(&mut h).unwrap();
-        assert_eq!(out.preempted, vec![a]);
-        lo.tier = 0; // now same tier as hi
-        h.s.update_tenant(lo, h.now).unwrap();
+        let (mut h, a) = preempted_then_retiered(3, 0); // now the same tier as hi
         h.run(200);
+        assert_eq!(h.finished[&a].preemptions, 1);
     }
 
     /// Over-commit: two recomputing prefills whose KV together exceeds the pool.
