@@ -160,6 +160,18 @@ impl BlockPool {
         self.refcount.get(page as usize).copied().unwrap_or(0)
     }
 
+    /// References held on `page`, for a caller-supplied id: out of range is an
+    /// error (0 for a free page or the null page).
+    pub fn refcount_checked(&self, page: i64) -> KvResult<u32> {
+        if page < 0 || page >= self.refcount.len() as i64 {
+            return Err(KvError::InvalidPage {
+                page,
+                why: "out of range",
+            });
+        }
+        Ok(self.refcount[page as usize])
+    }
+
     /// Blocks needed to hold `tokens` tokens.
     #[inline]
     pub fn blocks_for(&self, tokens: usize) -> usize {

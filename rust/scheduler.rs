@@ -453,11 +453,6 @@ impl Scheduler {
         (self.steps % 2) as usize
     }
 
-    /// Whether a plan awaits its commit.
-    pub fn has_pending(&self) -> bool {
-        self.pending.is_some()
-    }
-
     // -- tenants ----------------------------------------------------------------
 
     pub fn add_tenant(&mut self, config: TenantConfig) -> KvResult<()> {
@@ -1166,7 +1161,7 @@ impl Scheduler {
                 tenant: t.config.name.clone(),
                 reason,
                 prompt_len: req.prompt_len,
-                output: req.tokens[req.prompt_len..].to_vec(),
+                output: req.output().to_vec(),
                 arrival: req.arrival,
                 first_scheduled: req.first_scheduled.unwrap_or(now),
                 first_token: req.first_token.unwrap_or(now),

@@ -308,14 +308,6 @@ impl Tenants {
         self.slots.len()
     }
 
-    /// Iterate mutably over live tenants in slot order.
-    pub fn iter_mut(&mut self) -> impl Iterator<Item = (TenantId, &mut Tenant)> {
-        self.slots
-            .iter_mut()
-            .enumerate()
-            .filter_map(|(i, t)| t.as_mut().map(|t| (i, t)))
-    }
-
     pub fn is_empty(&self) -> bool {
         self.by_name.is_empty()
     }

@@ -6,7 +6,6 @@ use numpy::{IntoPyArray, PyArray1};
 use pyo3::prelude::*;
 
 use super::{int32_arg, int32_slice, locked};
-use crate::error::KvError;
 use crate::pool;
 
 /// A pool of `num_blocks` KV pages of `block_size` tokens; page 0 is the null
@@ -69,16 +68,7 @@ impl PyBlockPool {
     /// References held on `page` (0 when free).
     #[pyo3(signature = (page, /))]
     fn refcount(&self, page: i64) -> PyResult<u32> {
-        let count = locked(&self.inner, |pool| {
-            if page < 0 || page as usize >= pool.num_blocks() {
-                return Err(KvError::InvalidPage {
-                    page,
-                    why: "out of range",
-                });
-            }
-            Ok(pool.refcount(page as u32))
-        })?;
-        Ok(count?)
+        Ok(locked(&self.inner, |pool| pool.refcount_checked(page))??)
     }
 
     /// All pages, the null page included.
