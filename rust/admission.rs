@@ -58,12 +58,18 @@ fn reject(
 }
 
 /// Decide on a request of `tenant` for `prompt` plus up to `max_tokens` new tokens.
+///
+/// `shared_hits` is asked (once, only when the pool must be consulted) how many
+/// of the request's prefix-cache hits are pages of the tenant's own namespace
+/// that another of its requests already holds: the tenant's cap counts those
+/// pages again, the pool does not.
 pub fn decide(
     tenant: &Tenant,
     cap: &Capacity,
     prompt: &[i32],
     max_tokens: usize,
     now: f64,
+    shared_hits: impl FnOnce() -> usize,
 ) -> Result<Admission, Rejection> {
     use RejectReason::*;
     let name = &tenant.config.name;
@@ -107,8 +113,15 @@ pub fn decide(
         Some(w) => (prompt.len().div_ceil(cap.block_size) + w).min(final_blocks),
     };
 
+    // A configured cap counts every page a request references, shared or not;
+    // without one, only the pool (which counts shared pages once) bounds the
+    // tenant, and no single request may exceed it.
     let tenant_cap = tenant.cap(cap.usable_blocks);
-    if tenant.reserved_blocks + blocks > tenant_cap {
+    let held = match tenant.config.kv_cap_blocks {
+        Some(_) => tenant.reserved_blocks,
+        None => 0,
+    };
+    if held + blocks > tenant_cap {
         let never = blocks > tenant_cap;
         return Err(reject(
             tenant,
@@ -162,9 +175,13 @@ pub fn decide(
         ));
     }
 
-    // The pool: this tenant's footprint grows from max(reserved, floor) to
-    // max(reserved + blocks, floor); everyone else's footprint is unchanged.
-    let grown = (tenant.reserved_blocks + blocks).max(tenant.config.kv_floor_blocks);
+    // The pool: this tenant's footprint grows from max(reserved - shared, floor)
+    // to max(reserved + blocks - shared - newly shared, floor); everyone else's
+    // footprint is unchanged.
+    let shared = tenant.shared_blocks + shared_hits();
+    let grown = (tenant.reserved_blocks + blocks)
+        .saturating_sub(shared)
+        .max(tenant.config.kv_floor_blocks);
     let committed_after = cap.committed_blocks - tenant.footprint() + grown;
     if committed_after > cap.usable_blocks {
         let free_now = cap.usable_blocks.saturating_sub(cap.committed_blocks);

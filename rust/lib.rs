@@ -10,6 +10,7 @@ pub mod error;
 pub mod metrics;
 pub mod planner;
 pub mod pool;
+pub mod prefix;
 pub mod scheduler;
 pub mod tenant;
 

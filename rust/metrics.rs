@@ -109,6 +109,13 @@ pub struct TenantMetrics {
     pub prefill_tokens: u64,
     /// Times one of its sequences was preempted (memory pressure or priority).
     pub preemptions: u64,
+    /// Prefix cache, at submit: full prompt blocks looked up (all but the last
+    /// prompt token can be served) and found.
+    pub prefix_query_blocks: u64,
+    pub prefix_hit_blocks: u64,
+    /// Prompt tokens of the requests looked up, and those served from the cache.
+    pub prefix_query_tokens: u64,
+    pub prefix_hit_tokens: u64,
 }
 
 #[cfg(test)]

@@ -7,8 +7,16 @@
 //! page. A page shared by several owners (prefix reuse, a forked sequence) carries
 //! one reference per owner; freeing it only drops one reference. Every batch call
 //! is all-or-nothing: on a bad id nothing changes.
+//!
+//! A page is in one of three states: free (on the stack), referenced, or
+//! evictable: named by the prefix cache, unreferenced, parked on its LRU list.
+//! Allocation takes free pages first and evicts only when none is left, so an
+//! evictable page is as available as a free one but keeps its content for a
+//! cache hit as long as possible.
 
 use crate::error::{KvError, KvResult};
+use crate::prefix::{BlockKey, PrefixCache, Scope};
+use crate::tenant::TenantId;
 
 /// The null / padding page id.
 pub const NULL_PAGE: u32 = 0;
@@ -113,6 +121,8 @@ pub struct BlockPool {
     free: Vec<u32>,
     /// Pages with two or more references.
     shared: usize,
+    /// Names of cached pages and the LRU list of evictable ones.
+    cache: PrefixCache,
 }
 
 impl BlockPool {
@@ -126,6 +136,7 @@ impl BlockPool {
             refcount: vec![0; num_blocks],
             free,
             shared: 0,
+            cache: PrefixCache::new(num_blocks),
         })
     }
 
@@ -143,12 +154,40 @@ impl BlockPool {
         self.refcount.len() - 1
     }
 
+    /// Pages on the free list (evictable cached pages not included).
     pub fn free_count(&self) -> usize {
         self.free.len()
     }
 
+    /// Pages an allocation can take now: free plus evictable.
+    #[inline]
+    pub fn available(&self) -> usize {
+        self.free.len() + self.cache.evictable()
+    }
+
+    /// Pages with at least one reference.
     pub fn used(&self) -> usize {
-        self.total() - self.free.len()
+        self.total() - self.available()
+    }
+
+    pub fn cache(&self) -> &PrefixCache {
+        &self.cache
+    }
+
+    /// Name a referenced page in the prefix cache (see `PrefixCache::register`).
+    pub fn register(&mut self, page: u32, key: BlockKey, scope: Scope) -> bool {
+        debug_assert!(self.refcount(page) > 0, "only a held page is named");
+        self.cache.register(page, key, scope)
+    }
+
+    /// Forget the evictable pages of `tenant`'s namespace and free them.
+    pub fn forget_tenant(&mut self, tenant: TenantId) -> usize {
+        let pages = self.cache.parked_of(tenant);
+        for &p in &pages {
+            self.cache.drop_parked(p);
+            self.free.push(p);
+        }
+        pages.len()
     }
 
     pub fn shared(&self) -> usize {
@@ -178,49 +217,67 @@ impl BlockPool {
         self.block_size.blocks_for(tokens)
     }
 
-    /// Take one free page with one reference.
+    /// Take one page (free, else the least recently released evictable one)
+    /// with one reference.
     pub fn allocate_one(&mut self) -> KvResult<u32> {
-        let page = self.free.pop().ok_or(KvError::OutOfPages {
-            requested: 1,
-            free: 0,
-        })?;
+        let page = match self.free.pop() {
+            Some(p) => p,
+            None => self.cache.evict_lru().ok_or(KvError::OutOfPages {
+                requested: 1,
+                free: 0,
+            })?,
+        };
         self.refcount[page as usize] = 1;
         Ok(page)
     }
 
-    /// Take `n` free pages, each with one reference, appending their ids to `out`.
-    /// All or nothing: with fewer than `n` free pages nothing is taken.
+    /// Take `n` pages, each with one reference, appending their ids to `out`:
+    /// free pages first, then evictable ones, least recently released first.
+    /// All or nothing: with fewer than `n` available nothing is taken.
     pub fn allocate_into<T: PageId>(&mut self, n: usize, out: &mut Vec<T>) -> KvResult<()> {
-        let have = self.free.len();
-        if n > have {
+        let available = self.available();
+        if n > available {
             return Err(KvError::OutOfPages {
                 requested: n,
-                free: have,
+                free: available,
             });
         }
         out.reserve(n);
-        for &page in self.free[have - n..].iter().rev() {
+        let have = self.free.len();
+        let from_free = n.min(have);
+        for &page in self.free[have - from_free..].iter().rev() {
             self.refcount[page as usize] = 1;
             out.push(T::from_page(page));
         }
-        self.free.truncate(have - n);
+        self.free.truncate(have - from_free);
+        for _ in from_free..n {
+            let page = self.cache.evict_lru().expect("counted as available");
+            self.refcount[page as usize] = 1;
+            out.push(T::from_page(page));
+        }
         Ok(())
     }
 
-    /// Drop one reference on each listed page; pages left with none go back to
-    /// the free list. A page may appear several times (one reference each).
-    /// All or nothing: the null page, an out-of-range id or a page without a
-    /// reference left to drop is an error and changes nothing.
+    /// Drop one reference on each listed page, last to first; a page left with
+    /// none goes back to the free list, or, when the prefix cache names it, to
+    /// the newest end of the evictable list (so a released chain's tail is
+    /// evicted before its head). A page may appear several times (one reference
+    /// each). All or nothing: the null page, an out-of-range id or a page
+    /// without a reference left to drop is an error and changes nothing.
     pub fn free<P: PageId>(&mut self, pages: &[P]) -> KvResult<()> {
         let free_len = self.free.len();
         let shared = self.shared;
-        for (i, &page) in pages.iter().enumerate() {
+        for (i, &page) in pages.iter().enumerate().rev() {
             let id = match self.check_held(page.to_i64()) {
                 Ok(id) => id,
                 Err(e) => {
                     // Undo the references already dropped by this call.
-                    for &done in &pages[..i] {
-                        self.refcount[done.to_i64() as usize] += 1;
+                    for &done in &pages[i + 1..] {
+                        let d = done.to_i64() as usize;
+                        self.refcount[d] += 1;
+                        if self.cache.is_parked(d as u32) {
+                            self.cache.unpark(d as u32);
+                        }
                     }
                     self.free.truncate(free_len);
                     self.shared = shared;
@@ -230,6 +287,7 @@ impl BlockPool {
             let rc = &mut self.refcount[id];
             *rc -= 1;
             match *rc {
+                0 if self.cache.is_cached(id as u32) => self.cache.park(id as u32),
                 0 => self.free.push(id as u32),
                 1 => self.shared -= 1,
                 _ => {}
@@ -238,13 +296,22 @@ impl BlockPool {
         Ok(())
     }
 
-    /// Add one reference to each listed (already allocated) page. All or nothing.
+    /// Add one reference to each listed page: an allocated page, or an
+    /// evictable cached one (a cache hit takes it off the evictable list).
+    /// All or nothing.
     pub fn retain<P: PageId>(&mut self, pages: &[P]) -> KvResult<()> {
         for &page in pages {
-            self.check_held(page.to_i64())?;
+            let p = page.to_i64();
+            if !(p > 0 && p < self.refcount.len() as i64 && self.cache.is_parked(p as u32)) {
+                self.check_held(p)?;
+            }
         }
         for &page in pages {
-            let rc = &mut self.refcount[page.to_i64() as usize];
+            let id = page.to_i64() as usize;
+            if self.refcount[id] == 0 {
+                self.cache.unpark(id as u32);
+            }
+            let rc = &mut self.refcount[id];
             *rc += 1;
             if *rc == 2 {
                 self.shared += 1;
@@ -275,8 +342,9 @@ impl BlockPool {
         Ok(page as usize)
     }
 
-    /// Full consistency check, for tests: every page is free xor referenced, the
-    /// free list has no duplicates, the shared count matches.
+    /// Full consistency check, for tests: every page is free, referenced or
+    /// evictable (exactly one), the free list has no duplicates, the shared
+    /// count matches, the prefix cache agrees.
     pub fn check_invariants(&self) -> Result<(), String> {
         let mut on_free_list = vec![false; self.refcount.len()];
         for &p in &self.free {
@@ -290,13 +358,19 @@ impl BlockPool {
             if self.refcount[p] != 0 {
                 return Err(format!("free page {p} has refcount {}", self.refcount[p]));
             }
+            if self.cache.is_cached(p as u32) {
+                return Err(format!("free page {p} is still named by the prefix cache"));
+            }
             on_free_list[p] = true;
         }
         for (p, &rc) in self.refcount.iter().enumerate().skip(1) {
-            if rc == 0 && !on_free_list[p] {
-                return Err(format!("page {p} is neither free nor referenced (leaked)"));
+            if rc == 0 && !on_free_list[p] && !self.cache.is_parked(p as u32) {
+                return Err(format!(
+                    "page {p} is neither free, referenced nor evictable (leaked)"
+                ));
             }
         }
+        self.cache.check_invariants(&self.refcount)?;
         if self.refcount[0] != 0 {
             return Err("the null page has references".into());
         }
@@ -393,12 +467,75 @@ mod tests {
         assert!(BlockPool::new(1 << 27, 16).is_err(), "slots overflow int32");
     }
 
+    #[test]
+    fn evictable_pages_go_after_free_ones_oldest_first_and_a_hit_revives_them() {
+        let mut pool = BlockPool::new(7, 16).unwrap();
+        let mut pages: Vec<u32> = Vec::new();
+        pool.allocate_into(4, &mut pages).unwrap(); // 1..=4; 5, 6 free
+        for (i, &p) in pages.iter().enumerate() {
+            assert!(pool.register(p, 100 + i as u128, Scope::Tenant(0)));
+        }
+        // Released last to first: 4 is the oldest evictable page, 1 the newest.
+        pool.free(&pages).unwrap();
+        assert_eq!(
+            (pool.free_count(), pool.available(), pool.used()),
+            (2, 6, 0)
+        );
+        pool.check_invariants().unwrap();
+        // A hit on page 2 takes it off the evictable list.
+        pool.retain(&[2u32]).unwrap();
+        assert_eq!(pool.available(), 5);
+        let mut got: Vec<u32> = Vec::new();
+        pool.allocate_into(4, &mut got).unwrap();
+        assert_eq!(
+            got,
+            vec![5, 6, 4, 3],
+            "free pages, then the oldest evictable"
+        );
+        assert_eq!(
+            pool.cache().lookup(103),
+            None,
+            "an evicted page loses its name"
+        );
+        assert_eq!(
+            pool.cache().lookup(101),
+            Some(2),
+            "the referenced page keeps it"
+        );
+        assert_eq!(pool.cache().evictions(), 2);
+        let mut more: Vec<u32> = Vec::new();
+        pool.allocate_into(1, &mut more).unwrap();
+        assert_eq!(more, vec![1]);
+        assert!(
+            pool.allocate_one().is_err(),
+            "page 2 is referenced: never evicted"
+        );
+        pool.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_failed_free_puts_parked_pages_back() {
+        let mut pool = BlockPool::new(5, 16).unwrap();
+        let mut pages: Vec<u32> = Vec::new();
+        pool.allocate_into(2, &mut pages).unwrap();
+        pool.register(pages[1], 7, Scope::Shared);
+        // Freed last to first: pages[1] is parked, then the null page fails.
+        assert!(pool.free(&[0, pages[1]]).is_err());
+        assert_eq!(pool.refcount(pages[1]), 1);
+        assert_eq!(pool.cache().evictable(), 0);
+        pool.check_invariants().unwrap();
+    }
+
     #[derive(Clone, Debug)]
     enum Op {
         Alloc(usize),
         Free(Vec<usize>), // indices into the held list
         Retain(Vec<usize>),
         FreeRaw(i64),
+        /// Name a held page in the prefix cache (index into the held list).
+        Register(usize),
+        /// Reference an evictable page again (a cache hit; index into the LRU).
+        Hit(usize),
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -407,6 +544,8 @@ mod tests {
             prop::collection::vec(0usize..64, 0..5).prop_map(Op::Free),
             prop::collection::vec(0usize..64, 0..3).prop_map(Op::Retain),
             (-2i64..20).prop_map(Op::FreeRaw),
+            (0usize..64).prop_map(Op::Register),
+            (0usize..64).prop_map(Op::Hit),
         ]
     }
 
@@ -419,20 +558,46 @@ mod tests {
             let mut model = [0u32; N];
             // One entry per reference held by the test.
             let mut held: Vec<i64> = Vec::new();
+            // Named pages, and the evictable ones oldest first.
+            let mut named = [false; N];
+            let mut lru: std::collections::VecDeque<i64> = Default::default();
+            let mut next_key = 1u128;
             for op in ops {
                 match op {
                     Op::Alloc(n) => {
-                        let free = model.iter().skip(1).filter(|&&r| r == 0).count();
+                        let available = model.iter().skip(1).filter(|&&r| r == 0).count();
+                        let unnamed = available - lru.len();
                         let mut out: Vec<i64> = Vec::new();
                         let res = pool.allocate_into(n, &mut out);
-                        prop_assert_eq!(res.is_ok(), n <= free);
-                        for &p in &out {
+                        prop_assert_eq!(res.is_ok(), n <= available);
+                        for (i, &p) in out.iter().enumerate() {
                             prop_assert!(p > 0 && (p as usize) < N);
                             prop_assert_eq!(model[p as usize], 0, "page handed out twice");
+                            if i < unnamed {
+                                prop_assert!(!named[p as usize], "evicted while free pages remain");
+                            } else {
+                                prop_assert_eq!(lru.pop_front(), Some(p), "not the oldest evictable");
+                                named[p as usize] = false;
+                            }
                             model[p as usize] = 1;
                         }
                         held.extend(out);
                     }
+                    Op::Register(i) if !held.is_empty() => {
+                        let p = held[i % held.len()];
+                        if !named[p as usize] {
+                            prop_assert!(pool.register(p as u32, next_key, Scope::Shared));
+                            named[p as usize] = true;
+                            next_key += 1;
+                        }
+                    }
+                    Op::Hit(i) if !lru.is_empty() => {
+                        let p = lru.remove(i % lru.len()).unwrap();
+                        pool.retain(&[p]).unwrap();
+                        model[p as usize] = 1;
+                        held.push(p);
+                    }
+                    Op::Register(_) | Op::Hit(_) => {}
                     Op::Free(idx) | Op::Retain(idx) if held.is_empty() => { let _ = idx; }
                     Op::Free(idx) => {
                         let mut pick: Vec<usize> = idx.iter().map(|i| i % held.len()).collect();
@@ -440,7 +605,11 @@ mod tests {
                         pick.dedup();
                         let pages: Vec<i64> = pick.iter().map(|&i| held[i]).collect();
                         pool.free(&pages).unwrap();
-                        for &p in &pages { model[p as usize] -= 1; }
+                        // Released last to first.
+                        for &p in pages.iter().rev() {
+                            model[p as usize] -= 1;
+                            if model[p as usize] == 0 && named[p as usize] { lru.push_back(p); }
+                        }
                         for &i in pick.iter().rev() { held.swap_remove(i); }
                     }
                     Op::Retain(idx) => {
@@ -455,6 +624,7 @@ mod tests {
                         prop_assert_eq!(res.is_ok(), ok);
                         if ok {
                             model[p as usize] -= 1;
+                            if model[p as usize] == 0 && named[p as usize] { lru.push_back(p); }
                             let at = held.iter().position(|&h| h == p).unwrap();
                             held.swap_remove(at);
                         }
@@ -466,7 +636,8 @@ mod tests {
                 }
                 let used = model.iter().filter(|&&r| r > 0).count();
                 prop_assert_eq!(pool.used(), used);
-                prop_assert_eq!(pool.free_count() + used, N - 1);
+                prop_assert_eq!(pool.free_count() + lru.len() + used, N - 1);
+                prop_assert_eq!(pool.cache().evictable(), lru.len());
                 prop_assert_eq!(pool.shared(), model.iter().filter(|&&r| r >= 2).count());
             }
         }

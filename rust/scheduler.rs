@@ -19,6 +19,7 @@ use crate::error::{KvError, KvResult, RejectReason};
 use crate::metrics::TenantMetrics;
 use crate::planner::{self, PlanBuffers, PlanShape, RowCache, SeqSlice};
 use crate::pool::BlockPool;
+use crate::prefix::{BlockKey, Namespace, PrefixHasher, Scope};
 use crate::tenant::{TenantConfig, TenantId, Tenants};
 
 /// Over-commit's default watermark: reserve the prompt plus one block of growth.
@@ -61,6 +62,22 @@ pub struct SchedulerConfig {
     /// Re-read every plan in full after writing it (always on in debug builds).
     /// The cheap checks run on every plan regardless.
     pub full_validation: bool,
+    /// Reuse the KV of full blocks already computed for the same prefix (in
+    /// the same namespace). Restart-only.
+    pub prefix_caching: bool,
+    /// The secret that keys block names; None: random for this scheduler.
+    /// Hosts that must name blocks alike configure the same one. Restart-only.
+    pub prefix_cache_key: Option<SecretKey>,
+}
+
+/// A 128-bit secret that never shows in Debug output.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct SecretKey(pub [u8; 16]);
+
+impl std::fmt::Debug for SecretKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SecretKey(<redacted>)")
+    }
 }
 
 impl Default for SchedulerConfig {
@@ -78,6 +95,8 @@ impl Default for SchedulerConfig {
             admission: AdmissionMode::Reserve,
             preempt_lower_tiers: false,
             full_validation: false,
+            prefix_caching: true,
+            prefix_cache_key: None,
         }
     }
 }
@@ -198,9 +217,14 @@ pub struct Request {
     pub first_token: Option<f64>,
     /// Blocks reserved at admission, held until it ends.
     pub reserved_blocks: usize,
+    /// Prefix-cache names of its first full blocks, in order (the chain so far).
+    pub block_keys: Vec<BlockKey>,
+    /// The namespace its blocks are named in.
+    pub namespace: Namespace,
     pub arrival: f64,
     pub first_scheduled: Option<f64>,
     pub preemptions: u32,
+    pub cached_tokens: usize,
 }
 
 impl Request {
@@ -222,6 +246,42 @@ impl Request {
     }
 }
 
+/// What a request may carry beside its prompt.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SubmitOptions<'a> {
+    /// Sampling one of these finishes the request (the token is part of the output).
+    pub stop_token_ids: &'a [i32],
+    /// Mixed into the request's prefix-cache namespace: only requests with the
+    /// same salt (in the same namespace) share its blocks.
+    pub cache_salt: Option<&'a [u8]>,
+}
+
+/// Find the longest cached prefix of `tokens`: for each full block, in order
+/// and at most `max_blocks`, its key (chained from `root`) and the page the
+/// cache holds for it, until the first miss. Appends to `pages` and `keys`.
+#[allow(clippy::too_many_arguments)]
+fn lookup_prefix(
+    pool: &BlockPool,
+    hasher: &PrefixHasher,
+    block_size: usize,
+    root: BlockKey,
+    tokens: &[i32],
+    max_blocks: usize,
+    pages: &mut Vec<u32>,
+    keys: &mut Vec<BlockKey>,
+) {
+    let mut parent = root;
+    for block in tokens.chunks_exact(block_size).take(max_blocks) {
+        let key = hasher.block(parent, block);
+        let Some(page) = pool.cache().lookup(key) else {
+            return;
+        };
+        pages.push(page);
+        keys.push(key);
+        parent = key;
+    }
+}
+
 /// A finished request, with its output and timings (seconds, from `now` values).
 #[derive(Clone, Debug, PartialEq)]
 pub struct FinishedRequest {
@@ -235,6 +295,8 @@ pub struct FinishedRequest {
     pub first_token: f64,
     pub finished: f64,
     pub preemptions: u32,
+    /// Prompt tokens served from the prefix cache at submit.
+    pub cached_tokens: usize,
 }
 
 /// What one `step()` decided, beside the arrays it wrote.
@@ -298,8 +360,15 @@ pub struct PoolStats {
     pub usable: usize,
     /// Blocks reserved by live requests.
     pub reserved: usize,
-    /// Reservations plus other tenants' unused floors: what admission has promised.
+    /// Reservations (pages a tenant's requests share counted once) plus unused
+    /// floors: what admission has promised.
     pub committed: usize,
+    /// Prefix cache: pages named (referenced or evictable).
+    pub cached: usize,
+    /// Cached pages nobody references: reusable, taken when no free page is left.
+    pub evictable: usize,
+    /// Cached pages taken back for reuse since start.
+    pub evictions: u64,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -311,6 +380,8 @@ pub struct TenantStats {
     pub kv_cap_blocks: Option<usize>,
     pub reserved_blocks: usize,
     pub used_blocks: usize,
+    /// Pages its requests share among themselves (reserved twice, held once).
+    pub shared_blocks: usize,
     pub live_requests: u32,
     pub waiting: usize,
     pub running: u32,
@@ -353,6 +424,8 @@ pub struct Scheduler {
     buckets: TokenBuckets,
     shape: PlanShape,
     pool: BlockPool,
+    /// Names prefix-cache blocks (None: caching off).
+    hasher: Option<PrefixHasher>,
     tenants: Tenants,
     /// Live requests; a slot is reused once its request ends.
     slab: Vec<Option<Request>>,
@@ -383,7 +456,17 @@ impl Scheduler {
         config.validate()?;
         let pool = BlockPool::new(config.num_blocks, config.block_size)?;
         let shape = config.plan_shape()?;
+        let hasher = if config.prefix_caching {
+            let key = match config.prefix_cache_key {
+                Some(SecretKey(k)) => k,
+                None => PrefixHasher::random_key().map_err(KvError::Internal)?,
+            };
+            Some(PrefixHasher::new(&key))
+        } else {
+            None
+        };
         Ok(Scheduler {
+            hasher,
             instance: INSTANCES.fetch_add(1, Ordering::Relaxed) % (1 << (63 - STEP_ID_BITS)),
             buckets: config.buckets()?,
             shape,
@@ -465,8 +548,16 @@ impl Scheduler {
         self.tenants.update(config, usable, now)
     }
 
+    /// Remove a tenant without live requests; its evictable prefix-cache pages
+    /// are forgotten and freed, so a tenant added later under the same name
+    /// starts cold.
     pub fn remove_tenant(&mut self, name: &str) -> KvResult<()> {
-        self.tenants.remove(name)
+        let id = self.tenants.id(name);
+        self.tenants.remove(name)?;
+        if let Some(id) = id {
+            self.pool.forget_tenant(id);
+        }
+        Ok(())
     }
 
     // -- requests ---------------------------------------------------------------
@@ -492,6 +583,24 @@ impl Scheduler {
         stop_token_ids: &[i32],
         now: f64,
     ) -> KvResult<u64> {
+        let opts = SubmitOptions {
+            stop_token_ids,
+            cache_salt: None,
+        };
+        self.submit_with(tenant, prompt, max_tokens, &opts, now)
+    }
+
+    /// `submit` with options. The longest cached prefix of the prompt in the
+    /// request's namespace (all but its last token at most, so there are logits
+    /// to sample) is shared at once: prefill starts after it.
+    pub fn submit_with(
+        &mut self,
+        tenant: &str,
+        prompt: &[i32],
+        max_tokens: usize,
+        opts: &SubmitOptions<'_>,
+        now: f64,
+    ) -> KvResult<u64> {
         let Some(tid) = self.tenants.id(tenant) else {
             self.rejected[RejectReason::UnknownTenant.index()] += 1;
             return Err(KvError::rejected(
@@ -513,7 +622,62 @@ impl Scheduler {
                 AdmissionMode::Overcommit { watermark_blocks } => Some(watermark_blocks),
             },
         };
-        let decision = admission::decide(self.tenants.get(tid), &capacity, prompt, max_tokens, now);
+        let mut hits = Vec::new();
+        let mut hit_keys = Vec::new();
+        let mut newly_shared = 0;
+        let namespace = match &self.hasher {
+            Some(h) => {
+                let t = self.tenants.get(tid);
+                h.namespace(
+                    tid,
+                    &t.config.name,
+                    t.config.prefix_namespace.as_deref(),
+                    opts.cache_salt,
+                )
+            }
+            None => Namespace {
+                root: 0,
+                scope: Scope::Tenant(tid),
+            },
+        };
+        let max_hit_blocks = prompt.len().saturating_sub(1) / self.config.block_size;
+        let reserve = matches!(self.config.admission, AdmissionMode::Reserve);
+        let decision = {
+            let (pool, hasher, bs) = (&self.pool, &self.hasher, self.config.block_size);
+            let (hits, hit_keys, newly_shared) = (&mut hits, &mut hit_keys, &mut newly_shared);
+            admission::decide(
+                self.tenants.get(tid),
+                &capacity,
+                prompt,
+                max_tokens,
+                now,
+                || {
+                    // Over-committed, waiting requests must not pin pages (nothing
+                    // could preempt them): the lookup waits for entry.
+                    let Some(hasher) = hasher.as_ref().filter(|_| reserve) else {
+                        return 0;
+                    };
+                    lookup_prefix(
+                        pool,
+                        hasher,
+                        bs,
+                        namespace.root,
+                        prompt,
+                        max_hit_blocks,
+                        hits,
+                        hit_keys,
+                    );
+                    *newly_shared = hits
+                        .iter()
+                        .filter(|&&p| {
+                            pool.refcount(p) > 0
+                                && pool.cache().scope(p) == Some(Scope::Tenant(tid))
+                        })
+                        .count();
+                    *newly_shared
+                },
+            )
+        };
         let admit = match decision {
             Ok(a) => a,
             Err(rejection) => {
@@ -546,6 +710,21 @@ impl Scheduler {
         t.live_requests += 1;
         t.counters.admitted += 1;
         t.metrics.tokens_in += prompt.len() as u64;
+        let cached_tokens = hits.len() * self.config.block_size;
+        if self.hasher.is_some() && reserve {
+            let m = &mut t.metrics;
+            m.prefix_query_blocks += max_hit_blocks as u64;
+            m.prefix_hit_blocks += hits.len() as u64;
+            m.prefix_query_tokens += prompt.len() as u64;
+            m.prefix_hit_tokens += cached_tokens as u64;
+        }
+        if !hits.is_empty() {
+            t.used_blocks += hits.len();
+            self.pool
+                .retain(&hits)
+                .map_err(|e| KvError::Internal(format!("a cache hit is not a cached page: {e}")))?;
+            self.tenants.share(tid, newly_shared, 0);
+        }
 
         let id = self.next_id;
         self.next_id += 1;
@@ -557,10 +736,13 @@ impl Scheduler {
             tokens,
             prompt_len: prompt.len(),
             max_tokens,
-            stop_token_ids: stop_token_ids.to_vec(),
+            stop_token_ids: opts.stop_token_ids.to_vec(),
             reserved_blocks: admit.blocks,
-            pages: Vec::new(),
-            num_computed: 0,
+            pages: hits,
+            num_computed: cached_tokens,
+            block_keys: hit_keys,
+            namespace,
+            cached_tokens,
             place: Place::Queued,
             row_key: 0,
             arrival: now,
@@ -610,9 +792,7 @@ impl Scheduler {
         let req = self.slab[slab].take().expect("live slab entry");
         self.free_slab.push(slab);
         self.index.remove(&req.id);
-        self.pool
-            .free(&req.pages)
-            .expect("a request's pages are allocated and its own");
+        self.drop_pages(req.tenant, &req.pages);
         self.tenants.release(req.tenant, req.reserved_blocks);
         let t = self.tenants.get_mut(req.tenant);
         t.used_blocks -= req.pages.len();
@@ -705,19 +885,47 @@ impl Scheduler {
         }
     }
 
-    /// Preempt the running sequence at `pos`: free its pages and queue it at the
-    /// head of its tier to be recomputed (prompt and generated tokens alike).
+    /// Drop a request's references on `pages` (last to first), keeping the
+    /// tenant's shared-page count exact.
+    fn drop_pages(&mut self, tid: TenantId, pages: &[u32]) {
+        if self.hasher.is_some() {
+            let dropped = pages
+                .iter()
+                .filter(|&&p| {
+                    self.pool.refcount(p) >= 2
+                        && self.pool.cache().scope(p) == Some(Scope::Tenant(tid))
+                })
+                .count();
+            if dropped > 0 {
+                self.tenants.share(tid, 0, dropped);
+            }
+        }
+        self.pool
+            .free(pages)
+            .expect("a request's pages are allocated and its own");
+    }
+
+    /// Preempt the running sequence at `pos` and queue it at the head of its
+    /// tier. Over-committed, its pages go back (cached blocks stay evictable,
+    /// tail first) and it is recomputed later from what the cache still holds.
+    /// In reserve mode its pages are reserved anyway: it keeps its KV and only
+    /// gives up its slot.
     fn preempt(&mut self, pos: usize, preempted: &mut Vec<u64>) {
         let slab = self.running[pos];
         self.remove_running(pos);
-        let pages = std::mem::take(&mut self.req_mut(slab).pages);
-        self.pool.free(&pages).expect("own pages");
+        let mut dropped = 0;
+        if matches!(self.config.admission, AdmissionMode::Overcommit { .. }) {
+            let pages = std::mem::take(&mut self.req_mut(slab).pages);
+            let tid = self.req(slab).tenant;
+            self.drop_pages(tid, &pages);
+            dropped = pages.len();
+            self.req_mut(slab).num_computed = 0;
+        }
         let r = self.req_mut(slab);
-        r.num_computed = 0;
         r.preemptions += 1;
         let (id, tid) = (r.id, r.tenant);
         let t = self.tenants.get_mut(tid);
-        t.used_blocks -= pages.len();
+        t.used_blocks -= dropped;
         t.metrics.preemptions += 1;
         t.resuming += 1;
         let tier = t.config.tier;
@@ -805,10 +1013,80 @@ impl Scheduler {
         let mut chunk = r.need().min(self.config.long_prefill_chunk).min(budget);
         if matches!(self.config.admission, AdmissionMode::Overcommit { .. }) {
             let coverable =
-                (r.pages.len() + self.pool.free_count()) * self.config.block_size - r.num_computed;
+                (r.pages.len() + self.pool.available()) * self.config.block_size - r.num_computed;
             chunk = chunk.min(coverable);
         }
         chunk
+    }
+
+    /// Over-committed, a request shares the cached prefix of its tokens when it
+    /// is about to enter the running set (first entry, or back after a
+    /// preemption: its own blocks, released tail first, are likely still
+    /// cached), so only the rest is computed.
+    fn acquire_prefix(&mut self, slab: usize) {
+        let Some(hasher) = &self.hasher else { return };
+        let bs = self.config.block_size;
+        let r = self.slab[slab].as_mut().expect("live slab entry");
+        debug_assert!(r.pages.is_empty() && r.num_computed == 0);
+        let limit = r.tokens.len().saturating_sub(1) / bs;
+        let mut pages = Vec::new();
+        let mut parent = r.namespace.root;
+        for b in 0..limit {
+            // Keys named before a preemption are still right: they follow content.
+            let key = match r.block_keys.get(b) {
+                Some(&k) => k,
+                None => {
+                    let k = hasher.block(parent, &r.tokens[b * bs..(b + 1) * bs]);
+                    r.block_keys.push(k);
+                    k
+                }
+            };
+            match self.pool.cache().lookup(key) {
+                Some(p) => pages.push(p),
+                None => break,
+            }
+            parent = key;
+        }
+        r.block_keys.truncate(pages.len());
+        let tid = r.tenant;
+        let newly = pages
+            .iter()
+            .filter(|&&p| {
+                self.pool.refcount(p) > 0 && self.pool.cache().scope(p) == Some(Scope::Tenant(tid))
+            })
+            .count();
+        self.pool.retain(&pages).expect("cached pages");
+        self.tenants.share(tid, newly, 0);
+        self.tenants.get_mut(tid).used_blocks += pages.len();
+        let r = self.req_mut(slab);
+        r.num_computed = pages.len() * bs;
+        r.pages = pages;
+    }
+
+    /// Undo `acquire_prefix` for a request that did not enter after all.
+    fn release_prefix(&mut self, slab: usize) {
+        let r = self.req_mut(slab);
+        if r.pages.is_empty() {
+            return;
+        }
+        let pages = std::mem::take(&mut r.pages);
+        r.num_computed = 0;
+        let tid = r.tenant;
+        self.drop_pages(tid, &pages);
+        self.tenants.get_mut(tid).used_blocks -= pages.len();
+    }
+
+    /// Over-committed, hit rates count a request's lookup when it first enters.
+    fn count_first_lookup(&mut self, slab: usize) {
+        let bs = self.config.block_size;
+        let r = self.req_mut(slab);
+        r.cached_tokens = r.num_computed;
+        let (tid, prompt_len, hit) = (r.tenant, r.prompt_len, r.num_computed);
+        let m = &mut self.tenants.get_mut(tid).metrics;
+        m.prefix_query_blocks += (prompt_len.saturating_sub(1) / bs) as u64;
+        m.prefix_hit_blocks += (hit / bs) as u64;
+        m.prefix_query_tokens += prompt_len as u64;
+        m.prefix_hit_tokens += hit as u64;
     }
 
     /// Pages so that `slab` covers `len` tokens.
@@ -901,6 +1179,9 @@ impl Scheduler {
                 let Some((slab, from)) = self.peek_waiting() else {
                     break;
                 };
+                if overcommit && self.req(slab).pages.is_empty() {
+                    self.acquire_prefix(slab);
+                }
                 let cap = self
                     .tenants
                     .get(self.req(slab).tenant)
@@ -910,7 +1191,13 @@ impl Scheduler {
                 let room = self.prefill_room(entry_budget, scheduled, num_decode);
                 let chunk = self.prefill_chunk(slab, room);
                 if chunk == 0 {
+                    if overcommit {
+                        self.release_prefix(slab);
+                    }
                     break;
+                }
+                if overcommit && self.hasher.is_some() && self.req(slab).first_scheduled.is_none() {
+                    self.count_first_lookup(slab);
                 }
                 budget = entry_budget;
                 self.pop_waiting(slab, from);
@@ -1025,7 +1312,7 @@ impl Scheduler {
                 AdmissionMode::Reserve => false,
                 AdmissionMode::Overcommit { .. } => {
                     let first = self.req(slab).need().min(self.config.long_prefill_chunk);
-                    self.pool.blocks_for(first) > self.pool.free_count()
+                    self.pool.blocks_for(first) > self.pool.available()
                 }
             };
             if !(no_slot || no_room) {
@@ -1051,7 +1338,7 @@ impl Scheduler {
                         self.pool.blocks_for(r.num_computed + 1) > r.pages.len()
                     })
                     .count();
-                if need <= self.pool.free_count() {
+                if need <= self.pool.available() {
                     break;
                 }
                 let pos = self.victim(None).expect("decodes are running");
@@ -1119,6 +1406,22 @@ impl Scheduler {
             }
             let r = self.slab[s.slab].as_mut().expect("checked");
             r.num_computed += s.q_len;
+            if let Some(hasher) = &self.hasher {
+                // Name the blocks this step filled; the first copy of a block
+                // stays the cached one.
+                let bs = self.config.block_size;
+                let full = r.num_computed / bs;
+                while r.block_keys.len() < full {
+                    let b = r.block_keys.len();
+                    let parent = r.block_keys.last().copied().unwrap_or(r.namespace.root);
+                    let key = hasher.block(parent, &r.tokens[b * bs..(b + 1) * bs]);
+                    let page = r.pages[b];
+                    if !self.pool.cache().is_cached(page) {
+                        self.pool.register(page, key, r.namespace.scope);
+                    }
+                    r.block_keys.push(key);
+                }
+            }
             let t = self.tenants.get_mut(r.tenant);
             if !s.decode {
                 t.metrics.prefill_tokens += s.q_len as u64;
@@ -1167,6 +1470,7 @@ impl Scheduler {
                 first_token: req.first_token.unwrap_or(now),
                 finished: now,
                 preemptions: req.preemptions,
+                cached_tokens: req.cached_tokens,
             });
         }
         Ok(events)
@@ -1190,6 +1494,7 @@ impl Scheduler {
                     kv_cap_blocks: t.config.kv_cap_blocks,
                     reserved_blocks: t.reserved_blocks,
                     used_blocks: t.used_blocks,
+                    shared_blocks: t.shared_blocks,
                     live_requests: t.live_requests,
                     waiting: t.waiting.len() + t.resuming as usize,
                     running: t.running,
@@ -1211,6 +1516,9 @@ impl Scheduler {
                 total,
                 free: self.pool.free_count(),
                 used: self.pool.used(),
+                cached: self.pool.cache().cached(),
+                evictable: self.pool.cache().evictable(),
+                evictions: self.pool.cache().evictions(),
                 shared: self.pool.shared(),
                 overhead_reserve: self.config.reserve_blocks(total),
                 usable: self.usable_blocks(),
@@ -1239,7 +1547,10 @@ impl Scheduler {
         let mut live = vec![0u32; n_tenants];
         let mut running = vec![0u32; n_tenants];
         let mut resuming = vec![0u32; n_tenants];
-        let mut owner = vec![0u64; self.pool.num_blocks()];
+        // References each page gets from requests, and from which tenant's
+        // requests (for the shared-page accounting).
+        let mut refs = vec![0u32; self.pool.num_blocks()];
+        let mut refs_by_scope_tenant = vec![0u32; self.pool.num_blocks()];
         if self.num_decode > self.running.len() {
             return Err("num_decode exceeds the running set".into());
         }
@@ -1270,8 +1581,13 @@ impl Scheduler {
                     running[r.tenant] += 1;
                 }
                 Place::Queued | Place::Resuming(_) => {
-                    if !r.pages.is_empty() || r.num_computed != 0 {
-                        return Err(format!("waiting request {} holds KV", r.id));
+                    // Waiting, it holds cache hits or (preempted in reserve
+                    // mode) the KV it computed; never a page beyond that.
+                    if r.pages.len() != r.num_computed.div_ceil(bs) {
+                        return Err(format!(
+                            "waiting request {} holds pages it has not filled",
+                            r.id
+                        ));
                     }
                     let queued = match r.place {
                         Place::Resuming(tier) => {
@@ -1285,14 +1601,36 @@ impl Scheduler {
                     }
                 }
             }
-            for &p in &r.pages {
-                if owner[p as usize] != 0 {
-                    return Err(format!(
-                        "page {p} owned by {} and {}",
-                        owner[p as usize], r.id
-                    ));
+            let cache = self.pool.cache();
+            for (b, &p) in r.pages.iter().enumerate() {
+                refs[p as usize] += 1;
+                if cache.scope(p) == Some(Scope::Tenant(r.tenant)) {
+                    refs_by_scope_tenant[p as usize] += 1;
                 }
-                owner[p as usize] = r.id;
+                // A cached page holds exactly the block the request's chain names.
+                match (cache.key_of(p), r.block_keys.get(b)) {
+                    (Some(k), Some(&mine)) if k != mine => {
+                        return Err(format!(
+                            "request {} page {p} is cached under another name",
+                            r.id
+                        ))
+                    }
+                    (Some(_), None) => {
+                        return Err(format!("request {} shares page {p} it has not named", r.id))
+                    }
+                    _ => {}
+                }
+            }
+            if self.hasher.is_some()
+                && !r.pages.is_empty()
+                && r.block_keys.len() != r.num_computed / bs
+            {
+                return Err(format!(
+                    "request {} names {} blocks, has computed {}",
+                    r.id,
+                    r.block_keys.len(),
+                    r.num_computed
+                ));
             }
             reserved[r.tenant] += r.reserved_blocks;
             used[r.tenant] += r.pages.len();
@@ -1301,12 +1639,21 @@ impl Scheduler {
         if seen != self.index.len() {
             return Err("index and slab disagree".into());
         }
-        let held: usize = used.iter().sum();
-        if held != self.pool.used() {
-            return Err(format!(
-                "requests hold {held} pages, pool says {}",
-                self.pool.used()
-            ));
+        for (p, &n) in refs.iter().enumerate() {
+            if n != self.pool.refcount(p as u32) {
+                return Err(format!(
+                    "page {p}: requests hold {n} references, the pool counts {}",
+                    self.pool.refcount(p as u32)
+                ));
+            }
+        }
+        let mut shared = vec![0usize; n_tenants];
+        for (p, &n) in refs_by_scope_tenant.iter().enumerate() {
+            if let Some(Scope::Tenant(t)) = self.pool.cache().scope(p as u32) {
+                if t < n_tenants {
+                    shared[t] += n.saturating_sub(1) as usize;
+                }
+            }
         }
         let queued: usize = self
             .tenants
@@ -1324,11 +1671,18 @@ impl Scheduler {
             if (
                 t.reserved_blocks,
                 t.used_blocks,
+                t.shared_blocks,
                 t.live_requests,
                 t.running,
                 t.resuming,
-            ) != (reserved[id], used[id], live[id], running[id], resuming[id])
-            {
+            ) != (
+                reserved[id],
+                used[id],
+                shared[id],
+                live[id],
+                running[id],
+                resuming[id],
+            ) {
                 return Err(format!(
                     "tenant {name:?} accounting differs from its requests"
                 ));
@@ -1338,7 +1692,9 @@ impl Scheduler {
         if committed != self.tenants.committed() {
             return Err("committed blocks drifted".into());
         }
-        if committed > usable {
+        // Over-committed, a preemption that drops shared pages may push the
+        // promise past the pool (admission then waits); in reserve mode never.
+        if reserve_mode && committed > usable {
             return Err(format!(
                 "reservations and floors ({committed}) exceed the usable pool ({usable})"
             ));

@@ -35,6 +35,9 @@ pub struct TenantConfig {
     /// one of them runs, the step budget shrinks to this (prefill chunks of others
     /// wait), so its inter-token latency is not paid for by batch work.
     pub max_step_tokens: Option<usize>,
+    /// Prefix-cache namespace shared with the tenants that name the same one
+    /// (a trust group); None: the tenant's own, which no other tenant can hit.
+    pub prefix_namespace: Option<String>,
 }
 
 impl TenantConfig {
@@ -49,6 +52,7 @@ impl TenantConfig {
             burst_tokens: None,
             weight: 1.0,
             max_step_tokens: None,
+            prefix_namespace: None,
         }
     }
 
@@ -79,6 +83,13 @@ impl TenantConfig {
                 "weight must be a positive number, got {}",
                 self.weight
             ));
+        }
+        if let Some(ns) = &self.prefix_namespace {
+            if ns.is_empty() || ns.len() > MAX_NAME_LEN || ns.chars().any(|c| c.is_control()) {
+                return bad(format!(
+                    "prefix_namespace must be 1 to {MAX_NAME_LEN} bytes without control characters"
+                ));
+            }
         }
         if self.max_step_tokens == Some(0) {
             return bad("max_step_tokens must be at least 1".into());
@@ -185,8 +196,12 @@ pub struct Tenant {
     pub bucket: Option<TokenBucket>,
     /// Blocks reserved by its live requests (admission charges these).
     pub reserved_blocks: usize,
-    /// Pages its live requests hold (at most `reserved_blocks` in reserve mode).
+    /// Pages its live requests hold (at most `reserved_blocks` in reserve mode);
+    /// a page two of its requests share counts twice.
     pub used_blocks: usize,
+    /// References its requests hold beyond the first on pages of its own prefix
+    /// namespace: pages its reservations count twice but the pool holds once.
+    pub shared_blocks: usize,
     pub live_requests: u32,
     pub counters: TenantCounters,
     pub metrics: TenantMetrics,
@@ -210,6 +225,7 @@ impl Tenant {
             bucket,
             reserved_blocks: 0,
             used_blocks: 0,
+            shared_blocks: 0,
             live_requests: 0,
             counters: TenantCounters::default(),
             metrics: TenantMetrics::default(),
@@ -226,9 +242,12 @@ impl Tenant {
     }
 
     /// Blocks this tenant takes from the shared pool's point of view: its
-    /// reservations, or its floor while the floor is larger (a floor is held for it).
+    /// reservations, less the pages its own requests share (held once), or its
+    /// floor while the floor is larger (a floor is held for it).
     pub fn footprint(&self) -> usize {
-        self.reserved_blocks.max(self.config.kv_floor_blocks)
+        self.reserved_blocks
+            .saturating_sub(self.shared_blocks)
+            .max(self.config.kv_floor_blocks)
     }
 
     fn apply_config(&mut self, config: TenantConfig, now: f64) {
@@ -282,6 +301,15 @@ impl Tenants {
         let t = self.slots[id].as_mut().expect("live tenant id");
         let before = t.footprint();
         t.reserved_blocks -= blocks;
+        self.committed = self.committed - before + t.footprint();
+    }
+
+    /// Its requests took (`gained`) or dropped references on pages of its own
+    /// namespace that another of its requests holds.
+    pub fn share(&mut self, id: TenantId, gained: usize, dropped: usize) {
+        let t = self.slots[id].as_mut().expect("live tenant id");
+        let before = t.footprint();
+        t.shared_blocks = t.shared_blocks + gained - dropped;
         self.committed = self.committed - before + t.footprint();
     }
 
@@ -356,7 +384,10 @@ impl Tenants {
             .ok_or_else(|| KvError::UnknownTenant(config.name.clone()))?;
         let tenant = self.get(id);
         let committed = self.committed() - tenant.footprint()
-            + tenant.reserved_blocks.max(config.kv_floor_blocks);
+            + tenant
+                .reserved_blocks
+                .saturating_sub(tenant.shared_blocks)
+                .max(config.kv_floor_blocks);
         if committed > usable {
             return Err(floors_do_not_fit(&config, committed, usable));
         }

@@ -695,7 +695,9 @@ proptest! {
                     let expect = if t == 3 { Some("unknown_tenant") }
                         else if n == 0 || max_tokens == 0 { Some("invalid") }
                         else if final_len > 120 { Some("too_long") }
-                        else if reserved(&live, t) + blocks > caps[t].unwrap_or(usable) { Some("tenant_budget") }
+                        // A cap counts every reservation; without one only the pool
+                        // bounds the tenant (and no single request may exceed it).
+                        else if caps[t].map_or(blocks > usable, |c| reserved(&live, t) + blocks > c) { Some("tenant_budget") }
                         else if max_conc[t].is_some_and(|m| live.values().filter(|r| r.0 == t).count() >= m as usize)
                             || live.len() >= 8 { Some("concurrency") }
                         else {
@@ -1013,6 +1015,8 @@ mod review_fuzz {
         for (tier, name) in NAMES[..3].iter().enumerate() {
             let mut tc = tenant(name, 0, None);
             tc.tier = tier as u32;
+            // Two of the three share a prefix-cache namespace.
+            tc.prefix_namespace = (tier > 0).then(|| "group".to_owned());
             h.tenant(tc);
         }
         let mut k = 0i32;
@@ -1021,7 +1025,9 @@ mod review_fuzz {
             match op {
                 FOp::Submit { t, n, m, stop } => {
                     k += 1;
-                    let p = prompt(n, k);
+                    // Three families of prompts: each one a prefix of the longer
+                    // ones of its family, so the prefix cache is hit all the time.
+                    let p = prompt(n, k % 3);
                     let stops: Vec<i32> = if stop {
                         (0..50_000).step_by(7).collect()
                     } else {
@@ -1185,3 +1191,5 @@ mod review3 {
         assert_eq!((st.running, st.waiting), (3, 0));
     }
 }
+
+mod prefix;

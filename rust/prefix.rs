@@ -1,0 +1,445 @@
+//! Prefix cache: full KV blocks named by a keyed, chained 128-bit hash, so a
+//! prompt that starts like an earlier one reuses those pages instead of
+//! recomputing them.
+//!
+//! Naming. Block i of a sequence is named `key_i = H(key_{i-1}, tokens of block i)`
+//! and `key_{-1}` is the root of the request's namespace, `H(namespace, salt)`.
+//! Every key therefore depends on the namespace, the salt and every token before
+//! it: equal keys mean equal content at equal positions. H is SipHash-1-3 with
+//! 128-bit output under a 128-bit secret key (random per scheduler unless
+//! configured): without the key nobody can construct two prompts whose blocks
+//! collide, so a 2^-128 chance per pair is what an adversary gets too.
+//!
+//! Namespaces. By default a request's namespace is its tenant: one tenant's
+//! blocks never serve another, so a cache hit (and the time it saves) can reveal
+//! nothing across tenants. Tenants that trust each other may name a shared
+//! namespace; a request may add a salt to keep its blocks to itself.
+//!
+//! Pages. A cached page stays in the cache while requests reference it and after
+//! the last reference goes: it is then *evictable*, parked on an LRU list, and
+//! the pool hands it out again (dropping its name) only when no free page is
+//! left. A request releases its pages last to first, so a chain's tail is
+//! evicted before its head: the head is the part other prompts share.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+use siphasher::sip128::{Hasher128, SipHasher13};
+
+use crate::tenant::TenantId;
+
+/// A block's name.
+pub type BlockKey = u128;
+
+/// Who a cached block belongs to, for accounting: the tenant whose private
+/// namespace named it, or a shared namespace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scope {
+    Tenant(TenantId),
+    Shared,
+}
+
+/// Where a request's chain starts and who owns the blocks it names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Namespace {
+    pub root: BlockKey,
+    pub scope: Scope,
+}
+
+/// The keyed hash. Equal inputs give equal keys on every host that shares the
+/// secret (token ids are hashed as little-endian int32 whatever the host).
+#[derive(Clone)]
+pub struct PrefixHasher {
+    base: SipHasher13,
+}
+
+impl std::fmt::Debug for PrefixHasher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PrefixHasher { key: <secret> }")
+    }
+}
+
+/// Domain tags: a namespace root can never equal a block key of the same bytes.
+const TAG_TENANT: u8 = 1;
+const TAG_SHARED: u8 = 2;
+
+impl PrefixHasher {
+    pub fn new(key: &[u8; 16]) -> Self {
+        PrefixHasher {
+            base: SipHasher13::new_with_key(key),
+        }
+    }
+
+    /// A fresh random secret from the operating system.
+    pub fn random_key() -> Result<[u8; 16], String> {
+        let mut key = [0u8; 16];
+        getrandom::fill(&mut key).map_err(|e| format!("no randomness for the prefix key: {e}"))?;
+        Ok(key)
+    }
+
+    /// The namespace of a request: its tenant's own (`shared` None) or the named
+    /// shared one, with an optional salt. Lengths are hashed before contents, so
+    /// no two (kind, name, salt) triples run together into the same bytes.
+    pub fn namespace(
+        &self,
+        tenant: TenantId,
+        tenant_name: &str,
+        shared: Option<&str>,
+        salt: Option<&[u8]>,
+    ) -> Namespace {
+        let mut h = self.base;
+        let (tag, name, scope) = match shared {
+            None => (TAG_TENANT, tenant_name, Scope::Tenant(tenant)),
+            Some(ns) => (TAG_SHARED, ns, Scope::Shared),
+        };
+        h.write_u8(tag);
+        h.write_u64(name.len() as u64);
+        h.write(name.as_bytes());
+        match salt {
+            None => h.write_u8(0),
+            Some(s) => {
+                h.write_u8(1);
+                h.write_u64(s.len() as u64);
+                h.write(s);
+            }
+        }
+        Namespace {
+            root: h.finish128().into(),
+            scope,
+        }
+    }
+
+    /// The key of a block of `tokens` that follows the block named `parent`.
+    #[inline]
+    pub fn block(&self, parent: BlockKey, tokens: &[i32]) -> BlockKey {
+        let mut h = self.base;
+        h.write(&parent.to_le_bytes());
+        write_tokens(&mut h, tokens);
+        h.finish128().into()
+    }
+}
+
+#[cfg(target_endian = "little")]
+#[inline]
+fn write_tokens(h: &mut SipHasher13, tokens: &[i32]) {
+    // SAFETY: i32 has no padding and any byte pattern is a valid u8; the slice
+    // covers exactly the tokens' memory, which outlives the borrow.
+    let bytes = unsafe {
+        std::slice::from_raw_parts(tokens.as_ptr().cast::<u8>(), std::mem::size_of_val(tokens))
+    };
+    h.write(bytes);
+}
+
+#[cfg(not(target_endian = "little"))]
+#[inline]
+fn write_tokens(h: &mut SipHasher13, tokens: &[i32]) {
+    let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+    h.write(&bytes);
+}
+
+/// The map's own hasher: keys are already uniformly distributed and unknown to
+/// anyone without the secret, so their low 64 bits are the hash.
+#[derive(Default)]
+pub struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    #[inline]
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        // Only u128 keys are hashed here; this path keeps other uses correct.
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ b as u64;
+        }
+    }
+    #[inline]
+    fn write_u128(&mut self, v: u128) {
+        self.0 = v as u64;
+    }
+}
+
+/// Page 0 is never cached, so it terminates the LRU list (a sentinel).
+const END: u32 = 0;
+const NOT_CACHED: u32 = u32::MAX;
+const SHARED: u32 = u32::MAX - 1;
+
+/// The names of cached pages and the LRU list of those nobody references.
+/// Reference counts live in the pool, which calls `park`, `unpark` and
+/// `evict_lru` as pages change hands.
+#[derive(Clone, Debug)]
+pub struct PrefixCache {
+    map: HashMap<BlockKey, u32, BuildHasherDefault<KeyHasher>>,
+    /// Per page: its key while cached.
+    key: Vec<BlockKey>,
+    /// Per page: NOT_CACHED, SHARED or the owning tenant's id.
+    scope: Vec<u32>,
+    /// LRU links among evictable pages; `next[0]` is the oldest, `prev[0]` the newest.
+    prev: Vec<u32>,
+    next: Vec<u32>,
+    parked: Vec<bool>,
+    evictable: usize,
+    evictions: u64,
+}
+
+impl PrefixCache {
+    pub fn new(num_blocks: usize) -> Self {
+        PrefixCache {
+            map: HashMap::default(),
+            key: vec![0; num_blocks],
+            scope: vec![NOT_CACHED; num_blocks],
+            prev: vec![END; num_blocks],
+            next: vec![END; num_blocks],
+            parked: vec![false; num_blocks],
+            evictable: 0,
+            evictions: 0,
+        }
+    }
+
+    /// The page cached under `key`.
+    #[inline]
+    pub fn lookup(&self, key: BlockKey) -> Option<u32> {
+        self.map.get(&key).copied()
+    }
+
+    #[inline]
+    pub fn is_cached(&self, page: u32) -> bool {
+        self.scope[page as usize] != NOT_CACHED
+    }
+
+    /// Whose namespace named `page` (None: not cached).
+    #[inline]
+    pub fn scope(&self, page: u32) -> Option<Scope> {
+        match self.scope[page as usize] {
+            NOT_CACHED => None,
+            SHARED => Some(Scope::Shared),
+            t => Some(Scope::Tenant(t as TenantId)),
+        }
+    }
+
+    pub fn key_of(&self, page: u32) -> Option<BlockKey> {
+        self.is_cached(page).then(|| self.key[page as usize])
+    }
+
+    #[inline]
+    pub fn is_parked(&self, page: u32) -> bool {
+        self.parked[page as usize]
+    }
+
+    /// Pages cached (referenced or evictable).
+    pub fn cached(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Cached pages nobody references.
+    pub fn evictable(&self) -> usize {
+        self.evictable
+    }
+
+    /// Pages taken back from the cache to be reused since start.
+    pub fn evictions(&self) -> u64 {
+        self.evictions
+    }
+
+    /// Name a (referenced, uncached) page. False, and nothing changes, when the
+    /// key already names another page: the first copy stays the cached one.
+    pub fn register(&mut self, page: u32, key: BlockKey, scope: Scope) -> bool {
+        debug_assert!(page != END && !self.is_cached(page) && !self.is_parked(page));
+        if self.map.contains_key(&key) {
+            return false;
+        }
+        self.map.insert(key, page);
+        self.key[page as usize] = key;
+        self.scope[page as usize] = match scope {
+            Scope::Shared => SHARED,
+            Scope::Tenant(t) => {
+                debug_assert!((t as u64) < SHARED as u64);
+                t as u32
+            }
+        };
+        true
+    }
+
+    /// A cached page lost its last reference: it becomes the newest evictable one.
+    pub(crate) fn park(&mut self, page: u32) {
+        debug_assert!(self.is_cached(page) && !self.is_parked(page));
+        let p = page as usize;
+        let newest = self.prev[END as usize];
+        self.next[newest as usize] = page;
+        self.prev[p] = newest;
+        self.next[p] = END;
+        self.prev[END as usize] = page;
+        self.parked[p] = true;
+        self.evictable += 1;
+    }
+
+    /// An evictable page is referenced again (a cache hit).
+    pub(crate) fn unpark(&mut self, page: u32) {
+        debug_assert!(self.is_parked(page));
+        let p = page as usize;
+        let (prev, next) = (self.prev[p], self.next[p]);
+        self.next[prev as usize] = next;
+        self.prev[next as usize] = prev;
+        self.parked[p] = false;
+        self.evictable -= 1;
+    }
+
+    /// Take the least recently released evictable page out of the cache.
+    pub(crate) fn evict_lru(&mut self) -> Option<u32> {
+        let page = self.next[END as usize];
+        if page == END {
+            return None;
+        }
+        self.unpark(page);
+        self.forget(page);
+        self.evictions += 1;
+        Some(page)
+    }
+
+    fn forget(&mut self, page: u32) {
+        let p = page as usize;
+        self.map.remove(&self.key[p]);
+        self.scope[p] = NOT_CACHED;
+    }
+
+    /// Evictable pages of `tenant`'s namespace, oldest first (they are forgotten
+    /// when the tenant is removed).
+    pub(crate) fn parked_of(&self, tenant: TenantId) -> Vec<u32> {
+        let mut out = Vec::new();
+        let mut p = self.next[END as usize];
+        while p != END {
+            if self.scope[p as usize] == tenant as u32 {
+                out.push(p);
+            }
+            p = self.next[p as usize];
+        }
+        out
+    }
+
+    /// Drop an evictable page's name; the caller frees it.
+    pub(crate) fn drop_parked(&mut self, page: u32) {
+        self.unpark(page);
+        self.forget(page);
+    }
+
+    /// Consistency of names, scopes and the LRU list, for tests.
+    pub fn check_invariants(&self, refcount: &[u32]) -> Result<(), String> {
+        for (&key, &page) in &self.map {
+            if self.scope[page as usize] == NOT_CACHED || self.key[page as usize] != key {
+                return Err(format!("map entry for page {page} disagrees with the page"));
+            }
+        }
+        let named = self.scope.iter().filter(|&&s| s != NOT_CACHED).count();
+        if named != self.map.len() {
+            return Err(format!(
+                "{named} pages carry a name, the map holds {}",
+                self.map.len()
+            ));
+        }
+        let mut walked = 0;
+        let mut p = self.next[END as usize];
+        let mut last = END;
+        while p != END {
+            walked += 1;
+            if walked > self.parked.len() {
+                return Err("the LRU list has a cycle".into());
+            }
+            let i = p as usize;
+            if !self.parked[i] || self.prev[i] != last {
+                return Err(format!("LRU links broken at page {p}"));
+            }
+            if self.scope[i] == NOT_CACHED || refcount[i] != 0 {
+                return Err(format!(
+                    "evictable page {p} is uncached or referenced ({} refs)",
+                    refcount[i]
+                ));
+            }
+            last = p;
+            p = self.next[i];
+        }
+        if self.prev[END as usize] != last {
+            return Err("the LRU tail pointer is stale".into());
+        }
+        let parked = self.parked.iter().filter(|&&b| b).count();
+        if walked != parked || parked != self.evictable {
+            return Err(format!(
+                "evictable count {} vs {parked} marked vs {walked} listed",
+                self.evictable
+            ));
+        }
+        for (i, (&rc, &s)) in refcount.iter().zip(&self.scope).enumerate() {
+            if s != NOT_CACHED && rc == 0 && !self.parked[i] {
+                return Err(format!(
+                    "cached page {i} is neither referenced nor evictable"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_depend_on_the_secret_the_chain_and_the_namespace() {
+        let a = PrefixHasher::new(&[1; 16]);
+        let b = PrefixHasher::new(&[2; 16]);
+        let toks = [5, 6, 7, 8];
+        let ns = a.namespace(0, "t", None, None);
+        assert_eq!(a.block(ns.root, &toks), a.block(ns.root, &toks));
+        assert_ne!(a.block(ns.root, &toks), b.block(ns.root, &toks), "secret");
+        assert_ne!(
+            a.block(ns.root, &toks),
+            a.block(ns.root + 1, &toks),
+            "parent"
+        );
+        assert_ne!(a.block(ns.root, &toks), a.block(ns.root, &[5, 6, 7, 9]));
+        let other = a.namespace(0, "u", None, None);
+        assert_ne!(ns.root, other.root, "tenant name");
+        let shared = a.namespace(0, "t", Some("t"), None);
+        assert_ne!(
+            ns.root, shared.root,
+            "a shared namespace is not the tenant's"
+        );
+        assert_eq!(shared.scope, Scope::Shared);
+        let salted = a.namespace(0, "t", None, Some(b""));
+        assert_ne!(ns.root, salted.root, "an empty salt is still a salt");
+        // Length prefixes: ("ab", salt "c") and ("a", salt "bc") differ.
+        assert_ne!(
+            a.namespace(0, "ab", None, Some(b"c")).root,
+            a.namespace(0, "a", None, Some(b"bc")).root
+        );
+        // The same name in another tenant slot is the same namespace (names, not
+        // slots, are hashed); only the accounting scope differs.
+        assert_eq!(a.namespace(3, "t", None, None).root, ns.root);
+    }
+
+    #[test]
+    fn lru_evicts_oldest_first_and_unpark_removes_from_the_middle() {
+        let mut c = PrefixCache::new(8);
+        for (p, k) in [(1u32, 10u128), (2, 20), (3, 30), (4, 40)] {
+            assert!(c.register(p, k, Scope::Tenant(0)));
+        }
+        assert!(!c.register(5, 10, Scope::Tenant(0)), "a key names one page");
+        for p in [3, 1, 4, 2] {
+            c.park(p);
+        }
+        let mut rc = vec![0u32; 8];
+        rc[5] = 1;
+        c.check_invariants(&rc).unwrap();
+        c.unpark(4);
+        rc[4] = 1;
+        c.check_invariants(&rc).unwrap();
+        assert_eq!(c.evict_lru(), Some(3));
+        assert_eq!(c.lookup(30), None);
+        assert_eq!(c.evict_lru(), Some(1));
+        assert_eq!(c.evict_lru(), Some(2));
+        assert_eq!(c.evict_lru(), None);
+        assert_eq!((c.evictions(), c.cached(), c.evictable()), (3, 1, 0));
+        assert_eq!(c.lookup(40), Some(4));
+        assert_eq!(c.scope(4), Some(Scope::Tenant(0)));
+        c.check_invariants(&rc).unwrap();
+    }
+}
