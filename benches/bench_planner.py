@@ -1,5 +1,7 @@
 """step() + commit() at 256 and 1024 running decode sequences plus 4 prompts in
 chunked prefill, beside a pure-Python planner of the same policy (py_planner.py).
+kvsched runs with its default prefix cache (every block that fills is named: a
+hash per 16 tokens) and without it, which is what the baseline models.
 
 Run: python -m pytest benches/bench_planner.py --benchmark-enable --benchmark-group-by=group
 """
@@ -33,10 +35,12 @@ def config(n_decode: int) -> dict:
 
 
 class KvschedDriver:
-    def __init__(self, n_decode: int) -> None:
+    def __init__(self, n_decode: int, prefix_caching: bool) -> None:
         cfg = config(n_decode)
         self.sched = kvsched.Scheduler(
-            kvsched.SchedulerConfig(**cfg, overhead_reserve=0.0, max_waiting=8)
+            kvsched.SchedulerConfig(
+                **cfg, overhead_reserve=0.0, max_waiting=8, prefix_caching=prefix_caching
+            )
         )
         self.sched.add_tenant(kvsched.TenantConfig("t"))
         self.rng = np.random.default_rng(0)
@@ -72,7 +76,11 @@ class PythonDriver:
 
 
 def warmed(kind: str, n_decode: int):
-    d = KvschedDriver(n_decode) if kind == "kvsched" else PythonDriver(n_decode)
+    d = (
+        PythonDriver(n_decode)
+        if kind == "python"
+        else KvschedDriver(n_decode, prefix_caching=kind == "kvsched")
+    )
     for _ in range(n_decode):
         d.submit(PROMPT, DECODE_TOKENS)
     while d.round() < n_decode:
@@ -84,7 +92,7 @@ def warmed(kind: str, n_decode: int):
     return d
 
 
-@pytest.mark.parametrize("kind", ["kvsched", "python"])
+@pytest.mark.parametrize("kind", ["kvsched", "kvsched_no_prefix_cache", "python"])
 @pytest.mark.parametrize("n_decode", [256, 1024])
 def test_step_commit(benchmark, kind, n_decode):
     benchmark.group = f"planner: step + commit, {n_decode} decoding + 4 prefilling"
@@ -97,7 +105,9 @@ def test_python_baseline_plans_exactly_like_kvsched():
     """The baseline implements the same policy: identical arrays, step by step."""
     cfg = dict(num_blocks=400, block_size=8, max_num_seqs=6, max_batched_tokens=48,
                max_seq_len=256, long_prefill_chunk=20)  # fmt: skip
-    sched = kvsched.Scheduler(kvsched.SchedulerConfig(**cfg, overhead_reserve=0.0, max_waiting=30))
+    sched = kvsched.Scheduler(
+        kvsched.SchedulerConfig(**cfg, overhead_reserve=0.0, max_waiting=30, prefix_caching=False)
+    )
     sched.add_tenant(kvsched.TenantConfig("t"))
     py = PyPlanner(**cfg)
     rng = np.random.default_rng(1)

@@ -216,4 +216,4 @@ class PyPlanner:
                 del self.running[last]
             else:
                 del self.running[i]
-        self.free.extend(r.pages)
+        self.free.extend(reversed(r.pages))  # last to first, as kvsched releases

@@ -5,6 +5,14 @@ use pyo3::prelude::*;
 use crate::error::KvError;
 use crate::{scheduler, tenant};
 
+fn py_bool(b: bool) -> &'static str {
+    if b {
+        "True"
+    } else {
+        "False"
+    }
+}
+
 /// An optional value as Python writes it.
 fn py_opt<T: std::fmt::Debug>(v: Option<T>) -> String {
     v.map_or_else(|| "None".to_owned(), |v| format!("{v:?}"))
@@ -24,7 +32,8 @@ impl PySchedulerConfig {
     #[pyo3(signature = (*, num_blocks=None, block_size=None, max_num_seqs=None,
         max_batched_tokens=None, max_seq_len=None, overhead_reserve=None, max_waiting=None,
         long_prefill_chunk=None, token_buckets=None, admission=None, watermark_blocks=None,
-        preempt_lower_tiers=None, full_validation=None))]
+        preempt_lower_tiers=None, full_validation=None, prefix_caching=None,
+        prefix_cache_key=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: Option<usize>,
@@ -40,7 +49,18 @@ impl PySchedulerConfig {
         watermark_blocks: Option<usize>,
         preempt_lower_tiers: Option<bool>,
         full_validation: Option<bool>,
+        prefix_caching: Option<bool>,
+        prefix_cache_key: Option<Vec<u8>>,
     ) -> PyResult<Self> {
+        let prefix_cache_key = match prefix_cache_key {
+            None => None,
+            Some(k) => Some(scheduler::SecretKey(k.as_slice().try_into().map_err(|_| {
+                KvError::InvalidConfig(format!(
+                    "prefix_cache_key must be 16 bytes, got {}",
+                    k.len()
+                ))
+            })?)),
+        };
         let d = scheduler::SchedulerConfig::default();
         let admission = match (admission.unwrap_or("reserve"), watermark_blocks) {
             ("reserve", None) => scheduler::AdmissionMode::Reserve,
@@ -73,6 +93,8 @@ impl PySchedulerConfig {
             admission,
             preempt_lower_tiers: preempt_lower_tiers.unwrap_or(d.preempt_lower_tiers),
             full_validation: full_validation.unwrap_or(d.full_validation),
+            prefix_caching: prefix_caching.unwrap_or(d.prefix_caching),
+            prefix_cache_key,
         };
         inner.validate()?;
         Ok(PySchedulerConfig { inner })
@@ -150,6 +172,12 @@ impl PySchedulerConfig {
     fn full_validation(&self) -> bool {
         self.inner.full_validation
     }
+    /// Whether full blocks already computed for the same prefix (same
+    /// namespace) are reused. The key is write-only: it is never shown.
+    #[getter]
+    fn prefix_caching(&self) -> bool {
+        self.inner.prefix_caching
+    }
 
     fn __repr__(&self) -> String {
         let c = &self.inner;
@@ -157,7 +185,7 @@ impl PySchedulerConfig {
             "SchedulerConfig(num_blocks={}, block_size={}, max_num_seqs={}, \
              max_batched_tokens={}, max_seq_len={}, overhead_reserve={:?}, max_waiting={}, \
              long_prefill_chunk={}, admission={:?}, watermark_blocks={}, \
-             preempt_lower_tiers={})",
+             preempt_lower_tiers={}, prefix_caching={})",
             c.num_blocks,
             c.block_size,
             c.max_num_seqs,
@@ -168,11 +196,8 @@ impl PySchedulerConfig {
             c.long_prefill_chunk,
             self.admission(),
             py_opt(self.watermark_blocks()),
-            if c.preempt_lower_tiers {
-                "True"
-            } else {
-                "False"
-            }
+            py_bool(c.preempt_lower_tiers),
+            py_bool(c.prefix_caching),
         )
     }
 
@@ -196,7 +221,7 @@ impl PyTenantConfig {
     #[new]
     #[pyo3(signature = (name, /, *, tier=0, kv_floor_blocks=0, kv_cap_blocks=None,
         max_concurrent=None, rate_tokens_per_s=None, burst_tokens=None, weight=1.0,
-        max_step_tokens=None))]
+        max_step_tokens=None, prefix_namespace=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         name: String,
@@ -208,6 +233,7 @@ impl PyTenantConfig {
         burst_tokens: Option<f64>,
         weight: f64,
         max_step_tokens: Option<usize>,
+        prefix_namespace: Option<String>,
     ) -> PyResult<Self> {
         let inner = tenant::TenantConfig {
             name,
@@ -219,6 +245,7 @@ impl PyTenantConfig {
             burst_tokens,
             weight,
             max_step_tokens,
+            prefix_namespace,
         };
         inner.validate()?;
         Ok(PyTenantConfig { inner })
@@ -269,13 +296,19 @@ impl PyTenantConfig {
     fn max_step_tokens(&self) -> Option<usize> {
         self.inner.max_step_tokens
     }
+    /// Prefix-cache namespace shared with the tenants naming the same one
+    /// (None: its own; no other tenant can hit its blocks).
+    #[getter]
+    fn prefix_namespace(&self) -> Option<&str> {
+        self.inner.prefix_namespace.as_deref()
+    }
 
     fn __repr__(&self) -> String {
         let c = &self.inner;
         format!(
             "TenantConfig({:?}, tier={}, kv_floor_blocks={}, kv_cap_blocks={}, \
              max_concurrent={}, rate_tokens_per_s={}, burst_tokens={}, weight={:?}, \
-             max_step_tokens={})",
+             max_step_tokens={}, prefix_namespace={})",
             c.name,
             c.tier,
             c.kv_floor_blocks,
@@ -284,7 +317,8 @@ impl PyTenantConfig {
             py_opt(c.rate_tokens_per_s),
             py_opt(c.burst_tokens),
             c.weight,
-            py_opt(c.max_step_tokens)
+            py_opt(c.max_step_tokens),
+            py_opt(c.prefix_namespace.as_deref())
         )
     }
 

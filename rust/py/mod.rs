@@ -18,7 +18,7 @@ use std::sync::Mutex;
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::PyInt;
+use pyo3::types::{PyBytes, PyInt, PyString};
 
 use crate::error::KvError;
 use errors::invalid;
@@ -95,6 +95,20 @@ fn count_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
         Err(_) if obj.gt(0)? => usize::MAX,
         Err(_) => 0,
     })
+}
+
+/// A prefix-cache salt: str (its UTF-8 bytes) or bytes.
+fn salt_arg(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
+    if let Ok(s) = obj.cast::<PyString>() {
+        return Ok(s.to_str()?.as_bytes().to_vec());
+    }
+    if let Ok(b) = obj.cast::<PyBytes>() {
+        return Ok(b.as_bytes().to_vec());
+    }
+    Err(invalid(format!(
+        "cache_salt must be str or bytes, got {}",
+        obj.get_type().name()?
+    )))
 }
 
 /// kvsched's native core: the block pool, tenants, admission and scheduler.

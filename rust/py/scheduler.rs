@@ -13,11 +13,11 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PySlice};
 
 use super::config::{PySchedulerConfig, PyTenantConfig};
-use super::{count_arg, int32_arg, int32_slice, locked, now_or_monotonic};
+use super::{count_arg, int32_arg, int32_slice, locked, now_or_monotonic, salt_arg};
 use crate::error::{KvError, KvResult, RejectReason};
 use crate::metrics::{Histogram, LATENCY_BOUNDS};
 use crate::planner::{PlanBuffers, PlanShape};
-use crate::scheduler::{self, CommitEvents, FinishedRequest, StepOutcome};
+use crate::scheduler::{self, CommitEvents, FinishedRequest, StepOutcome, SubmitOptions};
 
 /// One buffer set: the arrays the core writes and the views handed out.
 struct PlanArrays {
@@ -200,7 +200,14 @@ impl PyScheduler {
     /// Admission reserves ceil((len(prompt_ids) + max_tokens) / block_size) blocks
     /// (over-commit: the prompt plus the watermark). `prompt_ids` is a 1-D numpy
     /// int32 array; sampling any of `stop_token_ids` finishes the request.
-    #[pyo3(signature = (tenant, prompt_ids, max_tokens, *, stop_token_ids=None, now=None))]
+    ///
+    /// Reserve mode looks up the prompt's longest cached prefix in the
+    /// request's namespace (its tenant's, or the shared one the tenant names,
+    /// mixed with `cache_salt` when given: str or bytes) and shares those pages
+    /// at once; prefill starts after them.
+    #[pyo3(signature = (tenant, prompt_ids, max_tokens, *, stop_token_ids=None,
+        cache_salt=None, now=None))]
+    #[allow(clippy::too_many_arguments)]
     fn submit(
         &self,
         py: Python<'_>,
@@ -208,15 +215,21 @@ impl PyScheduler {
         prompt_ids: &Bound<'_, PyAny>,
         max_tokens: &Bound<'_, PyAny>,
         stop_token_ids: Option<Vec<i32>>,
+        cache_salt: Option<&Bound<'_, PyAny>>,
         now: Option<f64>,
     ) -> PyResult<u64> {
         let arr = int32_arg(prompt_ids, "prompt_ids")?;
         let prompt = int32_slice(&arr);
         let max_tokens = count_arg(max_tokens, "max_tokens")?;
+        let salt = cache_salt.map(salt_arg).transpose()?;
         let now = now_or_monotonic(py, now)?;
         let stops = stop_token_ids.unwrap_or_default();
+        let opts = SubmitOptions {
+            stop_token_ids: &stops,
+            cache_salt: salt.as_deref(),
+        };
         Ok(locked(&self.inner, |s| {
-            s.submit_with_stops(tenant, &prompt, max_tokens, &stops, now)
+            s.submit_with(tenant, &prompt, max_tokens, &opts, now)
         })??)
     }
 
@@ -442,6 +455,9 @@ pub struct PyFinishedRequest {
     /// Times it was preempted and recomputed.
     #[pyo3(get)]
     preemptions: u32,
+    /// Prompt tokens served from the prefix cache (not computed for it).
+    #[pyo3(get)]
+    cached_tokens: usize,
 }
 
 #[pymethods]
@@ -486,6 +502,7 @@ impl PyFinishedRequest {
             first_token: f.first_token,
             finished: f.finished,
             preemptions: f.preemptions,
+            cached_tokens: f.cached_tokens,
         }
     }
 }
@@ -579,6 +596,9 @@ fn stats_dict<'py>(
     pool.set_item("usable", p.usable)?;
     pool.set_item("reserved", p.reserved)?;
     pool.set_item("committed", p.committed)?;
+    pool.set_item("cached", p.cached)?;
+    pool.set_item("evictable", p.evictable)?;
+    pool.set_item("evictions", p.evictions)?;
 
     let tenants = PyDict::new(py);
     for t in &st.tenants {
@@ -590,6 +610,7 @@ fn stats_dict<'py>(
         d.set_item("kv_cap_blocks", t.kv_cap_blocks)?;
         d.set_item("reserved_blocks", t.reserved_blocks)?;
         d.set_item("used_blocks", t.used_blocks)?;
+        d.set_item("shared_blocks", t.shared_blocks)?;
         d.set_item("live_requests", t.live_requests)?;
         d.set_item("waiting", t.waiting)?;
         d.set_item("running", t.running)?;
@@ -602,6 +623,12 @@ fn stats_dict<'py>(
         d.set_item("tokens_out", m.tokens_out)?;
         d.set_item("prefill_tokens", m.prefill_tokens)?;
         d.set_item("preemptions", m.preemptions)?;
+        let prefix = PyDict::new(py);
+        prefix.set_item("query_blocks", m.prefix_query_blocks)?;
+        prefix.set_item("hit_blocks", m.prefix_hit_blocks)?;
+        prefix.set_item("query_tokens", m.prefix_query_tokens)?;
+        prefix.set_item("hit_tokens", m.prefix_hit_tokens)?;
+        d.set_item("prefix_cache", prefix)?;
         d.set_item("virtual_time", t.vtime)?;
         d.set_item("queue_time", histogram_dict(py, &m.queue_time)?)?;
         d.set_item("ttft", histogram_dict(py, &m.ttft)?)?;
