@@ -4,8 +4,9 @@ benchmarks show what the Rust core buys side by side in one run."""
 
 from __future__ import annotations
 
+import hashlib
 import math
-from collections import deque
+from collections import OrderedDict, deque
 
 import numpy as np
 
@@ -115,3 +116,79 @@ class PyAdmission:
         t = self.tenants[tenant]
         t.reserved -= blocks
         t.live -= 1
+
+
+class PyPrefixAdmission(PyAdmission):
+    """PyAdmission plus a prefix cache as a careful Python programmer would write
+    it: blocks named by keyed BLAKE2b-128 chained from a per-tenant root (the
+    same security as the core's keyed SipHash-128), a dict from name to page,
+    dict refcounts and an OrderedDict as the LRU of evictable pages."""
+
+    def __init__(self, num_blocks: int, block_size: int, max_seq_len: int, max_live: int) -> None:
+        super().__init__(num_blocks, block_size, max_seq_len, max_live)
+        self.secret = bytes(range(16))
+        self.names: dict[bytes, int] = {}
+        self.refcount: dict[int, int] = {}
+        self.lru: OrderedDict[int, None] = OrderedDict()
+        self.free_list: deque[int] = deque(range(1, num_blocks))
+        self.pages: dict[int, list[int]] = {}
+
+    def root(self, tenant: str) -> bytes:
+        return hashlib.blake2b(tenant.encode(), key=self.secret, digest_size=16).digest()
+
+    def lookup(self, tenant: str, prompt: np.ndarray) -> list[int]:
+        bs = self.block_size
+        parent = self.root(tenant)
+        hits = []
+        for b in range((len(prompt) - 1) // bs):
+            key = hashlib.blake2b(
+                parent + prompt[b * bs : (b + 1) * bs].tobytes(), key=self.secret, digest_size=16
+            ).digest()
+            page = self.names.get(key)
+            if page is None:
+                break
+            hits.append(page)
+            parent = key
+        return hits
+
+    def warm(self, tenant: str, prompt: np.ndarray) -> None:
+        """Name the full blocks of `prompt` as if a request had computed them
+        and finished: cached, evictable."""
+        bs = self.block_size
+        parent = self.root(tenant)
+        pages = []
+        for b in range(len(prompt) // bs):
+            key = hashlib.blake2b(
+                parent + prompt[b * bs : (b + 1) * bs].tobytes(), key=self.secret, digest_size=16
+            ).digest()
+            page = self.free_list.popleft()
+            self.names[key] = page
+            pages.append(page)
+            parent = key
+        for p in reversed(pages):
+            self.lru[p] = None
+
+    def submit(
+        self, tenant: str, prompt: np.ndarray, max_tokens: int, now: float | None = None
+    ) -> int:
+        hits = self.lookup(tenant, prompt)
+        rid = super().submit(tenant, prompt, max_tokens, now)
+        rc = self.refcount
+        for p in hits:
+            c = rc.get(p, 0)
+            if c == 0:
+                del self.lru[p]
+            rc[p] = c + 1
+        self.pages[rid] = hits
+        return rid
+
+    def cancel(self, rid: int) -> None:
+        super().cancel(rid)
+        rc = self.refcount
+        for p in reversed(self.pages.pop(rid)):
+            c = rc[p] - 1
+            if c == 0:
+                del rc[p]
+                self.lru[p] = None
+            else:
+                rc[p] = c

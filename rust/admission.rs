@@ -85,7 +85,12 @@ pub fn decide(
             "max_tokens must be at least 1".into(),
         ));
     }
-    if let Some(at) = prompt.iter().position(|&t| t < 0) {
+    // A min reduction vectorizes; the position is looked for only on failure.
+    let lowest = prompt.iter().copied().fold(0, i32::min);
+    if let Some(at) = (lowest < 0)
+        .then(|| prompt.iter().position(|&t| t < 0))
+        .flatten()
+    {
         return Err(reject(
             tenant,
             Invalid,

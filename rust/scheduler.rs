@@ -622,8 +622,8 @@ impl Scheduler {
                 AdmissionMode::Overcommit { watermark_blocks } => Some(watermark_blocks),
             },
         };
-        let mut hits = Vec::new();
-        let mut hit_keys = Vec::new();
+        let mut hits: Vec<u32> = Vec::new();
+        let mut hit_keys: Vec<BlockKey> = Vec::new();
         let mut newly_shared = 0;
         let namespace = match &self.hasher {
             Some(h) => {
@@ -657,6 +657,8 @@ impl Scheduler {
                     let Some(hasher) = hasher.as_ref().filter(|_| reserve) else {
                         return 0;
                     };
+                    hits.reserve_exact(max_hit_blocks);
+                    hit_keys.reserve_exact(max_hit_blocks);
                     lookup_prefix(
                         pool,
                         hasher,

@@ -54,12 +54,14 @@ impl PySchedulerConfig {
     ) -> PyResult<Self> {
         let prefix_cache_key = match prefix_cache_key {
             None => None,
-            Some(k) => Some(scheduler::SecretKey(k.as_slice().try_into().map_err(|_| {
-                KvError::InvalidConfig(format!(
-                    "prefix_cache_key must be 16 bytes, got {}",
-                    k.len()
-                ))
-            })?)),
+            Some(k) => Some(scheduler::SecretKey(k.as_slice().try_into().map_err(
+                |_| {
+                    KvError::InvalidConfig(format!(
+                        "prefix_cache_key must be 16 bytes, got {}",
+                        k.len()
+                    ))
+                },
+            )?)),
         };
         let d = scheduler::SchedulerConfig::default();
         let admission = match (admission.unwrap_or("reserve"), watermark_blocks) {
