@@ -1,0 +1,73 @@
+"""Readers for the request traces in ../shared/traces (see its README for sources).
+
+mooncake_synthetic.jsonl (kvcache-ai/Mooncake, FAST'25; Apache-2.0) names each
+512-token block of a prompt by a hash id: equal ids are equal content (and, the
+ids being prefix-chained, an equal prefix). The trace has no token ids, so
+`mooncake_prompt` builds them: every id gets its own 512 pseudo-random tokens,
+the same wherever it appears, so equal ids are equal tokens and different ids
+differ in their first token.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+MOONCAKE_BLOCK = 512
+VOCAB = 32000
+
+
+@dataclass(frozen=True)
+class MooncakeRequest:
+    arrival: float
+    """Seconds from the start of the trace."""
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def read_mooncake(path: str | Path, limit: int | None = None) -> list[MooncakeRequest]:
+    """The trace's requests in arrival order (the first `limit` of them)."""
+    out: list[MooncakeRequest] = []
+    with open(path) as f:
+        for line in f:
+            if limit is not None and len(out) >= limit:
+                break
+            r = json.loads(line)
+            n, ids = int(r["input_length"]), tuple(int(h) for h in r["hash_ids"])
+            if not (ids and (len(ids) - 1) * MOONCAKE_BLOCK < n <= len(ids) * MOONCAKE_BLOCK):
+                raise ValueError(f"{path}: {n} tokens do not match {len(ids)} blocks of 512")
+            out.append(MooncakeRequest(r["timestamp"] / 1000.0, n, int(r["output_length"]), ids))
+    out.sort(key=lambda r: r.arrival)
+    return out
+
+
+def mooncake_prompt(req: MooncakeRequest) -> np.ndarray:
+    """int32 token ids for a request: block i holds hash id i's tokens."""
+    ids = np.asarray(req.hash_ids, dtype=np.uint64)[:, None]
+    j = np.arange(MOONCAKE_BLOCK, dtype=np.uint64)[None, :]
+    # A multiplicative mix of (id, offset), folded into the vocabulary.
+    x = (ids * np.uint64(MOONCAKE_BLOCK) + j + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+    tokens = ((x >> np.uint64(33)) % np.uint64(VOCAB)).astype(np.int32)
+    return tokens.reshape(-1)[: req.input_length]
+
+
+def mooncake_ceiling(reqs: list[MooncakeRequest]) -> tuple[float, float]:
+    """The best any prefix cache could do on this trace: the share of 512-token
+    blocks seen before (by any earlier request), and the same share weighted by
+    the tokens of each block (a prompt's last block is partial)."""
+    seen: set[int] = set()
+    blocks = hit_blocks = tokens = hit_tokens = 0
+    for r in reqs:
+        for i, h in enumerate(r.hash_ids):
+            n = min(MOONCAKE_BLOCK, r.input_length - i * MOONCAKE_BLOCK)
+            blocks += 1
+            tokens += n
+            if h in seen:
+                hit_blocks += 1
+                hit_tokens += n
+            seen.add(h)
+    return hit_blocks / blocks, hit_tokens / tokens

@@ -1,0 +1,64 @@
+"""The mooncake trace reader and the prefix-cache replay through the real scheduler."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvsched.sim.prefix_replay import replay
+from kvsched.sim.traces import (
+    MooncakeRequest,
+    mooncake_ceiling,
+    mooncake_prompt,
+    read_mooncake,
+)
+
+HEAD = Path(__file__).parent / "data" / "mooncake_head600.jsonl"
+
+
+def test_equal_hash_ids_are_equal_tokens_and_different_ids_differ():
+    a = MooncakeRequest(0.0, 1100, 1, (7, 8, 9))
+    b = MooncakeRequest(0.0, 1030, 1, (7, 8, 5))
+    pa, pb = mooncake_prompt(a), mooncake_prompt(b)
+    assert pa.dtype == np.int32 and len(pa) == 1100 and len(pb) == 1030
+    assert np.array_equal(pa[:1024], pb[:1024])
+    assert pa[1024] != pb[1024], "another id differs from its first token"
+    assert (pa >= 0).all() and (pa < 32000).all()
+
+
+def test_ceiling_counts_blocks_seen_before_and_weights_partial_blocks():
+    reqs = [
+        MooncakeRequest(0.0, 1024, 1, (1, 2)),
+        MooncakeRequest(1.0, 612, 1, (1, 3)),  # block 1 seen; block 3 holds 100 tokens
+    ]
+    blocks, tokens = mooncake_ceiling(reqs)
+    assert blocks == 1 / 4
+    assert tokens == 512 / (1024 + 612)
+
+
+def test_reader_refuses_lengths_that_do_not_match_the_blocks(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"timestamp": 0, "input_length": 2000, "output_length": 3,
+                               "hash_ids": [1, 2]}) + "\n")  # fmt: skip
+    with pytest.raises(ValueError, match="do not match"):
+        read_mooncake(bad)
+    reqs = read_mooncake(HEAD, limit=5)
+    assert len(reqs) == 5 and reqs[0].input_length == 40160 and reqs[0].hash_ids[:2] == (0, 1)
+
+
+def test_replay_hit_rate_grows_with_the_pool_up_to_the_ceiling():
+    reqs = read_mooncake(HEAD)
+    _, ceiling = mooncake_ceiling(reqs)
+    small, large = replay(reqs, 1 << 18), replay(reqs, 1 << 22)
+    for r in (small, large):
+        assert r.finished == len(reqs) and r.rejected == 0
+        # What the cache did not serve was computed, exactly once (no preemption).
+        assert r.prefill_tokens == r.query_tokens - r.hit_tokens
+        assert r.query_tokens == sum(q.input_length for q in reqs)
+    assert small.token_hit_rate < large.token_hit_rate <= ceiling
+    # With the working set in memory, most of what could be hit is.
+    assert large.token_hit_rate > 0.7 * ceiling
+    assert small.evictions > large.evictions
