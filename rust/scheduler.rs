@@ -1411,8 +1411,8 @@ impl Scheduler {
             if let Some(hasher) = &self.hasher {
                 // Name the blocks this step filled; the first copy of a block
                 // stays the cached one.
+                let (full, _) = self.shape.block_size.split(r.num_computed);
                 let bs = self.config.block_size;
-                let full = r.num_computed / bs;
                 while r.block_keys.len() < full {
                     let b = r.block_keys.len();
                     let parent = r.block_keys.last().copied().unwrap_or(r.namespace.root);
