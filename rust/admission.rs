@@ -32,6 +32,12 @@ pub struct Capacity {
     /// Over-commit mode: reserve the prompt plus this many blocks instead of the
     /// final length (None: reserve mode).
     pub overcommit_watermark_blocks: Option<usize>,
+    /// The degradation ladder sheds new requests of this tier.
+    pub shed_tier: Option<u32>,
+    /// The ladder rejects fast, and this request could not start running now.
+    pub reject_fast_would_wait: bool,
+    /// `retry_after` of a request the ladder sheds.
+    pub shed_retry_after: f64,
 }
 
 /// A decision to admit: what to charge.
@@ -112,6 +118,27 @@ pub fn decide(
             ),
         ));
     }
+    // The ladder: passing, but cheaper than anything below it.
+    if cap.shed_tier == Some(tenant.config.tier) {
+        return Err(reject(
+            tenant,
+            Shed,
+            Some(cap.shed_retry_after),
+            format!(
+                "overloaded: tier {} (the lowest) is not admitted for now",
+                tenant.config.tier
+            ),
+        ));
+    }
+    if cap.reject_fast_would_wait {
+        return Err(reject(
+            tenant,
+            Shed,
+            Some(cap.shed_retry_after),
+            "overloaded: only requests that can start at once are admitted".into(),
+        ));
+    }
+
     let final_blocks = final_len.div_ceil(cap.block_size);
     let blocks = match cap.overcommit_watermark_blocks {
         None => final_blocks,

@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use crate::admission::{self, Capacity};
 use crate::buckets::TokenBuckets;
 use crate::error::{KvError, KvResult, RejectReason};
+use crate::ladder::{Ladder, LadderConfig, LadderMove, Pressure};
 use crate::metrics::TenantMetrics;
 use crate::planner::{self, PlanBuffers, PlanShape, RowCache, SeqSlice};
 use crate::pool::BlockPool;
@@ -68,6 +69,8 @@ pub struct SchedulerConfig {
     /// The secret that keys block names; None: random for this scheduler.
     /// Hosts that must name blocks alike configure the same one. Restart-only.
     pub prefix_cache_key: Option<SecretKey>,
+    /// The degradation ladder (no rungs: never degrade). Live.
+    pub ladder: LadderConfig,
 }
 
 /// A 128-bit secret that never shows in Debug output.
@@ -97,6 +100,7 @@ impl Default for SchedulerConfig {
             full_validation: false,
             prefix_caching: true,
             prefix_cache_key: None,
+            ladder: LadderConfig::off(),
         }
     }
 }
@@ -127,6 +131,7 @@ impl SchedulerConfig {
             return bad("long_prefill_chunk must be at least 1");
         }
         self.buckets()?;
+        self.ladder.validate()?;
         Ok(())
     }
 
@@ -245,6 +250,25 @@ impl Request {
         self.tokens.len() - self.num_computed
     }
 }
+
+/// Something operators want to know about, in the order it happened.
+#[derive(Clone, Debug, PartialEq)]
+pub enum SchedulerEvent {
+    /// The ladder engaged or released a rung.
+    Ladder(LadderMove),
+    /// The ladder admitted a request with its max_tokens lowered.
+    MaxTokensCapped {
+        request: u64,
+        tenant: String,
+        asked: usize,
+        admitted: usize,
+        at: f64,
+    },
+}
+
+/// Most events kept between two `take_events` calls; older ones are dropped
+/// (and counted) so an unread queue cannot grow without bound.
+pub const MAX_PENDING_EVENTS: usize = 4096;
 
 /// What a request may carry beside its prompt.
 #[derive(Clone, Copy, Debug, Default)]
@@ -449,6 +473,9 @@ pub struct Scheduler {
     served: Vec<usize>,
     /// Preempted by a step that ran nothing; reported with the next plan.
     unreported_preempted: Vec<u64>,
+    ladder: Ladder,
+    events: VecDeque<SchedulerEvent>,
+    events_dropped: u64,
 }
 
 impl Scheduler {
@@ -490,6 +517,9 @@ impl Scheduler {
             preemptions: 0,
             served: Vec::new(),
             unreported_preempted: Vec::new(),
+            ladder: Ladder::new(config.ladder.clone())?,
+            events: VecDeque::new(),
+            events_dropped: 0,
             config,
         })
     }
@@ -610,7 +640,24 @@ impl Scheduler {
                 format!("no tenant named {tenant:?}"),
             ));
         };
+        self.update_ladder(now);
+        let effects = self.ladder.effects();
+        let asked = max_tokens;
+        let max_tokens = effects
+            .cap_max_tokens
+            .map_or(max_tokens, |c| max_tokens.min(c));
+        let shed_tier = if effects.shed_lowest_tier {
+            let tiers = self.tenants.iter().map(|(_, t)| t.config.tier);
+            let (lo, hi) = tiers.fold((u32::MAX, 0), |(lo, hi), t| (lo.min(t), hi.max(t)));
+            // The lowest tier, never the only one.
+            (hi > lo).then_some(hi)
+        } else {
+            None
+        };
         let capacity = Capacity {
+            shed_tier,
+            reject_fast_would_wait: effects.reject_fast && self.would_wait(tid),
+            shed_retry_after: self.ladder.config().retry_after_s,
             block_size: self.config.block_size,
             max_seq_len: self.config.max_seq_len,
             usable_blocks: self.usable_blocks(),
@@ -765,6 +812,16 @@ impl Scheduler {
         };
         self.index.insert(id, slab);
         self.tenants.get_mut(tid).waiting.push_back(slab);
+        if max_tokens < asked {
+            let tenant = self.tenants.get(tid).config.name.clone();
+            self.push_event(SchedulerEvent::MaxTokensCapped {
+                request: id,
+                tenant,
+                asked,
+                admitted: max_tokens,
+                at: now,
+            });
+        }
         Ok(id)
     }
 
@@ -775,6 +832,101 @@ impl Scheduler {
         let req = self.release(slab);
         self.tenants.get_mut(req.tenant).counters.cancelled += 1;
         Ok(req)
+    }
+
+    // -- the ladder and events ----------------------------------------------------
+
+    /// The ladder's signals now.
+    pub fn pressure(&self, now: f64) -> Pressure {
+        let usable = self.usable_blocks();
+        let oldest = self
+            .tenants
+            .iter()
+            .filter_map(|(_, t)| t.waiting.front())
+            .chain(self.resume.values().filter_map(|q| q.front()))
+            .map(|&s| self.req(s).arrival)
+            .fold(f64::INFINITY, f64::min);
+        Pressure {
+            reserved_share: if usable == 0 {
+                1.0
+            } else {
+                self.tenants.committed() as f64 / usable as f64
+            },
+            queue_depth: (self.index.len() - self.running.len()) as f64,
+            oldest_wait_s: if oldest.is_finite() {
+                (now - oldest).max(0.0)
+            } else {
+                0.0
+            },
+        }
+    }
+
+    fn update_ladder(&mut self, now: f64) {
+        if self.ladder.config().rungs.is_empty() {
+            return;
+        }
+        let p = self.pressure(now);
+        let mut moves = Vec::new();
+        self.ladder.update(&p, now, &mut moves);
+        for m in moves {
+            self.push_event(SchedulerEvent::Ladder(m));
+        }
+    }
+
+    fn push_event(&mut self, e: SchedulerEvent) {
+        if self.events.len() == MAX_PENDING_EVENTS {
+            self.events.pop_front();
+            self.events_dropped += 1;
+        }
+        self.events.push_back(e);
+    }
+
+    /// Events since the last call, oldest first.
+    pub fn take_events(&mut self) -> Vec<SchedulerEvent> {
+        self.events.drain(..).collect()
+    }
+
+    /// Events dropped because nobody took them in time.
+    pub fn events_dropped(&self) -> u64 {
+        self.events_dropped
+    }
+
+    pub fn ladder(&self) -> &Ladder {
+        &self.ladder
+    }
+
+    /// Whether a new request of tenant `tid` would have to wait for a slot:
+    /// the sequences it cannot pass (running ones of its tier or above, or all
+    /// of them without priority preemption) and the requests waiting ahead of
+    /// it (of its tier or above) take every slot.
+    fn would_wait(&self, tid: TenantId) -> bool {
+        let tier = self.tenants.get(tid).config.tier;
+        let ahead: usize = self
+            .tenants
+            .iter()
+            .filter(|(_, t)| t.config.tier <= tier)
+            .map(|(_, t)| {
+                let running = if self.config.preempt_lower_tiers {
+                    t.running as usize
+                } else {
+                    0
+                };
+                running + t.waiting.len() + t.resuming as usize
+            })
+            .sum();
+        let running = if self.config.preempt_lower_tiers {
+            0
+        } else {
+            self.running.len()
+        };
+        running + ahead >= self.max_running()
+    }
+
+    /// Most sequences that may run now: max_num_seqs, or less while a ladder
+    /// rung says so.
+    pub fn max_running(&self) -> usize {
+        let cap = self.ladder.effects().max_running.unwrap_or(usize::MAX);
+        self.config.max_num_seqs.min(cap)
     }
 
     fn req(&self, slab: usize) -> &Request {
@@ -1126,6 +1278,7 @@ impl Scheduler {
                 "the previous plan was not committed; commit it first".into(),
             ));
         }
+        self.update_ladder(now);
         let mut preempted = Vec::new();
         if self.config.preempt_lower_tiers {
             self.preempt_for_higher_tiers(&mut preempted);
@@ -1177,7 +1330,8 @@ impl Scheduler {
         // New sequences enter while there are slots and budget. The best waiting
         // request holds the line: nothing of lower priority passes it.
         if pos == self.running.len() {
-            while self.running.len() < self.config.max_num_seqs {
+            let max_running = self.max_running();
+            while self.running.len() < max_running {
                 let Some((slab, from)) = self.peek_waiting() else {
                     break;
                 };
@@ -1309,7 +1463,7 @@ impl Scheduler {
                 return;
             };
             let tier = self.tenants.get(self.req(slab).tenant).config.tier;
-            let no_slot = self.running.len() >= self.config.max_num_seqs;
+            let no_slot = self.running.len() >= self.max_running();
             let no_room = match self.config.admission {
                 AdmissionMode::Reserve => false,
                 AdmissionMode::Overcommit { .. } => {

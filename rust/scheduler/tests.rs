@@ -1192,4 +1192,5 @@ mod review3 {
     }
 }
 
+mod ladder;
 mod prefix;
