@@ -566,6 +566,69 @@ impl Scheduler {
         (self.steps % 2) as usize
     }
 
+    // -- live knobs ---------------------------------------------------------------
+
+    /// Change the configuration live, effective from the next step. Validated
+    /// as a whole; on an error nothing changes.
+    ///
+    /// Restart-only (`RestartRequired` names the knob): num_blocks, block_size,
+    /// token_buckets, admission, prefix_caching, prefix_cache_key; and raising
+    /// max_num_seqs, max_seq_len or max_batched_tokens past the plan shape the
+    /// scheduler started with (the engine compiled for it). Lowering them is
+    /// live: running sequences are not cut, new work obeys. overhead_reserve may
+    /// not shrink the usable pool below what admission has already promised.
+    pub fn update_config(&mut self, new: SchedulerConfig) -> KvResult<()> {
+        new.validate()?;
+        let old = &self.config;
+        let restart = |knob: &'static str| Err(KvError::RestartRequired(knob));
+        if new.num_blocks != old.num_blocks {
+            return restart("num_blocks");
+        }
+        if new.block_size != old.block_size {
+            return restart("block_size");
+        }
+        if new.token_buckets != old.token_buckets {
+            return restart("token_buckets");
+        }
+        if new.admission != old.admission {
+            return restart("admission");
+        }
+        if new.prefix_caching != old.prefix_caching {
+            return restart("prefix_caching");
+        }
+        if new.prefix_cache_key.is_some() && new.prefix_cache_key != old.prefix_cache_key {
+            return restart("prefix_cache_key");
+        }
+        if new.max_num_seqs > self.shape.max_seqs {
+            return restart("max_num_seqs");
+        }
+        if new.max_seq_len > self.shape.pages_per_seq * self.config.block_size {
+            return restart("max_seq_len");
+        }
+        if new.max_batched_tokens > self.buckets.largest() {
+            return restart("max_batched_tokens");
+        }
+        let total = self.pool.total();
+        let usable = total - new.reserve_blocks(total);
+        if self.tenants.committed() > usable {
+            return Err(KvError::InvalidConfig(format!(
+                "overhead_reserve {} leaves {usable} usable blocks, fewer than the {} \
+                 already promised",
+                new.overhead_reserve,
+                self.tenants.committed()
+            )));
+        }
+        let mut ladder = self.ladder.clone();
+        ladder.reconfigure(new.ladder.clone())?;
+        self.ladder = ladder;
+        let key = self.config.prefix_cache_key;
+        self.config = SchedulerConfig {
+            prefix_cache_key: key,
+            ..new
+        };
+        Ok(())
+    }
+
     // -- tenants ----------------------------------------------------------------
 
     pub fn add_tenant(&mut self, config: TenantConfig) -> KvResult<()> {

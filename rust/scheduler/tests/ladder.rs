@@ -157,3 +157,95 @@ fn a_ten_times_burst_climbs_the_rungs_in_order_keeps_tier_0_fast_and_descends() 
         off.gold_rejected, off.bulk_reasons
     );
 }
+
+#[test]
+fn live_knobs_take_effect_next_step_and_restart_only_ones_say_which() {
+    let c = SchedulerConfig {
+        num_blocks: 101,
+        block_size: 8,
+        max_num_seqs: 6,
+        max_batched_tokens: 64,
+        max_seq_len: 128,
+        overhead_reserve: 0.0,
+        max_waiting: 8,
+        ..SchedulerConfig::default()
+    };
+    let mut h = Harness::new(c.clone());
+    h.tenant(TenantConfig::new("a"));
+    for k in 0..6 {
+        h.submit("a", &prompt(8, k), 30);
+    }
+    h.step();
+    assert_eq!(h.s.running.len(), 6);
+
+    let restart = |f: &dyn Fn(&mut SchedulerConfig)| {
+        let mut n = c.clone();
+        f(&mut n);
+        n
+    };
+    let cases: Vec<(&str, SchedulerConfig)> = vec![
+        ("num_blocks", restart(&|n| n.num_blocks = 200)),
+        ("block_size", restart(&|n| n.block_size = 16)),
+        (
+            "token_buckets",
+            restart(&|n| n.token_buckets = Some(vec![64])),
+        ),
+        (
+            "admission",
+            restart(&|n| {
+                n.admission = AdmissionMode::Overcommit {
+                    watermark_blocks: 1,
+                }
+            }),
+        ),
+        ("prefix_caching", restart(&|n| n.prefix_caching = false)),
+        (
+            "prefix_cache_key",
+            restart(&|n| n.prefix_cache_key = Some(SecretKey([3; 16]))),
+        ),
+        ("max_num_seqs", restart(&|n| n.max_num_seqs = 7)),
+        ("max_seq_len", restart(&|n| n.max_seq_len = 136)),
+        (
+            "max_batched_tokens",
+            restart(&|n| {
+                n.max_batched_tokens = 128;
+                n.token_buckets = None
+            }),
+        ),
+    ];
+    let before = h.s.stats(h.now);
+    for (knob, n) in cases {
+        match h.s.update_config(n) {
+            Err(KvError::RestartRequired(k)) => assert_eq!(k, knob),
+            other => panic!("{knob}: {other:?}"),
+        }
+    }
+    // Reserving more than the pool has promised away is refused too.
+    let mut n = c.clone();
+    n.overhead_reserve = 0.9;
+    assert!(matches!(
+        h.s.update_config(n),
+        Err(KvError::InvalidConfig(_))
+    ));
+    assert_eq!(h.s.stats(h.now), before, "refused changes change nothing");
+    assert_eq!(h.s.config(), &c);
+
+    // Live: fewer sequences run from the next step; running ones are not cut.
+    let mut n = c.clone();
+    n.max_num_seqs = 3;
+    n.max_seq_len = 64;
+    n.ladder = ladder();
+    h.s.update_config(n).unwrap();
+    assert_eq!(h.s.ladder().config().rungs.len(), 4);
+    assert_eq!(
+        reason(h.s.submit("a", &prompt(40, 9), 30, h.now)),
+        Some("too_long")
+    );
+    h.run(500);
+    for k in 0..5 {
+        h.submit("a", &prompt(8, 20 + k), 4);
+    }
+    h.step();
+    assert_eq!(h.s.running.len(), 3);
+    h.run(100);
+}
