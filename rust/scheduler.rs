@@ -71,6 +71,9 @@ pub struct SchedulerConfig {
     pub prefix_cache_key: Option<SecretKey>,
     /// The degradation ladder (no rungs: never degrade). Live.
     pub ladder: LadderConfig,
+    /// Start cold: refuse requests (`not_ready`) until the engine has warmed up
+    /// and calls `mark_ready`. False: ready at once (no engine to wait for).
+    pub require_warmup: bool,
 }
 
 /// A 128-bit secret that never shows in Debug output.
@@ -101,6 +104,7 @@ impl Default for SchedulerConfig {
             prefix_caching: true,
             prefix_cache_key: None,
             ladder: LadderConfig::off(),
+            require_warmup: false,
         }
     }
 }
@@ -230,6 +234,7 @@ pub struct Request {
     pub first_scheduled: Option<f64>,
     pub preemptions: u32,
     pub cached_tokens: usize,
+    pub cache_salt: Option<Vec<u8>>,
 }
 
 impl Request {
@@ -249,6 +254,50 @@ impl Request {
     fn need(&self) -> usize {
         self.tokens.len() - self.num_computed
     }
+}
+
+/// Where a scheduler is in its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Lifecycle {
+    /// Built; the engine has not started warming up.
+    Cold,
+    /// The engine is loading weights and compiling.
+    Warming,
+    /// Admitting.
+    Ready,
+    /// Not admitting; in-flight requests run until they finish or the deadline.
+    Draining,
+    /// Nothing left running; what did not finish was handed back.
+    Drained,
+}
+
+impl Lifecycle {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Lifecycle::Cold => "cold",
+            Lifecycle::Warming => "warming",
+            Lifecycle::Ready => "ready",
+            Lifecycle::Draining => "draining",
+            Lifecycle::Drained => "drained",
+        }
+    }
+}
+
+/// An unfinished request as a checkpoint holds it: enough to submit it again
+/// elsewhere and finish it with the same tokens.
+#[derive(Clone, Debug, PartialEq)]
+pub struct InFlight {
+    pub id: u64,
+    pub tenant: String,
+    pub prompt: Vec<i32>,
+    pub generated: Vec<i32>,
+    pub max_tokens: usize,
+    pub stop_token_ids: Vec<i32>,
+    pub cache_salt: Option<Vec<u8>>,
+    pub arrival: f64,
+    /// "in_flight" (still running at the checkpoint) or "drain_deadline"
+    /// (handed back when the drain's deadline came).
+    pub reason: &'static str,
 }
 
 /// Something operators want to know about, in the order it happened.
@@ -476,6 +525,12 @@ pub struct Scheduler {
     ladder: Ladder,
     events: VecDeque<SchedulerEvent>,
     events_dropped: u64,
+    lifecycle: Lifecycle,
+    drain_deadline: f64,
+    /// Finished since the drain began, for the checkpoint.
+    drain_finished: Vec<FinishedRequest>,
+    /// Handed back at the drain's deadline, for the checkpoint.
+    handed_back: Vec<InFlight>,
 }
 
 impl Scheduler {
@@ -520,6 +575,14 @@ impl Scheduler {
             ladder: Ladder::new(config.ladder.clone())?,
             events: VecDeque::new(),
             events_dropped: 0,
+            lifecycle: if config.require_warmup {
+                Lifecycle::Cold
+            } else {
+                Lifecycle::Ready
+            },
+            drain_deadline: f64::INFINITY,
+            drain_finished: Vec::new(),
+            handed_back: Vec::new(),
             config,
         })
     }
@@ -564,6 +627,138 @@ impl Scheduler {
     /// The buffer set the next `step()` writes (0 or 1).
     pub fn next_parity(&self) -> usize {
         (self.steps % 2) as usize
+    }
+
+    // -- lifecycle ----------------------------------------------------------------
+
+    pub fn lifecycle(&self) -> Lifecycle {
+        self.lifecycle
+    }
+
+    /// Alive: it answers and can still run work (everything but drained).
+    pub fn live(&self) -> bool {
+        self.lifecycle != Lifecycle::Drained
+    }
+
+    /// Ready: warm, and admitting.
+    pub fn ready(&self) -> bool {
+        self.lifecycle == Lifecycle::Ready
+    }
+
+    /// The engine started loading weights and compiling.
+    pub fn begin_warmup(&mut self) -> KvResult<()> {
+        match self.lifecycle {
+            Lifecycle::Cold | Lifecycle::Warming => {
+                self.lifecycle = Lifecycle::Warming;
+                Ok(())
+            }
+            s => Err(KvError::InvalidRequest(format!(
+                "begin_warmup on a {} scheduler",
+                s.as_str()
+            ))),
+        }
+    }
+
+    /// The engine is warm (weights resident, every bucket compiled, a synthetic
+    /// request completed): admit requests.
+    pub fn mark_ready(&mut self) -> KvResult<()> {
+        match self.lifecycle {
+            Lifecycle::Cold | Lifecycle::Warming | Lifecycle::Ready => {
+                self.lifecycle = Lifecycle::Ready;
+                Ok(())
+            }
+            s => Err(KvError::InvalidRequest(format!(
+                "mark_ready on a {} scheduler",
+                s.as_str()
+            ))),
+        }
+    }
+
+    /// Stop admitting (`draining`); keep stepping what is in flight. The first
+    /// step at or after `deadline` hands back whatever is unfinished (see
+    /// `checkpoint`) and the scheduler is drained. A second call may move the
+    /// deadline.
+    pub fn drain(&mut self, deadline: f64) -> KvResult<()> {
+        if deadline.is_nan() {
+            return Err(KvError::InvalidRequest("drain deadline is NaN".into()));
+        }
+        if self.lifecycle == Lifecycle::Drained {
+            return Ok(());
+        }
+        self.lifecycle = Lifecycle::Draining;
+        self.drain_deadline = deadline;
+        if self.index.is_empty() && self.pending.is_none() {
+            self.lifecycle = Lifecycle::Drained;
+        }
+        Ok(())
+    }
+
+    /// What a checkpoint holds: requests finished since the drain began, and
+    /// every unfinished one (handed back at the deadline, or still live).
+    pub fn checkpoint(&self) -> (Vec<FinishedRequest>, Vec<InFlight>) {
+        let mut in_flight = self.handed_back.clone();
+        let mut live: Vec<&Request> = self.slab.iter().flatten().collect();
+        live.sort_by_key(|r| r.id);
+        in_flight.extend(live.into_iter().map(|r| self.in_flight(r, "in_flight")));
+        (self.drain_finished.clone(), in_flight)
+    }
+
+    fn in_flight(&self, r: &Request, reason: &'static str) -> InFlight {
+        InFlight {
+            id: r.id,
+            tenant: self.tenants.get(r.tenant).config.name.clone(),
+            prompt: r.tokens[..r.prompt_len].to_vec(),
+            generated: r.output().to_vec(),
+            max_tokens: r.max_tokens,
+            stop_token_ids: r.stop_token_ids.clone(),
+            cache_salt: r.cache_salt.clone(),
+            arrival: r.arrival,
+            reason,
+        }
+    }
+
+    /// Submit a request checkpointed elsewhere: its prompt, the tokens it had
+    /// generated (they count toward `max_tokens` and lead its output) and its
+    /// options. Admitted like any request (its final length is reserved).
+    pub fn submit_restored(&mut self, record: &InFlight, now: f64) -> KvResult<u64> {
+        if record.generated.len() >= record.max_tokens || record.generated.iter().any(|&t| t < 0) {
+            return Err(KvError::InvalidRequest(format!(
+                "restored request {}: {} generated tokens for max_tokens {} (or a negative id)",
+                record.id,
+                record.generated.len(),
+                record.max_tokens
+            )));
+        }
+        let opts = SubmitOptions {
+            stop_token_ids: &record.stop_token_ids,
+            cache_salt: record.cache_salt.as_deref(),
+        };
+        let id = self.submit_with(
+            &record.tenant,
+            &record.prompt,
+            record.max_tokens,
+            &opts,
+            now,
+        )?;
+        let slab = self.index[&id];
+        self.req_mut(slab)
+            .tokens
+            .extend_from_slice(&record.generated);
+        Ok(id)
+    }
+
+    /// At the drain deadline: hand back every unfinished request.
+    fn hand_back_all(&mut self) {
+        let mut ids: Vec<u64> = self.index.keys().copied().collect();
+        ids.sort_unstable();
+        for id in ids {
+            let slab = self.index[&id];
+            let record = self.in_flight(self.req(slab), "drain_deadline");
+            let req = self.release(slab);
+            self.tenants.get_mut(req.tenant).counters.cancelled += 1;
+            self.handed_back.push(record);
+        }
+        self.lifecycle = Lifecycle::Drained;
     }
 
     // -- live knobs ---------------------------------------------------------------
@@ -703,6 +898,20 @@ impl Scheduler {
                 format!("no tenant named {tenant:?}"),
             ));
         };
+        if self.lifecycle != Lifecycle::Ready {
+            let (reason, why) = match self.lifecycle {
+                Lifecycle::Cold | Lifecycle::Warming => (RejectReason::NotReady, "warming up"),
+                _ => (RejectReason::Draining, "draining: no new requests"),
+            };
+            self.tenants.get_mut(tid).counters.rejected[reason.index()] += 1;
+            self.rejected[reason.index()] += 1;
+            return Err(KvError::rejected(
+                reason,
+                None,
+                Some(tenant),
+                why.to_owned(),
+            ));
+        }
         self.update_ladder(now);
         let effects = self.ladder.effects();
         let asked = max_tokens;
@@ -862,6 +1071,7 @@ impl Scheduler {
             first_token: None,
             last_token: None,
             preemptions: 0,
+            cache_salt: opts.cache_salt.map(<[u8]>::to_vec),
         };
         let slab = match self.free_slab.pop() {
             Some(s) => {
@@ -1341,6 +1551,12 @@ impl Scheduler {
                 "the previous plan was not committed; commit it first".into(),
             ));
         }
+        if self.lifecycle == Lifecycle::Draining && now >= self.drain_deadline {
+            self.hand_back_all();
+        }
+        if self.lifecycle == Lifecycle::Draining && self.index.is_empty() {
+            self.lifecycle = Lifecycle::Drained;
+        }
         self.update_ladder(now);
         let mut preempted = Vec::new();
         if self.config.preempt_lower_tiers {
@@ -1691,6 +1907,12 @@ impl Scheduler {
                 preemptions: req.preemptions,
                 cached_tokens: req.cached_tokens,
             });
+        }
+        if self.lifecycle == Lifecycle::Draining {
+            self.drain_finished.extend(events.finished.iter().cloned());
+            if self.index.is_empty() {
+                self.lifecycle = Lifecycle::Drained;
+            }
         }
         Ok(events)
     }

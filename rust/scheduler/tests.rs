@@ -1192,5 +1192,5 @@ mod review3 {
     }
 }
 
-mod ladder;
+mod ops;
 mod prefix;

@@ -1,4 +1,4 @@
-//! The degradation ladder under a burst ten times the sustainable rate.
+//! Operations: the degradation ladder under a burst, live knobs, lifecycle and drain.
 
 use super::*;
 use crate::ladder::{Action, Rung, Signal};
@@ -248,4 +248,112 @@ fn live_knobs_take_effect_next_step_and_restart_only_ones_say_which() {
     h.step();
     assert_eq!(h.s.running.len(), 3);
     h.run(100);
+}
+
+#[test]
+fn lifecycle_refuses_before_ready_and_while_draining() {
+    let c = SchedulerConfig {
+        require_warmup: true,
+        ..config(64, 8)
+    };
+    let mut h = Harness::new(c);
+    h.tenant(TenantConfig::new("a"));
+    assert_eq!(h.s.lifecycle(), Lifecycle::Cold);
+    assert!(h.s.live() && !h.s.ready());
+    assert_eq!(
+        reason(h.s.submit("a", &prompt(8, 1), 4, 0.0)),
+        Some("not_ready")
+    );
+    h.s.begin_warmup().unwrap();
+    assert_eq!(
+        reason(h.s.submit("a", &prompt(8, 1), 4, 0.0)),
+        Some("not_ready")
+    );
+    h.s.mark_ready().unwrap();
+    assert!(h.s.ready());
+    h.submit("a", &prompt(8, 1), 4);
+    h.s.drain(100.0).unwrap();
+    assert_eq!(h.s.lifecycle(), Lifecycle::Draining);
+    assert!(!h.s.ready() && h.s.live());
+    assert_eq!(
+        reason(h.s.submit("a", &prompt(8, 2), 4, 0.0)),
+        Some("draining")
+    );
+    assert!(
+        h.s.mark_ready().is_err(),
+        "a draining scheduler does not come back"
+    );
+    h.run(100);
+    assert_eq!(h.s.lifecycle(), Lifecycle::Drained);
+    assert!(!h.s.live());
+    let st = h.s.stats(h.now);
+    assert_eq!(st.rejected[RejectReason::NotReady.index()], 2);
+    assert_eq!(st.rejected[RejectReason::Draining.index()], 1);
+}
+
+#[test]
+fn a_drain_deadline_hands_back_what_is_unfinished_and_a_restore_finishes_it_alike() {
+    let reqs: Vec<(i32, usize, usize)> = (0..10).map(|k| (k, 5 + 3 * k as usize, 20)).collect();
+    let submit_all = |h: &mut Harness| -> Vec<u64> {
+        reqs.iter()
+            .map(|&(seed, n, m)| {
+                h.submit(if seed % 2 == 0 { "a" } else { "b" }, &prompt(n, seed), m)
+            })
+            .collect()
+    };
+    let new = || {
+        let mut h = Harness::new(config(200, 8));
+        h.tenant(TenantConfig::new("a"));
+        h.tenant(TenantConfig::new("b"));
+        h
+    };
+    // Undisturbed.
+    let mut base = new();
+    let base_ids = submit_all(&mut base);
+    base.run(1000);
+    let want: Vec<Vec<i32>> = base_ids
+        .iter()
+        .map(|id| base.finished[id].output.clone())
+        .collect();
+
+    // Drained with a deadline part-way, restored into a new scheduler.
+    let mut h = new();
+    let ids = submit_all(&mut h);
+    for _ in 0..12 {
+        h.step();
+    }
+    let finished_before: Vec<u64> = h.finished.keys().copied().collect();
+    h.s.drain(h.now + 0.05).unwrap();
+    while h.s.lifecycle() != Lifecycle::Drained {
+        if h.step().is_none() {
+            h.now += h.dt;
+        }
+    }
+    let (during, back) = h.s.checkpoint();
+    assert!(
+        !back.is_empty(),
+        "the deadline came before everything finished"
+    );
+    assert!(back.iter().all(|r| r.reason == "drain_deadline"));
+    assert_eq!(
+        finished_before.len() + during.len() + back.len(),
+        ids.len(),
+        "every request is finished or handed back"
+    );
+    assert_eq!(h.s.pool().used(), 0);
+    let mut r = new();
+    let mut restored = BTreeMap::new();
+    for rec in &back {
+        let id = r.s.submit_restored(rec, r.now).unwrap();
+        restored.insert(rec.id, id);
+    }
+    r.run(1000);
+    for (i, id) in ids.iter().enumerate() {
+        let got = if let Some(f) = h.finished.get(id) {
+            f.output.clone()
+        } else {
+            r.finished[&restored[id]].output.clone()
+        };
+        assert_eq!(got, want[i], "request {i}");
+    }
 }
