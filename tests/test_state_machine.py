@@ -113,8 +113,10 @@ class AdmissionMachine(RuleBasedStateMachine):
         if n + max_tokens > MAX_SEQ_LEN:
             return "too_long"
         blocks = -(-(n + max_tokens) // BLOCK)
-        cap = USABLE if t.cap is None else t.cap
-        if t.reserved + blocks > cap:
+        # A cap counts every reservation; without one only the pool bounds the
+        # tenant (the pool counts pages its requests share once), and no single
+        # request may exceed it.
+        if (blocks > USABLE) if t.cap is None else (t.reserved + blocks > t.cap):
             return "tenant_budget"
         if (t.max_concurrent is not None and t.live >= t.max_concurrent) or len(
             self.live

@@ -1,6 +1,7 @@
 //! `kvsched.SchedulerConfig` and `kvsched.TenantConfig`.
 
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
 use crate::error::KvError;
 use crate::{scheduler, tenant};
@@ -33,7 +34,7 @@ impl PySchedulerConfig {
         max_batched_tokens=None, max_seq_len=None, overhead_reserve=None, max_waiting=None,
         long_prefill_chunk=None, token_buckets=None, admission=None, watermark_blocks=None,
         preempt_lower_tiers=None, full_validation=None, prefix_caching=None,
-        prefix_cache_key=None))]
+        prefix_cache_key=None, ladder=None, ladder_retry_after_s=None, require_warmup=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: Option<usize>,
@@ -51,6 +52,9 @@ impl PySchedulerConfig {
         full_validation: Option<bool>,
         prefix_caching: Option<bool>,
         prefix_cache_key: Option<Vec<u8>>,
+        ladder: Option<&Bound<'_, PyAny>>,
+        ladder_retry_after_s: Option<f64>,
+        require_warmup: Option<bool>,
     ) -> PyResult<Self> {
         let prefix_cache_key = match prefix_cache_key {
             None => None,
@@ -97,7 +101,16 @@ impl PySchedulerConfig {
             full_validation: full_validation.unwrap_or(d.full_validation),
             prefix_caching: prefix_caching.unwrap_or(d.prefix_caching),
             prefix_cache_key,
+            ladder: scheduler::SchedulerConfig::default().ladder,
+            require_warmup: require_warmup.unwrap_or(d.require_warmup),
         };
+        let mut inner = inner;
+        inner.ladder = super::ops::ladder_arg(
+            ladder,
+            inner.max_num_seqs,
+            inner.max_seq_len,
+            ladder_retry_after_s,
+        )?;
         inner.validate()?;
         Ok(PySchedulerConfig { inner })
     }
@@ -180,6 +193,23 @@ impl PySchedulerConfig {
     fn prefix_caching(&self) -> bool {
         self.inner.prefix_caching
     }
+    /// The degradation ladder's rungs, in climbing order (empty: off). Each a
+    /// dict: signal, engage, release, action and, for cap_max_tokens and
+    /// max_running, value.
+    #[getter]
+    fn ladder<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyList>> {
+        super::ops::ladder_list(py, &self.inner.ladder)
+    }
+    /// Seconds a request shed by the ladder is told to wait.
+    #[getter]
+    fn ladder_retry_after_s(&self) -> f64 {
+        self.inner.ladder.retry_after_s
+    }
+    /// Whether the scheduler starts cold and admits only after mark_ready().
+    #[getter]
+    fn require_warmup(&self) -> bool {
+        self.inner.require_warmup
+    }
 
     fn __repr__(&self) -> String {
         let c = &self.inner;
@@ -205,6 +235,32 @@ impl PySchedulerConfig {
 
     fn __eq__(&self, other: &Self) -> bool {
         self.inner == other.inner
+    }
+}
+
+impl PySchedulerConfig {
+    /// Every argument that rebuilds this configuration, but the secret key.
+    pub(super) fn kwargs<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let c = &self.inner;
+        let d = PyDict::new(py);
+        d.set_item("num_blocks", c.num_blocks)?;
+        d.set_item("block_size", c.block_size)?;
+        d.set_item("max_num_seqs", c.max_num_seqs)?;
+        d.set_item("max_batched_tokens", c.max_batched_tokens)?;
+        d.set_item("max_seq_len", c.max_seq_len)?;
+        d.set_item("overhead_reserve", c.overhead_reserve)?;
+        d.set_item("max_waiting", c.max_waiting)?;
+        d.set_item("long_prefill_chunk", c.long_prefill_chunk)?;
+        d.set_item("token_buckets", c.token_buckets.clone())?;
+        d.set_item("admission", self.admission())?;
+        d.set_item("watermark_blocks", self.watermark_blocks())?;
+        d.set_item("preempt_lower_tiers", c.preempt_lower_tiers)?;
+        d.set_item("full_validation", c.full_validation)?;
+        d.set_item("prefix_caching", c.prefix_caching)?;
+        d.set_item("ladder", super::ops::ladder_list(py, &c.ladder)?)?;
+        d.set_item("ladder_retry_after_s", c.ladder.retry_after_s)?;
+        d.set_item("require_warmup", c.require_warmup)?;
+        Ok(d)
     }
 }
 

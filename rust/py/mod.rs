@@ -9,6 +9,7 @@
 
 mod config;
 mod errors;
+mod ops;
 mod pool;
 mod scheduler;
 

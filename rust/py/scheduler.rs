@@ -13,7 +13,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PySlice};
 
 use super::config::{PySchedulerConfig, PyTenantConfig};
-use super::{count_arg, int32_arg, int32_slice, locked, now_or_monotonic, salt_arg};
+use super::{count_arg, int32_arg, int32_slice, locked, now_or_monotonic, ops, salt_arg};
 use crate::error::{KvError, KvResult, RejectReason};
 use crate::metrics::{Histogram, LATENCY_BOUNDS};
 use crate::planner::{PlanBuffers, PlanShape};
@@ -353,8 +353,180 @@ impl PyScheduler {
     #[pyo3(signature = (*, now=None))]
     fn stats<'py>(&self, py: Python<'py>, now: Option<f64>) -> PyResult<Bound<'py, PyDict>> {
         let now = now_or_monotonic(py, now)?;
-        let st = locked(&self.inner, |s| s.stats(now))?;
-        stats_dict(py, &st)
+        let (st, ladder, pressure, lifecycle, dropped) = locked(&self.inner, |s| {
+            (
+                s.stats(now),
+                s.ladder().clone(),
+                s.pressure(now),
+                s.lifecycle(),
+                s.events_dropped(),
+            )
+        })?;
+        let d = stats_dict(py, &st)?;
+        d.set_item("lifecycle", lifecycle.as_str())?;
+        d.set_item("ladder", ops::ladder_stats(py, &ladder)?)?;
+        d.set_item("pressure", ops::pressure_dict(py, &pressure)?)?;
+        d.set_item("events_dropped", dropped)?;
+        Ok(d)
+    }
+
+    // -- operations ----------------------------------------------------------------
+
+    /// Change live knobs, given as SchedulerConfig keyword arguments; effective
+    /// from the next step, validated as a whole, nothing changes on an error.
+    /// Restart-only knobs (num_blocks, block_size, token_buckets, admission,
+    /// prefix_caching, prefix_cache_key, and raising max_num_seqs, max_seq_len
+    /// or max_batched_tokens past the plan shape) raise RestartRequired naming
+    /// the knob.
+    #[pyo3(signature = (**knobs))]
+    fn reconfigure(&self, py: Python<'_>, knobs: Option<&Bound<'_, PyDict>>) -> PyResult<()> {
+        let current = PySchedulerConfig {
+            inner: locked(&self.inner, |s| s.config().clone())?,
+        };
+        let kw = current.kwargs(py)?;
+        if let Some(k) = knobs {
+            if k.contains("admission")? && !k.contains("watermark_blocks")? {
+                kw.del_item("watermark_blocks")?;
+            }
+            kw.update(k.as_mapping())?;
+        }
+        let new: PySchedulerConfig = py
+            .get_type::<PySchedulerConfig>()
+            .call((), Some(&kw))?
+            .extract()?;
+        Ok(locked(&self.inner, |s| s.update_config(new.inner))??)
+    }
+
+    /// Events since the last call, oldest first: ladder rungs engaged and
+    /// released, requests admitted with max_tokens capped. At most 4096 wait;
+    /// older ones are dropped and counted in stats()["events_dropped"].
+    fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let events = locked(&self.inner, |s| s.take_events())?;
+        let out = PyList::empty(py);
+        for e in &events {
+            out.append(ops::event_dict(py, e)?)?;
+        }
+        Ok(out)
+    }
+
+    /// The ladder's signals now: reserved_share, queue_depth, oldest_wait_s.
+    #[pyo3(signature = (*, now=None))]
+    fn pressure<'py>(&self, py: Python<'py>, now: Option<f64>) -> PyResult<Bound<'py, PyDict>> {
+        let now = now_or_monotonic(py, now)?;
+        let p = locked(&self.inner, |s| s.pressure(now))?;
+        ops::pressure_dict(py, &p)
+    }
+
+    /// "cold", "warming", "ready", "draining" or "drained".
+    #[getter]
+    fn lifecycle(&self) -> PyResult<&'static str> {
+        locked(&self.inner, |s| s.lifecycle().as_str())
+    }
+
+    /// Liveness: the scheduler answers and can still run work (not drained).
+    fn live(&self) -> PyResult<bool> {
+        locked(&self.inner, |s| s.live())
+    }
+
+    /// Readiness: warm and admitting.
+    fn ready(&self) -> PyResult<bool> {
+        locked(&self.inner, |s| s.ready())
+    }
+
+    /// The engine started loading weights and compiling (cold -> warming).
+    fn begin_warmup(&self) -> PyResult<()> {
+        Ok(locked(&self.inner, |s| s.begin_warmup())??)
+    }
+
+    /// The engine is warm: weights resident, every bucket compiled, a synthetic
+    /// request completed. Admission opens.
+    fn mark_ready(&self) -> PyResult<()> {
+        Ok(locked(&self.inner, |s| s.mark_ready())??)
+    }
+
+    /// Stop admitting (submit raises Rejected "draining") and keep stepping the
+    /// in-flight requests; the first step at or after `deadline` (seconds, the
+    /// clock of `now`) hands back whatever is unfinished. Then `checkpoint`.
+    #[pyo3(signature = (deadline, /))]
+    fn drain(&self, deadline: f64) -> PyResult<()> {
+        Ok(locked(&self.inner, |s| s.drain(deadline))??)
+    }
+
+    /// Write, as JSON lines, the requests finished since the drain began and
+    /// every unfinished one (tenant, prompt, tokens generated so far, options,
+    /// reason), durably (a temporary file, fsync, rename). Returns the counts.
+    #[pyo3(signature = (path, /))]
+    fn checkpoint<'py>(
+        &self,
+        py: Python<'py>,
+        path: std::path::PathBuf,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let (finished, in_flight) = locked(&self.inner, |s| s.checkpoint())?;
+        let path = path.to_string_lossy().into_owned();
+        let (f, i) = ops::write_checkpoint(py, &path, &finished, &in_flight)?;
+        let d = PyDict::new(py);
+        d.set_item("finished", f)?;
+        d.set_item("in_flight", i)?;
+        Ok(d)
+    }
+
+    /// Submit again every in-flight request of a checkpoint: each continues
+    /// after the tokens it had generated. Returns {"restored": {old id: new id},
+    /// "refused": {old id: reason}, "finished": [the finished records]}.
+    #[pyo3(signature = (path, /, *, now=None))]
+    fn restore<'py>(
+        &self,
+        py: Python<'py>,
+        path: std::path::PathBuf,
+        now: Option<f64>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let now = now_or_monotonic(py, now)?;
+        let text = std::fs::read_to_string(&path).map_err(|e| {
+            pyo3::exceptions::PyOSError::new_err(format!("restore {}: {e}", path.display()))
+        })?;
+        let loads = py.import("json")?.getattr("loads")?;
+        let restored = PyDict::new(py);
+        let refused = PyDict::new(py);
+        let finished = PyList::empty(py);
+        let mut records = Vec::new();
+        for (n, line) in text
+            .lines()
+            .enumerate()
+            .filter(|(_, l)| !l.trim().is_empty())
+        {
+            let rec = loads.call1((line,))?;
+            let rec = rec.cast_into::<PyDict>().map_err(|_| {
+                KvError::InvalidRequest(format!("checkpoint line {}: not an object", n + 1))
+            })?;
+            let kind: String = rec
+                .get_item("kind")?
+                .map(|k| k.extract())
+                .transpose()?
+                .unwrap_or_default();
+            match kind.as_str() {
+                "finished" => finished.append(rec)?,
+                "in_flight" => records.push(ops::read_in_flight(&rec)?),
+                other => {
+                    return Err(KvError::InvalidRequest(format!(
+                        "checkpoint line {}: unknown kind {other:?}",
+                        n + 1
+                    ))
+                    .into())
+                }
+            }
+        }
+        for rec in &records {
+            match locked(&self.inner, |s| s.submit_restored(rec, now))? {
+                Ok(id) => restored.set_item(rec.id, id)?,
+                Err(KvError::Rejected(r)) => refused.set_item(rec.id, r.reason.as_str())?,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let d = PyDict::new(py);
+        d.set_item("restored", restored)?;
+        d.set_item("refused", refused)?;
+        d.set_item("finished", finished)?;
+        Ok(d)
     }
 }
 
