@@ -17,7 +17,7 @@ use crate::admission::{self, Capacity};
 use crate::buckets::TokenBuckets;
 use crate::error::{KvError, KvResult, RejectReason};
 use crate::ladder::{Ladder, LadderConfig, LadderMove, Pressure};
-use crate::metrics::TenantMetrics;
+use crate::metrics::{Histogram, TenantMetrics};
 use crate::planner::{self, PlanBuffers, PlanShape, RowCache, SeqSlice};
 use crate::pool::BlockPool;
 use crate::prefix::{BlockKey, Namespace, PrefixHasher, Scope};
@@ -478,6 +478,8 @@ pub struct SchedulerStats {
     pub running: usize,
     pub waiting: usize,
     pub steps: u64,
+    /// Seconds between consecutive step() calls: a long gap is a starved host.
+    pub step_gap: Histogram,
     /// Rejections by reason since start, over all tenants (removed ones and
     /// unknown names included).
     pub rejected: [u64; RejectReason::COUNT],
@@ -531,6 +533,8 @@ pub struct Scheduler {
     drain_finished: Vec<FinishedRequest>,
     /// Handed back at the drain's deadline, for the checkpoint.
     handed_back: Vec<InFlight>,
+    last_step_at: Option<f64>,
+    step_gap: Histogram,
 }
 
 impl Scheduler {
@@ -583,6 +587,8 @@ impl Scheduler {
             drain_deadline: f64::INFINITY,
             drain_finished: Vec::new(),
             handed_back: Vec::new(),
+            last_step_at: None,
+            step_gap: Histogram::default(),
             config,
         })
     }
@@ -1551,6 +1557,10 @@ impl Scheduler {
                 "the previous plan was not committed; commit it first".into(),
             ));
         }
+        if let Some(last) = self.last_step_at {
+            self.step_gap.observe((now - last).max(0.0));
+        }
+        self.last_step_at = Some(now);
         if self.lifecycle == Lifecycle::Draining && now >= self.drain_deadline {
             self.hand_back_all();
         }
@@ -1971,6 +1981,7 @@ impl Scheduler {
             running: self.running.len(),
             waiting: self.index.len() - self.running.len(),
             steps: self.steps,
+            step_gap: self.step_gap.clone(),
             rejected: self.rejected,
             preemptions: self.preemptions,
         }
