@@ -200,9 +200,12 @@ class SchedulerCollector(Collector):
         )
         gap.add_metric([], _buckets(st["step_gap"]), st["step_gap"]["sum"])
         yield gap
-        yield GaugeMetricFamily(f"{p}_live_requests", "Admitted, unfinished.", value=st["live_requests"])  # fmt: skip
-        yield GaugeMetricFamily(f"{p}_running", "Sequences in the running set.", value=st["running"])  # fmt: skip
-        yield GaugeMetricFamily(f"{p}_waiting", "Admitted requests not running.", value=st["waiting"])  # fmt: skip
+        for key, doc in (
+            ("live_requests", "Admitted, unfinished requests."),
+            ("running", "Sequences in the running set."),
+            ("waiting", "Admitted requests not running."),
+        ):
+            yield GaugeMetricFamily(f"{p}_{key}", doc, value=st[key])
         yield CounterMetricFamily(
             f"{p}_preemptions", "Preemptions since start, all tenants.", value=st["preemptions"]
         )
