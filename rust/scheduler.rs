@@ -837,9 +837,55 @@ impl Scheduler {
         self.tenants.add(config, usable).map(|_| ())
     }
 
+    /// Replace a tenant's configuration live. Its prefix namespace may change
+    /// only while it has no live request (`TenantInUse`): a request keeps the
+    /// namespace it was admitted in, and must not go on naming blocks in a
+    /// group the tenant has left. A new tier applies to its waiting requests
+    /// at once (preempted ones move to the new tier's resume queue).
     pub fn update_tenant(&mut self, config: TenantConfig, now: f64) -> KvResult<()> {
         let usable = self.usable_blocks();
-        self.tenants.update(config, usable, now)
+        let Some(tid) = self.tenants.id(&config.name) else {
+            return Err(KvError::UnknownTenant(config.name));
+        };
+        let old = self.tenants.get(tid);
+        if old.config.prefix_namespace != config.prefix_namespace && old.live_requests > 0 {
+            return Err(KvError::TenantInUse {
+                tenant: config.name,
+                live_requests: old.live_requests,
+            });
+        }
+        let (old_tier, new_tier) = (old.config.tier, config.tier);
+        self.tenants.update(config, usable, now)?;
+        if old_tier != new_tier {
+            self.refile_resuming(tid, new_tier);
+        }
+        Ok(())
+    }
+
+    /// Move `tid`'s preempted requests to the resume queue of `tier`, in
+    /// admission order: the queue a request waits in is always its tier's, so
+    /// priority preemption and entry agree on who goes first.
+    fn refile_resuming(&mut self, tid: TenantId, tier: u32) {
+        let mut moved = Vec::new();
+        let slab = &self.slab;
+        for q in self.resume.values_mut() {
+            q.retain(|&s| {
+                let mine = slab[s].as_ref().expect("live").tenant == tid;
+                if mine {
+                    moved.push(s);
+                }
+                !mine
+            });
+        }
+        self.resume.retain(|_, q| !q.is_empty());
+        for s in moved {
+            let id = self.req(s).id;
+            let queue = self.resume.entry(tier).or_default();
+            let slab = &self.slab;
+            let at = queue.partition_point(|&x| slab[x].as_ref().expect("live").id < id);
+            queue.insert(at, s);
+            self.req_mut(s).place = Place::Resuming(tier);
+        }
     }
 
     /// Remove a tenant without live requests; its evictable prefix-cache pages
@@ -1321,7 +1367,7 @@ impl Scheduler {
     /// Drop a request's references on `pages` (last to first), keeping the
     /// tenant's shared-page count exact.
     fn drop_pages(&mut self, tid: TenantId, pages: &[u32]) {
-        if self.hasher.is_some() {
+        if self.hasher.is_some() && matches!(self.config.admission, AdmissionMode::Reserve) {
             let dropped = pages
                 .iter()
                 .filter(|&&p| {
@@ -1482,14 +1528,9 @@ impl Scheduler {
         }
         r.block_keys.truncate(pages.len());
         let tid = r.tenant;
-        let newly = pages
-            .iter()
-            .filter(|&&p| {
-                self.pool.refcount(p) > 0 && self.pool.cache().scope(p) == Some(Scope::Tenant(tid))
-            })
-            .count();
+        // No admission credit for sharing here: over-committed, a preemption
+        // would take it back and push the promise past the pool.
         self.pool.retain(&pages).expect("cached pages");
-        self.tenants.share(tid, newly, 0);
         self.tenants.get_mut(tid).used_blocks += pages.len();
         let r = self.req_mut(slab);
         r.num_computed = pages.len() * bs;
@@ -2100,7 +2141,12 @@ impl Scheduler {
             }
         }
         let mut shared = vec![0usize; n_tenants];
-        for (p, &n) in refs_by_scope_tenant.iter().enumerate() {
+        // Sharing earns admission room in reserve mode only.
+        for (p, &n) in refs_by_scope_tenant
+            .iter()
+            .enumerate()
+            .filter(|_| reserve_mode)
+        {
             if let Some(Scope::Tenant(t)) = self.pool.cache().scope(p as u32) {
                 if t < n_tenants {
                     shared[t] += n.saturating_sub(1) as usize;
@@ -2144,9 +2190,7 @@ impl Scheduler {
         if committed != self.tenants.committed() {
             return Err("committed blocks drifted".into());
         }
-        // Over-committed, a preemption that drops shared pages may push the
-        // promise past the pool (admission then waits); in reserve mode never.
-        if reserve_mode && committed > usable {
+        if committed > usable {
             return Err(format!(
                 "reservations and floors ({committed}) exceed the usable pool ({usable})"
             ));

@@ -1194,3 +1194,4 @@ mod review3 {
 
 mod ops;
 mod prefix;
+mod prefix_fuzz;

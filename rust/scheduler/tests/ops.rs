@@ -357,3 +357,45 @@ fn a_drain_deadline_hands_back_what_is_unfinished_and_a_restore_finishes_it_alik
         assert_eq!(got, want[i], "request {i}");
     }
 }
+
+// Found in review (older than the prefix cache): a preempted request whose
+// tenant moved up a tier waited in its old tier's resume queue, so priority
+// preemption made room for it every step and the victim took the room back.
+#[test]
+fn a_retiered_tenants_preempted_request_waits_in_its_new_tiers_queue() {
+    for admission in [
+        AdmissionMode::Overcommit {
+            watermark_blocks: 1,
+        },
+        AdmissionMode::Reserve,
+    ] {
+        let mut h = Harness::new(SchedulerConfig {
+            max_num_seqs: 1,
+            long_prefill_chunk: 2,
+            preempt_lower_tiers: true,
+            admission,
+            ..config(64, 4)
+        });
+        let mut lo = TenantConfig::new("lo");
+        lo.tier = 2;
+        h.tenant(lo.clone());
+        let mut mid = TenantConfig::new("mid");
+        mid.tier = 1;
+        h.tenant(mid);
+        let r = h.submit("lo", &prompt(6, 1), 4);
+        h.step();
+        let m = h.submit("mid", &prompt(6, 2), 4);
+        h.step(); // r is preempted into resume queue 2; m runs
+        lo.tier = 0;
+        h.s.update_tenant(lo, h.now).unwrap();
+        h.run(60);
+        assert_eq!(
+            h.finished[&m].preemptions, 1,
+            "{admission:?}: preempted once for r"
+        );
+        assert!(
+            h.finished[&r].finished < h.finished[&m].finished,
+            "{admission:?}"
+        );
+    }
+}

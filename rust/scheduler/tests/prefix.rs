@@ -409,3 +409,80 @@ proptest! {
         prop_assert_eq!(st.pool.used, 0);
     }
 }
+
+// Found in review: a tenant that left a shared namespace kept hitting and
+// naming blocks in it through requests admitted before it left.
+#[test]
+fn a_namespace_change_waits_until_the_tenant_is_idle() {
+    let mut h = harness(64, &[("a", Some("g")), ("b", Some("g"))]);
+    let p = prompt(17, 2);
+    let b = h.submit("b", &p, 2);
+    let mut leave = TenantConfig::new("b");
+    assert!(matches!(
+        h.s.update_tenant(leave.clone(), h.now),
+        Err(KvError::TenantInUse { .. })
+    ));
+    assert_eq!(
+        h.s.tenants()
+            .by_name("b")
+            .unwrap()
+            .config
+            .prefix_namespace
+            .as_deref(),
+        Some("g")
+    );
+    h.run(50);
+    assert!(h.finished.contains_key(&b));
+    h.s.update_tenant(leave.clone(), h.now).unwrap();
+    assert_eq!(
+        hit(&mut h, "b", &p, 2),
+        0,
+        "b left the group: a's and its old blocks are not its own"
+    );
+    h.run(50);
+    leave.prefix_namespace = Some("g".into());
+    h.s.update_tenant(leave, h.now).unwrap();
+    assert_eq!(hit(&mut h, "b", &p, 2), 16, "back in the group");
+    h.run(50);
+}
+
+// Found in review: over-committed, sharing found at entry lowered the pool's
+// promise, a preemption raised it past the pool, and from then on every
+// tenant update and every floor was refused. Sharing earns admission room in
+// reserve mode only.
+#[test]
+fn overcommit_sharing_never_pushes_the_promise_past_the_pool() {
+    let mut c = cfg(15); // 14 usable, 2 of them a floor
+    c.admission = AdmissionMode::Overcommit {
+        watermark_blocks: 0,
+    };
+    c.block_size = 4;
+    c.max_num_seqs = 3;
+    c.max_seq_len = 64;
+    let mut h = Harness::new(c);
+    h.tenant(TenantConfig::new("a"));
+    h.tenant(tenant("zf", 2, None));
+    let p = prompt(17, 3);
+    let r1 = h.submit("a", &p, 24);
+    while h.s.request(r1).unwrap().num_computed < 17 {
+        h.step();
+    }
+    h.submit("a", &p, 24);
+    h.step();
+    // Without a sharing credit the pool's promise has room for no third one.
+    assert_eq!(reason(h.s.submit("a", &p, 24, h.now)), Some("pool_full"));
+    for _ in 0..40 {
+        h.step();
+        let st = h.s.stats(h.now);
+        assert!(st.pool.committed <= st.pool.usable, "{:?}", st.pool);
+        assert_eq!(st.tenants[0].shared_blocks, 0);
+    }
+    assert!(h.preempted > 0, "the pool was tight enough to preempt");
+    // The floor still admits, and tenants can still be changed and added.
+    assert!(h.s.submit("zf", &[1, 2, 3], 1, h.now).is_ok());
+    let mut a = TenantConfig::new("a");
+    a.weight = 2.0;
+    h.s.update_tenant(a, h.now).unwrap();
+    h.s.add_tenant(TenantConfig::new("z")).unwrap();
+    h.run(500);
+}

@@ -1,0 +1,419 @@
+//! A fuzzer for the prefix cache (written in review): random submits from a
+//! few prompt families, salts and divergent prompts; steps with a cancel or a
+//! submit between step and commit; cancels; tenant updates (floor, cap,
+//! namespace, tier); removal and re-adding. After every operation: the
+//! invariants, the KV each sequence reads back, and a page-owner oracle (every
+//! page a request holds was written by a request of the same namespace and
+//! salt); steps never stall; a final drain leaves no page used and only the
+//! floors promised.
+
+use super::*;
+use std::collections::HashMap as Map;
+
+#[derive(Clone, Debug)]
+pub enum POp {
+    Submit {
+        t: usize,
+        fam: i32,
+        n: usize,
+        m: usize,
+        stop: bool,
+        salt: Option<u8>,
+        divergent: Option<usize>,
+    },
+    Step {
+        cancel_mid: Option<usize>,
+        submit_mid: Option<(usize, i32, usize)>,
+    },
+    Cancel {
+        pick: usize,
+    },
+    Update {
+        t: usize,
+        floor: usize,
+        cap: Option<usize>,
+        ns: u8,
+        tier: u32,
+    },
+    Remove {
+        t: usize,
+        cancel_all: bool,
+        readd: bool,
+        ns: u8,
+    },
+}
+
+fn pop() -> impl Strategy<Value = POp> {
+    prop_oneof![
+        5 => (0usize..4, 0i32..3, 1usize..60, 1usize..30, prop::bool::weighted(0.2), prop::option::weighted(0.2, 0u8..3), prop::option::weighted(0.2, 0usize..60))
+            .prop_map(|(t, fam, n, m, stop, salt, divergent)| POp::Submit { t, fam, n, m, stop, salt, divergent }),
+        10 => (prop::option::weighted(0.2, any::<usize>()), prop::option::weighted(0.2, (0usize..4, 0i32..3, 1usize..40)))
+            .prop_map(|(cancel_mid, submit_mid)| POp::Step { cancel_mid, submit_mid }),
+        1 => any::<usize>().prop_map(|pick| POp::Cancel { pick }),
+        2 => (0usize..4, 0usize..8, prop::option::weighted(0.3, 4usize..40), 0u8..3, 0u32..3)
+            .prop_map(|(t, floor, cap, ns, tier)| POp::Update { t, floor, cap, ns, tier }),
+        1 => (0usize..4, any::<bool>(), prop::bool::weighted(0.8), 0u8..3)
+            .prop_map(|(t, cancel_all, readd, ns)| POp::Remove { t, cancel_all, readd, ns }),
+    ]
+}
+
+const TN: [&str; 4] = ["p0", "p1", "p2", "p3"];
+
+fn ns_name(ns: u8) -> Option<String> {
+    match ns {
+        0 => None,
+        1 => Some("g".into()),
+        _ => Some("h".into()),
+    }
+}
+
+/// Namespace identity: (private incarnation or shared name, salt).
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Ident {
+    Private(u64),
+    Shared(String),
+}
+
+struct Fz {
+    h: Harness,
+    incarnation: [u64; 4],
+    next_inc: u64,
+    ident: Map<u64, (Ident, Option<u8>)>,
+    owner: Vec<Option<(Ident, Option<u8>)>>,
+    k: i32,
+}
+
+impl Fz {
+    fn live_ids(&self) -> Vec<u64> {
+        let mut v: Vec<u64> = self
+            .ident
+            .keys()
+            .copied()
+            .filter(|&id| self.h.s.request(id).is_ok())
+            .collect();
+        v.sort();
+        v
+    }
+    fn submit(
+        &mut self,
+        t: usize,
+        p: &[i32],
+        m: usize,
+        stop: bool,
+        salt: Option<u8>,
+    ) -> Result<(), TestCaseError> {
+        let Ok(tc) = self.h.s.tenants().by_name(TN[t]) else {
+            return Ok(());
+        };
+        let id_ns = match &tc.config.prefix_namespace {
+            None => Ident::Private(self.incarnation[t]),
+            Some(s) => Ident::Shared(s.clone()),
+        };
+        let stops: Vec<i32> = if stop {
+            (0..50_000).step_by(5).collect()
+        } else {
+            vec![]
+        };
+        let salt_bytes = salt.map(|s| vec![s; s as usize]);
+        let opts = SubmitOptions {
+            stop_token_ids: &stops,
+            cache_salt: salt_bytes.as_deref(),
+        };
+        match self.h.s.submit_with(TN[t], p, m, &opts, self.h.now) {
+            Ok(id) => {
+                self.ident.insert(id, (id_ns, salt));
+            }
+            Err(e) => prop_assert!(e.reason().is_some(), "submit error {e}"),
+        }
+        Ok(())
+    }
+    fn check_owners(&self) -> Result<(), TestCaseError> {
+        for (&id, ident) in &self.ident {
+            let Ok(r) = self.h.s.request(id) else {
+                continue;
+            };
+            for &p in &r.pages {
+                let o = &self.owner[p as usize];
+                prop_assert!(
+                    o.as_ref() == Some(ident),
+                    "request {} ({:?}) holds page {} written by {:?}",
+                    id,
+                    ident,
+                    p,
+                    o
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run(
+    ops: Vec<POp>,
+    one_fam: bool,
+    over: bool,
+    wm: usize,
+    ovh: f64,
+    mbt: usize,
+    preempt: bool,
+    bs: usize,
+    pages: usize,
+    seqs: usize,
+    chunk: usize,
+    tiers: [u32; 4],
+    ns0: [u8; 4],
+) -> Result<(), TestCaseError> {
+    let c = SchedulerConfig {
+        num_blocks: pages + 1,
+        block_size: bs,
+        max_num_seqs: seqs,
+        max_batched_tokens: mbt.max(seqs),
+        max_seq_len: 96.min(pages * bs).max(2),
+        overhead_reserve: ovh,
+        max_waiting: 6,
+        long_prefill_chunk: chunk,
+        admission: if over {
+            AdmissionMode::Overcommit {
+                watermark_blocks: wm,
+            }
+        } else {
+            AdmissionMode::Reserve
+        },
+        preempt_lower_tiers: preempt,
+        ..SchedulerConfig::default()
+    };
+    let mut f = Fz {
+        h: Harness::new(c),
+        incarnation: [0; 4],
+        next_inc: 1,
+        ident: Map::new(),
+        owner: vec![None; pages + 1],
+        k: 0,
+    };
+    for t in 0..4 {
+        let mut tc = TenantConfig::new(TN[t]);
+        tc.tier = tiers[t];
+        tc.prefix_namespace = ns_name(ns0[t]);
+        f.h.s.add_tenant(tc).unwrap();
+        f.incarnation[t] = f.next_inc;
+        f.next_inc += 1;
+    }
+    let mut nones = 0;
+    for op in ops {
+        match op {
+            POp::Submit {
+                t,
+                fam,
+                n,
+                m,
+                stop,
+                salt,
+                divergent,
+            } => {
+                let mut p = prompt(n, if one_fam { 0 } else { fam });
+                if let Some(d) = divergent {
+                    if d < n {
+                        f.k += 1;
+                        p[d] = 1000 + f.k;
+                    }
+                }
+                f.submit(t, &p, m, stop, salt)?;
+            }
+            POp::Step {
+                cancel_mid,
+                submit_mid,
+            } => {
+                let parity = f.h.s.next_parity();
+                let out =
+                    f.h.s
+                        .step(f.h.now, &mut f.h.bufs[parity].as_mut())
+                        .map_err(|e| TestCaseError::fail(format!("step: {e}")))?;
+                let Some(out) = out else {
+                    if f.h.s.live_requests() > 0 {
+                        nones += 1;
+                        prop_assert!(nones < 4, "stalled: {:?}", f.h.s.stats(f.h.now).pool);
+                    }
+                    f.h.now += 0.01;
+                    f.check_owners()?;
+                    f.h.s.check_invariants().map_err(TestCaseError::fail)?;
+                    continue;
+                };
+                nones = 0;
+                let b = &f.h.bufs[parity];
+                let pps = f.h.s.plan_shape().pages_per_seq;
+                for i in 0..out.num_seqs {
+                    let (lo, hi) = (b.cu_q_lens[i] as usize, b.cu_q_lens[i + 1] as usize);
+                    let id = out.request_ids[i];
+                    let ident = f.ident[&id].clone();
+                    for t in lo..hi {
+                        let slot = b.slot_mapping[t] as usize;
+                        f.h.kv[slot] = b.token_ids[t];
+                        f.owner[slot / bs] = Some(ident.clone());
+                    }
+                }
+                let mut sampled = Vec::new();
+                for i in 0..out.num_seqs {
+                    let kv_len = b.kv_lens[i] as usize;
+                    let row = &b.page_indices[i * pps..(i + 1) * pps];
+                    let read: Vec<i32> = (0..kv_len)
+                        .map(|p| f.h.kv[row[p / bs] as usize * bs + p % bs])
+                        .collect();
+                    let truth = &f.h.s.request(out.request_ids[i]).unwrap().tokens[..kv_len];
+                    prop_assert_eq!(
+                        &read[..],
+                        truth,
+                        "request {} read wrong KV",
+                        out.request_ids[i]
+                    );
+                    sampled.push(sample_of(&read));
+                }
+                f.check_owners()?;
+                if let Some(pick) = cancel_mid {
+                    let ids = f.live_ids();
+                    if !ids.is_empty() {
+                        f.h.s.cancel(ids[pick % ids.len()]).unwrap();
+                    }
+                    f.h.s.check_invariants().map_err(TestCaseError::fail)?;
+                }
+                if let Some((t, fam, n)) = submit_mid {
+                    let p = prompt(n, fam);
+                    f.submit(t, &p, 5, false, None)?;
+                    f.check_owners()?;
+                    f.h.s.check_invariants().map_err(TestCaseError::fail)?;
+                }
+                f.h.s
+                    .commit(out.step_id, &sampled, f.h.now)
+                    .map_err(|e| TestCaseError::fail(format!("commit: {e}")))?;
+                f.h.now += 0.01;
+            }
+            POp::Cancel { pick } => {
+                let ids = f.live_ids();
+                if !ids.is_empty() {
+                    f.h.s.cancel(ids[pick % ids.len()]).unwrap();
+                }
+            }
+            POp::Update {
+                t,
+                floor,
+                cap,
+                ns,
+                tier,
+            } => {
+                if let Ok(tc) = f.h.s.tenants().by_name(TN[t]) {
+                    let mut c = tc.config.clone();
+                    c.kv_floor_blocks = floor;
+                    c.kv_cap_blocks = cap.map(|c| c.max(floor));
+                    c.prefix_namespace = ns_name(ns);
+                    c.tier = tier;
+                    let _ = f.h.s.update_tenant(c, f.h.now);
+                }
+            }
+            POp::Remove {
+                t,
+                cancel_all,
+                readd,
+                ns,
+            } => {
+                if cancel_all {
+                    let tid = f.h.s.tenants().id(TN[t]);
+                    for id in f.live_ids() {
+                        if Some(f.h.s.request(id).unwrap().tenant) == tid {
+                            f.h.s.cancel(id).unwrap();
+                        }
+                    }
+                }
+                let _ = f.h.s.remove_tenant(TN[t]);
+                f.h.s.check_invariants().map_err(TestCaseError::fail)?;
+                if readd && f.h.s.tenants().id(TN[t]).is_none() {
+                    let mut tc = TenantConfig::new(TN[t]);
+                    tc.prefix_namespace = ns_name(ns);
+                    tc.tier = tiers[t];
+                    if f.h.s.add_tenant(tc).is_ok() {
+                        f.incarnation[t] = f.next_inc;
+                    }
+                    f.next_inc += 1;
+                }
+            }
+        }
+        f.check_owners()?;
+        f.h.s.check_invariants().map_err(TestCaseError::fail)?;
+    }
+    // Drain.
+    for _ in 0..5000 {
+        if f.h.s.live_requests() == 0 {
+            break;
+        }
+        let parity = f.h.s.next_parity();
+        let out =
+            f.h.s
+                .step(f.h.now, &mut f.h.bufs[parity].as_mut())
+                .map_err(|e| TestCaseError::fail(format!("drain step: {e}")))?;
+        let Some(out) = out else {
+            prop_assert!(false, "drain stalled: {:?}", f.h.s.stats(f.h.now).pool);
+            unreachable!()
+        };
+        let b = &f.h.bufs[parity];
+        let pps = f.h.s.plan_shape().pages_per_seq;
+        for i in 0..out.num_seqs {
+            let (lo, hi) = (b.cu_q_lens[i] as usize, b.cu_q_lens[i + 1] as usize);
+            let ident = f.ident[&out.request_ids[i]].clone();
+            for t in lo..hi {
+                let slot = b.slot_mapping[t] as usize;
+                f.h.kv[slot] = b.token_ids[t];
+                f.owner[slot / bs] = Some(ident.clone());
+            }
+        }
+        let mut sampled = Vec::new();
+        for i in 0..out.num_seqs {
+            let kv_len = b.kv_lens[i] as usize;
+            let row = &b.page_indices[i * pps..(i + 1) * pps];
+            let read: Vec<i32> = (0..kv_len)
+                .map(|p| f.h.kv[row[p / bs] as usize * bs + p % bs])
+                .collect();
+            let truth = &f.h.s.request(out.request_ids[i]).unwrap().tokens[..kv_len];
+            prop_assert_eq!(&read[..], truth);
+            sampled.push(sample_of(&read));
+        }
+        f.check_owners()?;
+        f.h.s
+            .commit(out.step_id, &sampled, f.h.now)
+            .map_err(|e| TestCaseError::fail(format!("drain commit: {e}")))?;
+        f.h.now += 0.01;
+        f.h.s.check_invariants().map_err(TestCaseError::fail)?;
+    }
+    prop_assert_eq!(f.h.s.live_requests(), 0);
+    let st = f.h.s.stats(f.h.now);
+    prop_assert_eq!(st.pool.used, 0);
+    prop_assert_eq!(
+        st.pool.committed,
+        st.tenants.iter().map(|t| t.kv_floor_blocks).sum::<usize>()
+    );
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 100, ..ProptestConfig::default() })]
+    #[test]
+    fn pfuzz_reserve(ops in prop::collection::vec(pop(), 1..200), preempt in any::<bool>(),
+                     bs in 1usize..9, seqs in 1usize..6, chunk in 1usize..30, pages in 10usize..60,
+                     tiers in prop::array::uniform4(0u32..3), ns0 in prop::array::uniform4(0u8..3), ovh in prop::sample::select(vec![0.0, 0.1, 0.3]), mbt in prop::sample::select(vec![4usize, 8, 24, 64]), one_fam in any::<bool>()) {
+        run(ops, one_fam, false, 0, ovh, mbt, preempt, bs, pages, seqs, chunk, tiers, ns0)?;
+    }
+    #[test]
+    fn pfuzz_over(ops in prop::collection::vec(pop(), 1..200), preempt in any::<bool>(),
+                  bs in 1usize..9, seqs in 1usize..6, chunk in 1usize..30, pages in 8usize..40,
+                  tiers in prop::array::uniform4(0u32..3), ns0 in prop::array::uniform4(0u8..3), wm in 0usize..3, ovh in prop::sample::select(vec![0.0, 0.1, 0.3]), mbt in prop::sample::select(vec![4usize, 8, 24, 64]), one_fam in any::<bool>()) {
+        run(ops, one_fam, true, wm, ovh, mbt, preempt, bs, pages, seqs, chunk, tiers, ns0)?;
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 100, ..ProptestConfig::default() })]
+    #[test]
+    fn pfuzz_small(ops in prop::collection::vec(pop(), 1..250), preempt in any::<bool>(), over in any::<bool>(),
+                     bs in 1usize..5, seqs in 1usize..8, chunk in 1usize..30, pages in 4usize..16,
+                     tiers in prop::array::uniform4(0u32..3), ns0 in prop::array::uniform4(0u8..2), wm in 0usize..3, mbt in prop::sample::select(vec![8usize, 24, 64])) {
+        run(ops, true, over, wm, 0.0, mbt, preempt, bs, pages, seqs, chunk, tiers, ns0)?;
+    }
+}
