@@ -2,12 +2,14 @@
 
     python examples/quickstart.py [--requests N] [--seed S]
 
-A seeded burst arrives over a few virtual seconds: `chat` (tier 0, short prompts, a
-KV floor, steps capped so its tokens keep flowing), `api` (tier 1, a cap and a rate
-limit) and `batch` (tier 2, long prompts). The loop is the one a real server runs:
-`step()` -> the engine -> `commit()`. The engine here is a stand-in (it samples random
-tokens and charges a simple per-step cost: 4 ms + 15 us per token), so the figures
-show the scheduler's decisions, not a model's speed. Every request ends finished or
+A seeded burst arrives over a few virtual seconds: `chat` (tier 0, short prompts
+behind one shared system prompt, which the prefix cache serves after the first, a KV
+floor, steps capped so its tokens keep flowing), `api` (tier 1, a cap and a rate
+limit) and `batch` (tier 2, long prompts). The default degradation ladder is on.
+The loop is the one a real server runs: `step()` -> the engine -> `commit()`. The
+engine here is a stand-in (it samples random tokens and charges a simple per-step
+cost: 4 ms + 15 us per token), so the figures show the scheduler's decisions, not a
+model's speed. Every request ends finished or
 rejected with a reason; the table says which.
 """
 
@@ -30,6 +32,7 @@ TENANTS = [
 MIX = {"chat": ((20, 400), (16, 128), 0.5), "api": ((200, 1500), (32, 256), 0.3),
        "batch": ((1500, 3500), (64, 256), 0.2)}  # fmt: skip
 STEP_OVERHEAD_S, PER_TOKEN_S = 0.004, 15e-6
+SYSTEM_PROMPT = np.arange(1000, 1256, dtype=np.int32)  # chat's shared 256-token prefix
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -47,6 +50,7 @@ def main(seed: int = 0, n_requests: int = 300, quiet: bool = False) -> dict[str,
             max_seq_len=4096,
             max_waiting=64,
             long_prefill_chunk=512,
+            ladder="default",
         )  # fmt: skip
     )
     for t in TENANTS:
@@ -65,6 +69,8 @@ def main(seed: int = 0, n_requests: int = 300, quiet: bool = False) -> dict[str,
             name = names[rng.choice(len(names), p=shares / shares.sum())]
             (plo, phi), (olo, ohi), _ = MIX[name]
             prompt = rng.integers(0, 32_000, int(rng.integers(plo, phi)), dtype=np.int32)
+            if name == "chat":
+                prompt = np.concatenate([SYSTEM_PROMPT, prompt])
             try:
                 rid = sched.submit(name, prompt, int(rng.integers(olo, ohi)), now=now)
                 owner[rid] = name
@@ -96,6 +102,8 @@ def main(seed: int = 0, n_requests: int = 300, quiet: bool = False) -> dict[str,
             "itl_p50": percentile(itl, 50),
             "itl_p99": percentile(itl, 99),
             "tokens_per_s": out_tokens / now if now else 0.0,
+            "cached_share": sum(f.cached_tokens for f in mine)
+            / max(1, sum(f.prompt_len for f in mine)),
         }
     if not quiet:
         pool = stats["pool"]
@@ -103,15 +111,20 @@ def main(seed: int = 0, n_requests: int = 300, quiet: bool = False) -> dict[str,
             f"{n_requests} requests, {steps} steps, {now:.2f} s of virtual time; "
             f"pool {pool['usable']} usable blocks of {pool['total']}"
         )
+        print(
+            f"ladder: level {stats['ladder']['level']} at the end, climbs "
+            f"{[r['climbs'] for r in stats['ladder']['rungs']]}"
+        )
         head = (f"{'tenant':<7}{'tier':>5}{'done':>6}  {'TTFT p50/p99 (s)':>17}  "
-                f"{'ITL p50/p99 (ms)':>17}{'tok/s':>8}  rejected")  # fmt: skip
+                f"{'ITL p50/p99 (ms)':>17}{'tok/s':>8}{'cached':>8}  rejected")  # fmt: skip
         print(head)
         print("-" * len(head))
         for name, row in table.items():
             print(f"{name:<7}{row['tier']:>5}{row['finished']:>6}  "
                   f"{row['ttft_p50']:>8.3f}/{row['ttft_p99']:<8.3f}  "
                   f"{row['itl_p50'] * 1e3:>8.1f}/{row['itl_p99'] * 1e3:<8.1f}"
-                  f"{row['tokens_per_s']:>8.0f}  {row['rejected'] or '-'}")  # fmt: skip
+                  f"{row['tokens_per_s']:>8.0f}{row['cached_share']:>8.0%}  "
+                  f"{row['rejected'] or '-'}")  # fmt: skip
     return table
 
 

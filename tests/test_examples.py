@@ -21,4 +21,7 @@ def test_quickstart_accounts_for_every_request(capsys):
     assert all(row["finished"] > 0 for row in table.values())
     # The top tier's requests wait least for their first token.
     assert table["chat"]["ttft_p50"] < table["batch"]["ttft_p50"]
+    # chat's shared system prompt is served from the prefix cache after the first.
+    assert table["chat"]["cached_share"] > 0.3
+    assert table["batch"]["cached_share"] == 0.0
     assert "TTFT p50/p99" in capsys.readouterr().out
