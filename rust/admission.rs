@@ -63,23 +63,15 @@ fn reject(
     }
 }
 
-/// Decide on a request of `tenant` for `prompt` plus up to `max_tokens` new tokens.
-///
-/// `shared_hits` is asked (once, only when the pool must be consulted) how many
-/// of the request's prefix-cache hits are pages of the tenant's own namespace
-/// that another of its requests already holds: the tenant's cap counts those
-/// pages again, the pool does not.
-pub fn decide(
+/// The checks that depend on the request alone: empty prompt, max_tokens 0,
+/// negative ids, too long. A request that fails one fails it forever.
+pub fn check_request(
     tenant: &Tenant,
-    cap: &Capacity,
+    max_seq_len: usize,
     prompt: &[i32],
     max_tokens: usize,
-    now: f64,
-    shared_hits: impl FnOnce() -> usize,
-) -> Result<Admission, Rejection> {
+) -> Result<(), Rejection> {
     use RejectReason::*;
-    let name = &tenant.config.name;
-
     if prompt.is_empty() {
         return Err(reject(tenant, Invalid, None, "empty prompt".into()));
     }
@@ -104,20 +96,41 @@ pub fn decide(
             format!("prompt token {at} is negative ({})", prompt[at]),
         ));
     }
-
     let final_len = prompt.len().saturating_add(max_tokens);
-    if final_len > cap.max_seq_len {
+    if final_len > max_seq_len {
         return Err(reject(
             tenant,
             TooLong,
             None,
             format!(
-                "prompt ({}) + max_tokens ({max_tokens}) = {final_len} exceeds max_seq_len ({})",
+                "prompt ({}) + max_tokens ({max_tokens}) = {final_len} exceeds max_seq_len \
+                 ({max_seq_len})",
                 prompt.len(),
-                cap.max_seq_len
             ),
         ));
     }
+    Ok(())
+}
+
+/// Decide on a request of `tenant` for `prompt` plus up to `max_tokens` new tokens.
+///
+/// `shared_hits` is asked (once, only when the pool must be consulted) how many
+/// of the request's prefix-cache hits are pages of the tenant's own namespace
+/// that another of its requests already holds: the tenant's cap counts those
+/// pages again, the pool does not.
+pub fn decide(
+    tenant: &Tenant,
+    cap: &Capacity,
+    prompt: &[i32],
+    max_tokens: usize,
+    now: f64,
+    shared_hits: impl FnOnce() -> usize,
+) -> Result<Admission, Rejection> {
+    use RejectReason::*;
+    let name = &tenant.config.name;
+
+    check_request(tenant, cap.max_seq_len, prompt, max_tokens)?;
+    let final_len = prompt.len() + max_tokens;
     // The ladder: passing, but cheaper than anything below it.
     if cap.shed_tier == Some(tenant.config.tier) {
         return Err(reject(

@@ -144,8 +144,11 @@ impl LadderConfig {
             return bad("retry_after_s must be a non-negative number".into());
         }
         for (i, r) in self.rungs.iter().enumerate() {
-            if !(r.engage.is_finite() && r.release.is_finite() && r.release >= 0.0) {
-                return bad(format!("rung {i}: thresholds must be non-negative numbers"));
+            if !(r.engage.is_finite() && r.release.is_finite() && r.release > 0.0) {
+                return bad(format!(
+                    "rung {i}: thresholds must be positive numbers (a signal is never below \
+                     0, so a release at 0 would never release)"
+                ));
             }
             if r.release >= r.engage {
                 return bad(format!(
@@ -392,6 +395,9 @@ mod tests {
         assert!(Ladder::new(c).is_err());
         let mut c = LadderConfig::default_for(8, 64);
         c.rungs[1].action = Action::CapMaxTokens(0);
+        assert!(Ladder::new(c).is_err());
+        let mut c = LadderConfig::default_for(8, 64);
+        c.rungs[2].release = 0.0; // signals are never below 0: it would never release
         assert!(Ladder::new(c).is_err());
         assert!(Signal::parse("bogus").is_err());
         assert_eq!(Signal::parse("queue_depth").unwrap(), Signal::QueueDepth);

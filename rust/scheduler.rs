@@ -235,6 +235,9 @@ pub struct Request {
     pub preemptions: u32,
     pub cached_tokens: usize,
     pub cache_salt: Option<Vec<u8>>,
+    /// Since when it waits to (re)enter the running set: its arrival, or its
+    /// last preemption. The ladder's oldest-wait signal reads this.
+    pub waiting_since: f64,
 }
 
 impl Request {
@@ -298,6 +301,37 @@ pub struct InFlight {
     /// "in_flight" (still running at the checkpoint) or "drain_deadline"
     /// (handed back when the drain's deadline came).
     pub reason: &'static str,
+}
+
+impl InFlight {
+    /// Whether the record describes a request that can still run: tokens left
+    /// to generate, no negative id, no stop token already generated.
+    pub fn validate(&self) -> KvResult<()> {
+        let bad = |why: String| {
+            Err(KvError::InvalidRequest(format!(
+                "restored request {}: {why}",
+                self.id
+            )))
+        };
+        if self.generated.len() >= self.max_tokens {
+            return bad(format!(
+                "{} tokens generated of max_tokens {}: it had finished",
+                self.generated.len(),
+                self.max_tokens
+            ));
+        }
+        if self
+            .generated
+            .iter()
+            .any(|t| self.stop_token_ids.contains(t))
+        {
+            return bad("it generated a stop token: it had finished".into());
+        }
+        if self.generated.iter().any(|&t| t < 0) {
+            return bad("a generated token id is negative".into());
+        }
+        Ok(())
+    }
 }
 
 /// Something operators want to know about, in the order it happened.
@@ -727,30 +761,19 @@ impl Scheduler {
     /// generated (they count toward `max_tokens` and lead its output) and its
     /// options. Admitted like any request (its final length is reserved).
     pub fn submit_restored(&mut self, record: &InFlight, now: f64) -> KvResult<u64> {
-        if record.generated.len() >= record.max_tokens || record.generated.iter().any(|&t| t < 0) {
-            return Err(KvError::InvalidRequest(format!(
-                "restored request {}: {} generated tokens for max_tokens {} (or a negative id)",
-                record.id,
-                record.generated.len(),
-                record.max_tokens
-            )));
-        }
+        record.validate()?;
         let opts = SubmitOptions {
             stop_token_ids: &record.stop_token_ids,
             cache_salt: record.cache_salt.as_deref(),
         };
-        let id = self.submit_with(
+        self.submit_inner(
             &record.tenant,
             &record.prompt,
             record.max_tokens,
             &opts,
+            &record.generated,
             now,
-        )?;
-        let slab = self.index[&id];
-        self.req_mut(slab)
-            .tokens
-            .extend_from_slice(&record.generated);
-        Ok(id)
+        )
     }
 
     /// At the drain deadline: hand back every unfinished request.
@@ -941,6 +964,21 @@ impl Scheduler {
         opts: &SubmitOptions<'_>,
         now: f64,
     ) -> KvResult<u64> {
+        self.submit_inner(tenant, prompt, max_tokens, opts, &[], now)
+    }
+
+    /// `submit_with`, for a request that already generated `restored` tokens
+    /// elsewhere: they lead its output, and the ladder's max_tokens cap does
+    /// not apply (it was admitted before, with its max_tokens).
+    fn submit_inner(
+        &mut self,
+        tenant: &str,
+        prompt: &[i32],
+        max_tokens: usize,
+        opts: &SubmitOptions<'_>,
+        restored: &[i32],
+        now: f64,
+    ) -> KvResult<u64> {
         let Some(tid) = self.tenants.id(tenant) else {
             self.rejected[RejectReason::UnknownTenant.index()] += 1;
             return Err(KvError::rejected(
@@ -964,12 +1002,25 @@ impl Scheduler {
                 why.to_owned(),
             ));
         }
+        // What is wrong with the request itself is refused before the ladder
+        // reads the pressure: such a refusal moves nothing but its counter.
+        if let Err(rejection) = admission::check_request(
+            self.tenants.get(tid),
+            self.config.max_seq_len,
+            prompt,
+            max_tokens,
+        ) {
+            self.tenants.get_mut(tid).counters.rejected[rejection.reason.index()] += 1;
+            self.rejected[rejection.reason.index()] += 1;
+            return Err(KvError::Rejected(rejection));
+        }
         self.update_ladder(now);
         let effects = self.ladder.effects();
         let asked = max_tokens;
-        let max_tokens = effects
-            .cap_max_tokens
-            .map_or(max_tokens, |c| max_tokens.min(c));
+        let max_tokens = match effects.cap_max_tokens {
+            Some(c) if restored.is_empty() => max_tokens.min(c),
+            _ => max_tokens,
+        };
         let shed_tier = if effects.shed_lowest_tier {
             let tiers = self.tenants.iter().map(|(_, t)| t.config.tier);
             let (lo, hi) = tiers.fold((u32::MAX, 0), |(lo, hi), t| (lo.min(t), hi.max(t)));
@@ -1103,6 +1154,7 @@ impl Scheduler {
         self.next_id += 1;
         let mut tokens = Vec::with_capacity(prompt.len() + max_tokens);
         tokens.extend_from_slice(prompt);
+        tokens.extend_from_slice(restored);
         let req = Request {
             id,
             tenant: tid,
@@ -1124,6 +1176,7 @@ impl Scheduler {
             last_token: None,
             preemptions: 0,
             cache_salt: opts.cache_salt.map(<[u8]>::to_vec),
+            waiting_since: now,
         };
         let slab = match self.free_slab.pop() {
             Some(s) => {
@@ -1156,6 +1209,10 @@ impl Scheduler {
         let &slab = self.index.get(&id).ok_or(KvError::UnknownRequest(id))?;
         let req = self.release(slab);
         self.tenants.get_mut(req.tenant).counters.cancelled += 1;
+        if self.lifecycle == Lifecycle::Draining && self.index.is_empty() && self.pending.is_none()
+        {
+            self.lifecycle = Lifecycle::Drained;
+        }
         Ok(req)
     }
 
@@ -1169,7 +1226,7 @@ impl Scheduler {
             .iter()
             .filter_map(|(_, t)| t.waiting.front())
             .chain(self.resume.values().filter_map(|q| q.front()))
-            .map(|&s| self.req(s).arrival)
+            .map(|&s| self.req(s).waiting_since)
             .fold(f64::INFINITY, f64::min);
         Pressure {
             reserved_share: if usable == 0 {
@@ -1400,8 +1457,10 @@ impl Scheduler {
             dropped = pages.len();
             self.req_mut(slab).num_computed = 0;
         }
+        let now = self.last_step_at;
         let r = self.req_mut(slab);
         r.preemptions += 1;
+        r.waiting_since = now.unwrap_or(r.waiting_since);
         let (id, tid) = (r.id, r.tenant);
         let t = self.tenants.get_mut(tid);
         t.used_blocks -= dropped;

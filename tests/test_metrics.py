@@ -117,3 +117,19 @@ def test_a_scrape_reflects_new_work_and_recompiles_only_grow(served):
     with pytest.raises(ValueError):
         collector.record_recompiles(-1)
     assert not any(k[0] == "kvsched_model_info" for k in scrape(registry))
+
+
+def test_every_family_has_one_name_and_openmetrics_parses_it(served):
+    from prometheus_client.openmetrics.exposition import generate_latest as om_latest
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_parse
+
+    sched, _ = served
+    registry = CollectorRegistry()
+    registry.register(SchedulerCollector(sched, model={"name": "m", "checksum": "c"}))
+    helps = [
+        ln for ln in generate_latest(registry).decode().splitlines() if ln.startswith("# HELP")
+    ]
+    names = [ln.split()[2] for ln in helps]
+    assert len(names) == len(set(names)), "a family name appears twice"
+    families = list(om_parse(om_latest(registry).decode()))
+    assert len(families) == len(names)

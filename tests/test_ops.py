@@ -203,3 +203,40 @@ def test_restore_refuses_bad_records_with_a_typed_error(tmp_path):
     with pytest.raises(kvsched.InvalidRequest, match="unknown kind"):
         make().restore(bad, now=0.0)
     np.testing.assert_equal(make().stats(now=0.0)["live_requests"], 0)
+
+
+# -- found in review ------------------------------------------------------------
+
+
+def test_restore_checks_every_record_before_submitting_any(tmp_path):
+    good = {"kind": "in_flight", "request_id": 1, "tenant": "gold", "prompt_ids": [1, 2, 3],
+            "generated_ids": [4], "max_tokens": 5, "stop_token_ids": [], "cache_salt_hex": None,
+            "arrival": 0.0}  # fmt: skip
+    finished = {**good, "request_id": 2, "generated_ids": [4, 5, 6, 7, 8]}
+    path = tmp_path / "ckpt.jsonl"
+    path.write_text(json.dumps(good) + "\n" + json.dumps(finished) + "\n")
+    sched = make()
+    with pytest.raises(kvsched.InvalidRequest, match="had finished"):
+        sched.restore(path, now=0.0)
+    assert sched.live_requests == 0, "nothing was submitted"
+
+
+def test_reconfigure_restating_the_config_changes_nothing():
+    sched = make(admission="overcommit", watermark_blocks=3, ladder=RUNGS, require_warmup=True,
+                 prefix_cache_key=bytes(range(16)), ladder_retry_after_s=0.5)  # fmt: skip
+    before = sched.config
+    sched.reconfigure()
+    sched.reconfigure(admission="overcommit")
+    sched.reconfigure(**{k: getattr(before, k) for k in ("max_num_seqs", "ladder", "max_waiting")})
+    assert sched.config == before
+    assert sched.config.watermark_blocks == 3
+
+
+def test_checkpoint_leaves_no_temporary_file(tmp_path):
+    sched = make()
+    sched.submit("gold", ids(8), 4, now=0.0)
+    path = tmp_path / "ckpt.jsonl"
+    sched.checkpoint(path)
+    sched.checkpoint(path)  # over an existing one
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.jsonl"]
+    assert len(path.read_text().splitlines()) == 1

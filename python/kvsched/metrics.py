@@ -49,6 +49,7 @@ TENANT_COUNTERS = (
     ("tokens_out", "tokens_out", "Generated tokens."),
     ("prefill_tokens", "prefill_tokens", "Tokens run through prefill (recomputes included)."),
     ("preemptions", "preemptions", "Times one of the tenant's sequences was preempted."),
+    # Sum over tenants for the total: one name, one family.
 )
 
 # (stats key, help) of the per-tenant gauges.
@@ -206,9 +207,6 @@ class SchedulerCollector(Collector):
             ("waiting", "Admitted requests not running."),
         ):
             yield GaugeMetricFamily(f"{p}_{key}", doc, value=st[key])
-        yield CounterMetricFamily(
-            f"{p}_preemptions", "Preemptions since start, all tenants.", value=st["preemptions"]
-        )
         life = GaugeMetricFamily(
             f"{p}_lifecycle", "1 for the scheduler's lifecycle state.", labels=["state"]
         )

@@ -257,13 +257,30 @@ pub(super) fn write_checkpoint(
         );
         text.push('\n');
     }
-    let tmp = format!("{path}.tmp");
+    // A temporary name of its own (two checkpoints to one path do not mix),
+    // flushed, renamed over the target, and the directory flushed so the
+    // rename itself survives a crash.
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let tmp = format!("{path}.{}.{nanos}.tmp", std::process::id());
     let io =
         |e: std::io::Error| pyo3::exceptions::PyOSError::new_err(format!("checkpoint {path}: {e}"));
-    let mut file = std::fs::File::create(&tmp).map_err(io)?;
-    file.write_all(text.as_bytes()).map_err(io)?;
-    file.sync_all().map_err(io)?;
-    std::fs::rename(&tmp, path).map_err(io)?;
+    let write = || -> std::io::Result<()> {
+        let mut file = std::fs::File::create(&tmp)?;
+        file.write_all(text.as_bytes())?;
+        file.sync_all()?;
+        std::fs::rename(&tmp, path)?;
+        let dir = std::path::Path::new(path)
+            .parent()
+            .filter(|d| !d.as_os_str().is_empty())
+            .unwrap_or(std::path::Path::new("."));
+        std::fs::File::open(dir)?.sync_all()
+    };
+    if let Err(e) = write() {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(io(e));
+    }
     Ok((finished.len(), in_flight.len()))
 }
 

@@ -380,21 +380,40 @@ impl PyScheduler {
     /// the knob.
     #[pyo3(signature = (**knobs))]
     fn reconfigure(&self, py: Python<'_>, knobs: Option<&Bound<'_, PyDict>>) -> PyResult<()> {
-        let current = PySchedulerConfig {
-            inner: locked(&self.inner, |s| s.config().clone())?,
-        };
-        let kw = current.kwargs(py)?;
-        if let Some(k) = knobs {
-            if k.contains("admission")? && !k.contains("watermark_blocks")? {
-                kw.del_item("watermark_blocks")?;
+        // Built from a snapshot, applied only if nobody changed the config in
+        // between (another thread's reconfigure would otherwise be undone).
+        for _ in 0..8 {
+            let snapshot = locked(&self.inner, |s| s.config().clone())?;
+            let current = PySchedulerConfig {
+                inner: snapshot.clone(),
+            };
+            let kw = current.kwargs(py)?;
+            if let Some(k) = knobs {
+                // A new admission mode takes its own default watermark.
+                let mode_changes = match k.get_item("admission")? {
+                    Some(a) => !a.eq(current.kwargs(py)?.get_item("admission")?)?,
+                    None => false,
+                };
+                if mode_changes && !k.contains("watermark_blocks")? {
+                    kw.del_item("watermark_blocks")?;
+                }
+                kw.update(k.as_mapping())?;
             }
-            kw.update(k.as_mapping())?;
+            let new: PySchedulerConfig = py
+                .get_type::<PySchedulerConfig>()
+                .call((), Some(&kw))?
+                .extract()?;
+            let applied = locked(&self.inner, |s| {
+                (s.config() == &snapshot).then(|| s.update_config(new.inner))
+            })?;
+            if let Some(result) = applied {
+                return Ok(result?);
+            }
         }
-        let new: PySchedulerConfig = py
-            .get_type::<PySchedulerConfig>()
-            .call((), Some(&kw))?
-            .extract()?;
-        Ok(locked(&self.inner, |s| s.update_config(new.inner))??)
+        Err(KvError::InvalidRequest(
+            "reconfigure: the configuration kept changing under concurrent calls; retry".into(),
+        )
+        .into())
     }
 
     /// Events since the last call, oldest first: ladder rungs engaged and
@@ -514,6 +533,10 @@ impl PyScheduler {
                     .into())
                 }
             }
+        }
+        // Every record is checked before any is submitted: a bad file changes nothing.
+        for rec in &records {
+            rec.validate()?;
         }
         for rec in &records {
             match locked(&self.inner, |s| s.submit_restored(rec, now))? {

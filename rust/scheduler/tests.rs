@@ -1193,5 +1193,6 @@ mod review3 {
 }
 
 mod ops;
+mod ops_fuzz;
 mod prefix;
 mod prefix_fuzz;

@@ -399,3 +399,126 @@ fn a_retiered_tenants_preempted_request_waits_in_its_new_tiers_queue() {
         );
     }
 }
+
+// -- found in review ------------------------------------------------------------
+
+fn record(prompt_: Vec<i32>, generated: Vec<i32>, max_tokens: usize, stops: Vec<i32>) -> InFlight {
+    InFlight {
+        id: 77,
+        tenant: "a".into(),
+        prompt: prompt_,
+        generated,
+        max_tokens,
+        stop_token_ids: stops,
+        cache_salt: None,
+        arrival: 0.0,
+        reason: "in_flight",
+    }
+}
+
+#[test]
+fn a_restored_request_keeps_its_max_tokens_under_a_cap_rung() {
+    for admission in [
+        AdmissionMode::Reserve,
+        AdmissionMode::Overcommit {
+            watermark_blocks: 1,
+        },
+    ] {
+        let mut c = config(200, 8);
+        c.admission = admission;
+        c.ladder = LadderConfig {
+            rungs: vec![Rung {
+                signal: Signal::QueueDepth,
+                engage: 1.0,
+                release: 0.5,
+                action: Action::CapMaxTokens(4),
+            }],
+            retry_after_s: 1.0,
+        };
+        let mut h = Harness::new(c);
+        h.tenant(TenantConfig::new("a"));
+        h.submit("a", &prompt(8, 1), 20); // the cap rung engages at the next submit
+        let id =
+            h.s.submit_restored(&record(prompt(8, 2), vec![5; 10], 20, vec![]), h.now)
+                .unwrap();
+        assert_eq!(h.s.request(id).unwrap().max_tokens, 20);
+        h.run(200);
+        assert_eq!(h.finished[&id].output.len(), 20, "{admission:?}");
+        assert_eq!(&h.finished[&id].output[..10], &[5; 10]);
+    }
+}
+
+#[test]
+fn a_record_that_had_finished_is_refused_and_changes_nothing() {
+    let mut h = Harness::new(config(200, 8));
+    h.tenant(TenantConfig::new("a"));
+    let before = h.s.stats(h.now);
+    for rec in [
+        record(prompt(8, 2), vec![3, 9], 6, vec![9]), // stop token generated
+        record(prompt(8, 2), vec![3; 6], 6, vec![]),  // max_tokens reached
+        record(prompt(8, 2), vec![3, -1], 6, vec![]), // negative id
+    ] {
+        assert!(matches!(
+            h.s.submit_restored(&rec, h.now),
+            Err(KvError::InvalidRequest(_))
+        ));
+    }
+    assert_eq!(h.s.stats(h.now), before);
+}
+
+#[test]
+fn oldest_wait_counts_from_the_preemption_not_the_arrival() {
+    let mut c = config(200, 8);
+    c.max_num_seqs = 1;
+    c.preempt_lower_tiers = true;
+    let mut h = Harness::new(c);
+    h.dt = 0.1;
+    let mut lo = TenantConfig::new("lo");
+    lo.tier = 1;
+    h.tenant(lo);
+    h.tenant(TenantConfig::new("hi"));
+    h.submit("lo", &prompt(8, 1), 200);
+    for _ in 0..100 {
+        h.step(); // lo runs for 10 s while nobody waits
+    }
+    h.submit("hi", &prompt(8, 2), 4);
+    h.step(); // lo is preempted for hi
+    let wait = h.s.pressure(h.now).oldest_wait_s;
+    assert!(wait <= 0.1 + 1e-9, "oldest wait {wait}");
+}
+
+#[test]
+fn a_refused_invalid_request_does_not_move_the_ladder() {
+    let mut c = config(200, 8);
+    c.ladder = LadderConfig {
+        rungs: vec![Rung {
+            signal: Signal::QueueDepth,
+            engage: 1.0,
+            release: 0.5,
+            action: Action::RejectFast,
+        }],
+        retry_after_s: 1.0,
+    };
+    let mut h = Harness::new(c);
+    h.tenant(TenantConfig::new("a"));
+    h.submit("a", &prompt(8, 1), 4);
+    assert_eq!(reason(h.s.submit("a", &[], 4, h.now)), Some("invalid"));
+    assert_eq!(
+        reason(h.s.submit("a", &prompt(300, 1), 4, h.now)),
+        Some("too_long")
+    );
+    assert_eq!(h.s.ladder().level(), 0);
+    assert!(h.s.take_events().is_empty());
+}
+
+#[test]
+fn cancelling_the_last_request_of_a_drain_ends_it() {
+    let mut h = Harness::new(config(200, 8));
+    h.tenant(TenantConfig::new("a"));
+    let id = h.submit("a", &prompt(8, 1), 20);
+    h.step();
+    h.s.drain(h.now + 100.0).unwrap();
+    h.s.cancel(id).unwrap();
+    assert_eq!(h.s.lifecycle(), Lifecycle::Drained);
+    assert!(!h.s.live());
+}

@@ -1,0 +1,169 @@
+//! A fuzzer for operations (written in review): submits with stop tokens,
+//! steps, cancels, live reconfiguration (raising and lowering the shape-bound
+//! knobs while sequences run, overhead reserve, ladder on and off), drains with
+//! deadlines past and future, tier changes and idle time, in both admission
+//! modes with and without priority preemption. After every operation the
+//! invariants hold and a refused reconfiguration changes nothing; in the end
+//! every admitted request is finished, cancelled or handed back exactly once.
+
+use super::*;
+use crate::ladder::{Action, Rung, Signal};
+use std::collections::BTreeSet;
+
+fn rung(signal: Signal, engage: f64, release: f64, action: Action) -> Rung {
+    Rung {
+        signal,
+        engage,
+        release,
+        action,
+    }
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Submit {
+        t: usize,
+        n: usize,
+        m: usize,
+        stop: bool,
+    },
+    Step,
+    Cancel {
+        pick: usize,
+    },
+    Reconf {
+        seqs: usize,
+        mbt: usize,
+        msl: usize,
+        reserve: u8,
+        ladder: bool,
+        preempt: bool,
+    },
+    Drain {
+        delta: i32,
+    },
+    Tier {
+        t: usize,
+        tier: u32,
+    },
+    Wait {
+        dt: u8,
+    },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        5 => (0usize..3, 1usize..50, 1usize..40, any::<bool>()).prop_map(|(t, n, m, stop)| Op::Submit { t, n, m, stop }),
+        8 => Just(Op::Step),
+        1 => any::<usize>().prop_map(|pick| Op::Cancel { pick }),
+        1 => (1usize..=6, 6usize..=48, 2usize..=128, 0u8..4, any::<bool>(), any::<bool>())
+            .prop_map(|(seqs, mbt, msl, reserve, ladder, preempt)| Op::Reconf { seqs, mbt, msl, reserve, ladder, preempt }),
+        1 => (-5i32..40).prop_map(|delta| Op::Drain { delta }),
+        1 => (0usize..3, 0u32..3).prop_map(|(t, tier)| Op::Tier { t, tier }),
+        1 => (0u8..40).prop_map(|dt| Op::Wait { dt }),
+    ]
+}
+
+fn lad() -> LadderConfig {
+    LadderConfig {
+        rungs: vec![
+            rung(Signal::ReservedShare, 0.6, 0.3, Action::ShedLowestTier),
+            rung(Signal::QueueDepth, 3.0, 1.0, Action::CapMaxTokens(5)),
+            rung(Signal::OldestWaitS, 0.1, 0.05, Action::MaxRunning(2)),
+            rung(Signal::OldestWaitS, 0.2, 0.1, Action::RejectFast),
+        ],
+        retry_after_s: 0.5,
+    }
+}
+
+const NAMES: [&str; 3] = ["t0", "t1", "t2"];
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 150, ..ProptestConfig::default() })]
+    #[test]
+    fn ops_account_for_every_request(ops in prop::collection::vec(op(), 1..200), over in any::<bool>(), pc in any::<bool>()) {
+        let base = SchedulerConfig {
+            num_blocks: 61, block_size: 8, max_num_seqs: 6, max_batched_tokens: 48,
+            max_seq_len: 128, overhead_reserve: 0.0, max_waiting: 6, long_prefill_chunk: 16,
+            admission: if over { AdmissionMode::Overcommit { watermark_blocks: 1 } } else { AdmissionMode::Reserve },
+            preempt_lower_tiers: pc, ladder: lad(),
+            ..SchedulerConfig::default()
+        };
+        let mut h = Harness::new(base.clone());
+        for (i, n) in NAMES.iter().enumerate() {
+            let mut c = TenantConfig::new(*n);
+            c.tier = i as u32;
+            h.tenant(c);
+        }
+        let mut admitted = BTreeSet::new();
+        let mut finished = BTreeSet::new();
+        let mut cancelled = BTreeSet::new();
+        let mut k = 0i32;
+        for op in ops {
+            match op {
+                Op::Submit { t, n, m, stop } => {
+                    k += 1;
+                    let p = prompt(n, k);
+                    let stops = if stop { vec![p[0] % 7 + 3] } else { vec![] };
+                    if let Ok(id) = h.s.submit_with_stops(NAMES[t], &p, m, &stops, h.now) {
+                        admitted.insert(id);
+                    }
+                }
+                Op::Step => {
+                    if let Some(ev) = h.step() {
+                        for f in ev.finished { prop_assert!(finished.insert(f.id)); }
+                    } else { h.now += 0.01; }
+                }
+                Op::Cancel { pick } => {
+                    let live: Vec<u64> = admitted.iter().filter(|&&i| !finished.contains(&i) && !cancelled.contains(&i) && h.s.request(i).is_ok()).copied().collect();
+                    if !live.is_empty() {
+                        let id = live[pick % live.len()];
+                        h.s.cancel(id).unwrap();
+                        cancelled.insert(id);
+                    }
+                }
+                Op::Reconf { seqs, mbt, msl, reserve, ladder, preempt } => {
+                    let mut c = h.s.config().clone();
+                    c.max_num_seqs = seqs;
+                    c.max_batched_tokens = mbt.max(seqs);
+                    c.max_seq_len = msl;
+                    c.overhead_reserve = [0.0, 0.1, 0.3, 0.6][reserve as usize];
+                    c.ladder = if ladder { lad() } else { LadderConfig::off() };
+                    c.preempt_lower_tiers = preempt;
+                    let before = (h.s.config().clone(), h.s.stats(h.now));
+                    match h.s.update_config(c.clone()) {
+                        Ok(()) => prop_assert_eq!(h.s.config(), &c),
+                        Err(_) => prop_assert_eq!((h.s.config().clone(), h.s.stats(h.now)), before),
+                    }
+                }
+                Op::Drain { delta } => { h.s.drain(h.now + delta as f64 * 0.01).unwrap(); }
+                Op::Tier { t, tier } => {
+                    let mut c = h.s.tenants().by_name(NAMES[t]).unwrap().config.clone();
+                    c.tier = tier;
+                    h.s.update_tenant(c, h.now).unwrap();
+                }
+                Op::Wait { dt } => h.now += dt as f64 * 0.01,
+            }
+            h.s.check_invariants().map_err(TestCaseError::fail)?;
+            prop_assert!(h.s.ladder().level() <= h.s.ladder().config().rungs.len());
+        }
+        // Drain to the end.
+        h.s.drain(h.now + 5.0).unwrap();
+        let mut n = 0;
+        while h.s.lifecycle() != Lifecycle::Drained {
+            match h.step() {
+                Some(ev) => for f in ev.finished { prop_assert!(finished.insert(f.id)); },
+                None => h.now += 0.01,
+            }
+            n += 1;
+            prop_assert!(n < 20000, "drain never ends; live {}", h.s.live_requests());
+        }
+        let (_, back) = h.s.checkpoint();
+        let back: BTreeSet<u64> = back.iter().map(|r| r.id).collect();
+        for id in &admitted {
+            let c = finished.contains(id) as u8 + cancelled.contains(id) as u8 + back.contains(id) as u8;
+            prop_assert_eq!(c, 1, "request {} accounted {} times", id, c);
+        }
+        prop_assert_eq!(h.s.pool().used(), 0);
+    }
+}
