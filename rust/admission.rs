@@ -83,9 +83,10 @@ pub fn check_request(
             "max_tokens must be at least 1".into(),
         ));
     }
-    // A min reduction vectorizes; the position is looked for only on failure.
-    let lowest = prompt.iter().copied().fold(0, i32::min);
-    if let Some(at) = (lowest < 0)
+    // A negative id sets the sign bit of the OR of all ids: an OR reduction
+    // vectorizes on any x86-64; the position is looked for only on failure.
+    let any_negative = prompt.iter().fold(0i32, |acc, &t| acc | t) < 0;
+    if let Some(at) = any_negative
         .then(|| prompt.iter().position(|&t| t < 0))
         .flatten()
     {
@@ -112,7 +113,8 @@ pub fn check_request(
     Ok(())
 }
 
-/// Decide on a request of `tenant` for `prompt` plus up to `max_tokens` new tokens.
+/// Decide on a request of `tenant` for `prompt` plus up to `max_tokens` new
+/// tokens, which passed `check_request`.
 ///
 /// `shared_hits` is asked (once, only when the pool must be consulted) how many
 /// of the request's prefix-cache hits are pages of the tenant's own namespace
@@ -129,7 +131,8 @@ pub fn decide(
     use RejectReason::*;
     let name = &tenant.config.name;
 
-    check_request(tenant, cap.max_seq_len, prompt, max_tokens)?;
+    // The caller ran check_request (before reading the ladder's pressure).
+    debug_assert!(check_request(tenant, cap.max_seq_len, prompt, max_tokens).is_ok());
     let final_len = prompt.len() + max_tokens;
     // The ladder: passing, but cheaper than anything below it.
     if cap.shed_tier == Some(tenant.config.tier) {
