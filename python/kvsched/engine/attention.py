@@ -1,0 +1,135 @@
+"""Attention over the paged KV cache, driven by a kvsched step plan.
+
+Every backend computes, for each scheduled token t of sequence s (the tokens of
+s are rows cu_q_lens[s]:cu_q_lens[s+1], the last q_len of its kv_lens[s]),
+softmax(q_t . K_s^T * scale, causal) . V_s over the first kv_lens[s] positions
+of s's pages, with grouped-query attention (query head h reads KV head
+h // (Hq / Hkv)). Rows past the plan's tokens are padding: their output is 0.
+
+Backends: `reference` (pure jnp, static shapes) and `pallas` (kvsched's kernel,
+see pallas_attention.py); `oracle_attention` is a float64 numpy oracle for tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MASK = -1e30  # finite: exp(MASK - MASK) would be 1, so masks use where, never arithmetic
+
+
+@dataclass(frozen=True)
+class AttentionInputs:
+    """The plan arrays attention reads (all int32)."""
+
+    positions: Any  # [T]
+    cu_q_lens: Any  # [S + 1]
+    kv_lens: Any  # [S]
+    page_indices: Any  # [S, PPS]
+    num_seqs: Any  # [1]
+
+    @classmethod
+    def from_plan(cls, plan: Any) -> AttentionInputs:
+        return cls(
+            positions=jnp.asarray(plan.positions),
+            cu_q_lens=jnp.asarray(plan.cu_q_lens),
+            kv_lens=jnp.asarray(plan.kv_lens),
+            page_indices=jnp.asarray(plan.page_indices),
+            num_seqs=jnp.asarray(plan.num_seqs),
+        )
+
+
+def token_seq(cu_q_lens: jax.Array, num_seqs: jax.Array, t: int) -> tuple[jax.Array, jax.Array]:
+    """For each of `t` token rows: its sequence and whether it is a real token."""
+    rows = jnp.arange(t, dtype=jnp.int32)
+    n = num_seqs[0]
+    # Sequence s owns rows [cu[s], cu[s+1]); padding of cu repeats the last value.
+    seq = jnp.searchsorted(cu_q_lens[1:], rows, side="right").astype(jnp.int32)
+    valid = rows < cu_q_lens[n]
+    return jnp.minimum(seq, cu_q_lens.shape[0] - 2), valid
+
+
+def reference_attention(
+    q: jax.Array, cache: jax.Array, inputs: AttentionInputs, *, scale: float
+) -> jax.Array:
+    """q [T, Hq, D], cache [P, bs, 2*Hkv, D] -> [T, Hq, D]. Static shapes: each
+    row gathers its sequence's whole page row, then masks."""
+    t, hq, d = q.shape
+    _, bs, h2, _ = cache.shape
+    hkv = h2 // 2
+    g = hq // hkv
+    seq, valid = token_seq(inputs.cu_q_lens, inputs.num_seqs, t)
+    pages = inputs.page_indices[seq]  # [T, PPS]
+    kv = cache[pages]  # [T, PPS, bs, 2Hkv, D]
+    kv = kv.reshape(t, -1, h2, d)  # [T, L, 2Hkv, D]
+    k, v = kv[:, :, 0::2, :], kv[:, :, 1::2, :]  # [T, L, Hkv, D]
+    qg = q.reshape(t, hkv, g, d).astype(jnp.float32)
+    s = jnp.einsum("thgd,tlhd->thgl", qg, k.astype(jnp.float32)) * scale
+    key_pos = jnp.arange(k.shape[1], dtype=jnp.int32)
+    kv_len = inputs.kv_lens[seq]
+    allowed = (key_pos[None, :] <= inputs.positions[:, None]) & (key_pos[None, :] < kv_len[:, None])
+    allowed = allowed & valid[:, None]
+    s = jnp.where(allowed[:, None, None, :], s, MASK)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.where(allowed[:, None, None, :], jnp.exp(s - m), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    o = jnp.einsum("thgl,tlhd->thgd", p, v.astype(jnp.float32))
+    o = jnp.where(denom > 0, o / jnp.where(denom > 0, denom, 1.0), 0.0)
+    return o.reshape(t, hq, d).astype(q.dtype)
+
+
+def oracle_attention(
+    q: np.ndarray,
+    cache: np.ndarray,
+    positions: np.ndarray,
+    cu_q_lens: np.ndarray,
+    kv_lens: np.ndarray,
+    page_indices: np.ndarray,
+    num_seqs: int,
+    *,
+    scale: float,
+) -> np.ndarray:
+    """The same in float64 numpy, one sequence at a time, no tricks."""
+    q = np.asarray(q, np.float64)
+    cache = np.asarray(cache, np.float64)
+    t, hq, d = q.shape
+    _, bs, h2, _ = cache.shape
+    hkv = h2 // 2
+    g = hq // hkv
+    out = np.zeros((t, hq, d))
+    for s in range(num_seqs):
+        lo, hi, kv_len = int(cu_q_lens[s]), int(cu_q_lens[s + 1]), int(kv_lens[s])
+        pages = page_indices[s][: -(-kv_len // bs)]
+        kv = cache[pages].reshape(-1, h2, d)[:kv_len]
+        k, v = kv[:, 0::2], kv[:, 1::2]
+        for row in range(lo, hi):
+            pos = int(positions[row])
+            for h in range(hq):
+                kh = k[: pos + 1, h // g]
+                w = kh @ q[row, h] * scale
+                w = np.exp(w - w.max())
+                out[row, h] = (w / w.sum()) @ v[: pos + 1, h // g]
+    return out
+
+
+def paged_attention(
+    q: jax.Array,
+    cache: jax.Array,
+    inputs: AttentionInputs,
+    *,
+    scale: float,
+    backend: str = "reference",
+    **kw: Any,
+) -> jax.Array:
+    """Attention for a plan with the named backend ("reference" or "pallas")."""
+    if backend == "reference":
+        return reference_attention(q, cache, inputs, scale=scale)
+    if backend == "pallas":
+        from kvsched.engine.pallas_attention import ragged_paged_attention
+
+        return ragged_paged_attention(q, cache, inputs, scale=scale, **kw)
+    raise ValueError(f"unknown attention backend {backend!r} (reference, pallas)")
