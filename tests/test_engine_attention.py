@@ -73,3 +73,54 @@ def test_the_cache_holds_what_each_request_wrote():
             np.testing.assert_array_equal(got[:, 1::2], v)
         hits = max(hits, int(np.sum(np.asarray(plan.positions)[: plan.num_tokens] == 12)))
     assert hits, "a later request started at the cached prefix's end (chunks are 10 long)"
+
+
+@pytest.mark.parametrize(
+    ("hq", "hkv", "block_size", "block_q", "dtype", "tol"),
+    [
+        (4, 2, 4, 8, jnp.float32, 2e-5),  # GQA, pages of 4
+        (2, 2, 8, 16, jnp.float32, 2e-5),  # MHA, a query block straddling sequences
+        (8, 1, 2, 8, jnp.float32, 2e-5),  # MQA, tiny pages
+        (4, 2, 4, 8, jnp.bfloat16, 3e-2),
+    ],
+)
+def test_pallas_matches_the_reference_on_mixed_plans(hq, hkv, block_size, block_q, dtype, tol):
+    from kvsched.engine.pallas_attention import ragged_paged_attention
+
+    d, scale = 16, 0.25
+    for q, cache, inputs, plan, _ in plans(hq=hq, hkv=hkv, d=d, block_size=block_size,
+                                           dtype=dtype, steps=6):  # fmt: skip
+        got = np.asarray(ragged_paged_attention(q, cache, inputs, scale=scale, block_q=block_q))
+        want = np.asarray(reference_attention(q, cache, inputs, scale=scale))
+        np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64),
+                                   atol=tol, rtol=tol)  # fmt: skip
+        assert not got[plan.num_tokens :].any(), "padding rows are zero"
+
+
+def test_pallas_refuses_shapes_it_cannot_tile():
+    from kvsched.engine.pallas_attention import ragged_paged_attention
+
+    q, cache, inputs, _, _ = next(plans())
+    with pytest.raises(ValueError, match="multiple of block_q"):
+        ragged_paged_attention(q[:20], cache, inputs, scale=1.0, block_q=8)
+    with pytest.raises(ValueError, match="group"):
+        ragged_paged_attention(q[:, :3], cache, inputs, scale=1.0)
+
+
+def test_the_kernel_lowers_to_mosaic_for_tpu():
+    """What interpret mode cannot catch: ops Mosaic lacks. (Lowering only; the
+    Mosaic compiler itself runs on a TPU host.)"""
+    import functools
+
+    import jax
+    from jax import export
+
+    from kvsched.engine.pallas_attention import _call
+
+    t, hq, d, p, bs, hkv, s, pps = 64, 8, 128, 64, 16, 2, 8, 16
+    shapes = [((t, hq, d), jnp.bfloat16), ((p, bs, 2 * hkv, d), jnp.bfloat16), ((s,), jnp.int32),
+              ((s, pps), jnp.int32), ((s + 1,), jnp.int32), ((1,), jnp.int32)]  # fmt: skip
+    args = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in shapes]
+    f = jax.jit(functools.partial(_call, scale=0.1, block_q=16, interpret=False))
+    text = export.export(f, platforms=["tpu"])(*args).mlir_module()
+    assert "tpu_custom_call" in text and "kvsched_ragged_paged_attention" in text
