@@ -1,0 +1,146 @@
+"""The engine end to end: paged generation equals dense recompute, warmup
+compiles every bucket and nothing after, checkpoints load, the pool is sized."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+import kvsched  # noqa: E402
+from kvsched.engine.model import (  # noqa: E402
+    LlamaConfig,
+    forward_dense,
+    greedy_dense,
+    init_params,
+    load_llama_safetensors,
+    save_llama_safetensors,
+)
+from kvsched.engine.runner import Engine, size_pool  # noqa: E402
+
+MODEL = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                    ffn_dim=128)  # fmt: skip
+PARAMS = init_params(MODEL, seed=1)
+
+
+def engine(backend="reference", **kw) -> Engine:
+    cfg = dict(num_blocks=96, block_size=4, max_num_seqs=4, max_batched_tokens=32,
+               max_seq_len=96, long_prefill_chunk=8, overhead_reserve=0.0,
+               max_waiting=8)  # fmt: skip
+    cfg.update(kw)
+    eng = Engine.create(MODEL, PARAMS, kvsched.SchedulerConfig(**cfg), backend=backend)
+    eng.warmup(progress=False)
+    eng.scheduler.add_tenant(kvsched.TenantConfig("t"))
+    return eng
+
+
+def run(eng: Engine, prompts, max_tokens: int, *, sequential=False) -> list[list[int]]:
+    """Generate for each prompt; sequential: one after another (so later ones hit
+    the prefix cache)."""
+    out: dict[int, list[int]] = {}
+    order: list[int] = []
+
+    def drain() -> None:
+        while eng.scheduler.live_requests:
+            res = eng.step(now=0.0)
+            for f in res.events.finished:
+                out[f.request_id] = f.output_ids.tolist()
+
+    for p in prompts:
+        order.append(eng.scheduler.submit("t", np.asarray(p, np.int32), max_tokens, now=0.0))
+        if sequential:
+            drain()
+    drain()
+    return [out[r] for r in order]
+
+
+def prompts_with_shared_prefix(seed=0):
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, MODEL.vocab_size, 30).tolist()
+    return [base[:n] + rng.integers(0, MODEL.vocab_size, k).tolist()
+            for n, k in ((30, 0), (20, 7), (30, 5), (9, 14))]  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["reference", "pallas"])
+def test_paged_generation_equals_dense_recompute_with_chunks_and_cache_hits(backend):
+    eng = engine(backend)
+    prompts = prompts_with_shared_prefix()
+    got = run(eng, prompts, 6, sequential=True)
+    want = [greedy_dense(PARAMS, MODEL, p, 6) for p in prompts]
+    assert got == want
+    st = eng.scheduler.stats()["tenants"]["t"]
+    assert st["prefix_cache"]["hit_tokens"] > 0, "later prompts were served from the cache"
+    assert st["prefill_tokens"] < sum(len(p) for p in prompts), "and not recomputed"
+
+
+def test_paged_generation_equals_dense_under_overcommit_preemption():
+    eng = engine(num_blocks=33, admission="overcommit", watermark_blocks=0)
+    prompts = prompts_with_shared_prefix(seed=3)
+    got = run(eng, prompts, 12)
+    assert eng.scheduler.stats()["preemptions"] > 0, "32 pages cannot hold their final 42"
+    assert got == [greedy_dense(PARAMS, MODEL, p, 12) for p in prompts]
+
+
+def test_warmup_compiles_every_bucket_and_nothing_recompiles_after():
+    cfg = kvsched.SchedulerConfig(num_blocks=96, block_size=4, max_num_seqs=4,
+                                  max_batched_tokens=32, max_seq_len=96)  # fmt: skip
+    eng = Engine.create(MODEL, PARAMS, cfg)
+    assert eng.scheduler.lifecycle == "cold"
+    eng.scheduler.add_tenant(kvsched.TenantConfig("t"))
+    with pytest.raises(kvsched.Rejected) as e:
+        eng.scheduler.submit("t", np.arange(4, dtype=np.int32), 2, now=0.0)
+    assert e.value.reason == "not_ready"
+    eng.warmup(progress=False)
+    assert eng.scheduler.ready()
+    buckets = len(eng.scheduler.token_buckets)
+    assert eng.compiled_programs() == buckets
+    rng = np.random.default_rng(0)
+    mixes = [[int(n) for n in rng.integers(1, 40, k)] for k in (1, 3, 4, 2, 4)]
+    for mix in mixes:  # many different batch mixes, every bucket used
+        run(eng, [rng.integers(0, 256, n).tolist() for n in mix], int(rng.integers(1, 8)))
+    assert eng.compiled_programs() == buckets
+
+
+def test_temperature_sampling_is_seeded():
+    outs = []
+    for _ in range(2):
+        eng = engine()
+        eng.temperature, eng.seed = 1.0, 0
+        outs.append(run(eng, [[1, 2, 3, 4, 5]], 10))
+    assert outs[0] == outs[1]
+    assert outs[0] != [greedy_dense(PARAMS, MODEL, [1, 2, 3, 4, 5], 10)]
+
+
+def test_a_llama_checkpoint_round_trips_and_bad_shapes_are_refused(tmp_path):
+    path = tmp_path / "model.safetensors"
+    save_llama_safetensors(PARAMS, path)
+    loaded = load_llama_safetensors(path, MODEL)
+    tokens = jnp.arange(12, dtype=jnp.int32)
+    np.testing.assert_array_equal(
+        np.asarray(forward_dense(loaded, MODEL, tokens)),
+        np.asarray(forward_dense(PARAMS, MODEL, tokens)),
+    )
+    wider = LlamaConfig(**{**MODEL.__dict__, "ffn_dim": 64})
+    with pytest.raises(ValueError, match="shape"):
+        load_llama_safetensors(path, wider)
+
+
+def test_the_pool_is_sized_from_measured_free_memory_where_there_is_one():
+    cfg = kvsched.SchedulerConfig(num_blocks=77, block_size=4, overhead_reserve=0.1)
+
+    class Cpu:
+        def memory_stats(self):
+            return None
+
+    class Gpu:
+        def memory_stats(self):
+            return {"bytes_limit": 10_000_000, "bytes_in_use": 2_000_000}
+
+    assert size_pool(MODEL, cfg, "float32", Cpu()).num_blocks == 77
+    sized = size_pool(MODEL, cfg, "float32", Gpu())
+    per_block = 2 * 4 * 2 * 2 * 16 * 4  # layers x block x (K,V) x kv heads x head_dim x 4 B
+    assert sized.bytes_per_block == per_block
+    assert (sized.source, sized.measured_free_bytes) == ("measured", 8_000_000)
+    assert sized.num_blocks == int(8_000_000 * 0.9) // per_block
