@@ -25,3 +25,15 @@ def test_quickstart_accounts_for_every_request(capsys):
     assert table["chat"]["cached_share"] > 0.3
     assert table["batch"]["cached_share"] == 0.0
     assert "TTFT p50/p99" in capsys.readouterr().out
+
+
+def test_the_example_engine_accounts_for_every_request_and_never_recompiles():
+    import pytest
+
+    pytest.importorskip("jax")
+    table = load("engine").main(["--requests", "40", "--seconds", "1.5", "--quiet"])
+    run = table.pop("_run")
+    ended = sum(row["finished"] + sum(row["rejected"].values()) for row in table.values())
+    assert ended == 40
+    assert run["programs_after"] == run["programs"], "nothing compiled after warmup"
+    assert table["chat"]["cached_share"] > 0.3, "chat's system prompt is served from the cache"
