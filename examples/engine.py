@@ -59,18 +59,27 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         model,
         params,
         kvsched.SchedulerConfig(
-            num_blocks=1025, block_size=16, max_num_seqs=16, max_batched_tokens=256,
-            max_seq_len=512, long_prefill_chunk=128, max_waiting=64, ladder="default",
+            num_blocks=1025,
+            block_size=16,
+            max_num_seqs=16,
+            max_batched_tokens=256,
+            max_seq_len=512,
+            long_prefill_chunk=128,
+            max_waiting=64,
+            ladder="default",
         ),  # fmt: skip
         backend=args.backend,
     )
     sched = engine.scheduler
     sz = engine.sizing
-    say(f"model {model.name} (weights {engine.checksum}), {args.backend} attention on {args.device}")
+    say(
+        f"model {model.name} (weights {engine.checksum}), {args.backend} attention on {args.device}"
+    )
     say(
         f"KV pool: {sched.config.num_blocks - 1} pages of {sched.config.block_size} tokens "
-        f"({sz.source}" + (f", {sz.measured_free_bytes / 2**30:.1f} GiB free" if
-                           sz.measured_free_bytes else "") + ")"  # fmt: skip
+        f"({sz.source}"
+        + (f", {sz.measured_free_bytes / 2**30:.1f} GiB free" if sz.measured_free_bytes else "")
+        + ")"  # fmt: skip
     )
     warm = engine.warmup(progress=not args.quiet)
     programs = engine.compiled_programs()
@@ -121,7 +130,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
             "itl_p50": percentile(itl, 50),
             "itl_p99": percentile(itl, 99),
             "tokens_per_s": sum(len(f.output_ids) for f in mine) / elapsed,
-            "cached_share": sum(f.cached_tokens for f in mine) / max(1, sum(f.prompt_len for f in mine)),
+            "cached_share": sum(f.cached_tokens for f in mine)
+            / max(1, sum(f.prompt_len for f in mine)),
         }
     say(f"{args.requests} requests, {steps} steps in {elapsed:.1f} s")
     head = (f"{'tenant':<8}{'tier':>5}{'done':>6}  {'TTFT p50/p99 (s)':>17}  "

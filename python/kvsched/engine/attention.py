@@ -123,9 +123,30 @@ def paged_attention(
     *,
     scale: float,
     backend: str = "reference",
+    mesh: Any = None,
     **kw: Any,
 ) -> jax.Array:
-    """Attention for a plan with the named backend ("reference" or "pallas")."""
+    """Attention for a plan with the named backend ("reference" or "pallas").
+    With a mesh, the Pallas kernel runs once per device on its own KV heads
+    (shard_map); the reference is left to XLA's partitioner."""
+    if backend == "pallas" and mesh is not None:
+        from jax.sharding import PartitionSpec as P
+
+        from kvsched.engine.sharding import AXIS
+
+        def local(q_, cache_, *plan):
+            return paged_attention(q_, cache_, AttentionInputs(*plan), scale=scale,
+                                   backend="pallas", **kw)  # fmt: skip
+
+        plan = (inputs.positions, inputs.cu_q_lens, inputs.kv_lens, inputs.page_indices,
+                inputs.num_seqs)  # fmt: skip
+        return jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(P(None, AXIS, None), P(None, None, AXIS, None)) + (P(),) * len(plan),
+            out_specs=P(None, AXIS, None),
+            check_vma=False,
+        )(q, cache, *plan)
     if backend == "reference":
         return reference_attention(q, cache, inputs, scale=scale)
     if backend == "pallas":

@@ -133,6 +133,7 @@ def forward_paged(
     logits_indices: jax.Array,
     *,
     backend: str = "reference",
+    mesh: Any = None,
 ) -> tuple[jax.Array, list[jax.Array]]:
     """One step plan: logits [S, V] at `logits_indices`, and the caches with this
     step's K/V written."""
@@ -144,7 +145,7 @@ def forward_paged(
         q, k, v = _qkv(layer, c, h, positions)
         cache = write_kv(cache, k, v, slot_mapping)
         new_caches.append(cache)
-        a = paged_attention(q, cache, inputs, scale=c.scale, backend=backend)
+        a = paged_attention(q, cache, inputs, scale=c.scale, backend=backend, mesh=mesh)
         x = x + a.reshape(x.shape[0], -1) @ layer["wo"]
         x = x + _mlp(layer, rms_norm(x, layer["mlp_norm"], c.norm_eps))
     x = rms_norm(x[logits_indices], params["final_norm"], c.norm_eps)

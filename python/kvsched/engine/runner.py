@@ -82,6 +82,7 @@ class Engine:
     seed: int = 0
     caches: list[jax.Array] = field(init=False)
     sizing: PoolSizing | None = None
+    mesh: Any = None  # a jax.sharding.Mesh: KV heads sharded over it (tensor parallelism)
 
     def __post_init__(self) -> None:
         cfg = self.scheduler.config
@@ -90,24 +91,34 @@ class Engine:
             jnp.dtype(self.kv_dtype),
         )  # fmt: skip
         self.spec = spec
-        self.caches = [init_cache(spec) for _ in range(self.model.n_layers)]
         self.checksum = weights_checksum(self.params)
+        self.caches = [init_cache(spec) for _ in range(self.model.n_layers)]
+        jit_kw: dict[str, Any] = {}
+        if self.mesh is not None:
+            from kvsched.engine import sharding
+
+            sharding.check_divisible(self.model, self.mesh)
+            self.params = sharding.shard_params(self.params, self.mesh)
+            cs = sharding.cache_sharding(self.mesh)
+            self.caches = [jax.device_put(c, cs) for c in self.caches]
+            rep = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+            jit_kw["out_shardings"] = (rep, [cs] * self.model.n_layers)
         self._key = jax.random.PRNGKey(self.seed)
-        model, backend = self.model, self.backend
+        model, backend, mesh = self.model, self.backend, self.mesh
 
         def step(params, caches, token_ids, positions, slot_mapping, cu_q_lens, kv_lens,
                  page_indices, num_seqs, logits_indices, key, temperature):  # fmt: skip
             inputs = AttentionInputs(positions, cu_q_lens, kv_lens, page_indices, num_seqs)
             logits, caches = forward_paged(
                 params, caches, model, token_ids, positions, slot_mapping, inputs,
-                logits_indices, backend=backend,
+                logits_indices, backend=backend, mesh=mesh,
             )  # fmt: skip
             greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
             sampled = jax.random.categorical(key, logits / jnp.maximum(temperature, 1e-6))
             tokens = jnp.where(temperature > 0, sampled.astype(jnp.int32), greedy)
             return tokens, caches
 
-        self._step = jax.jit(step, donate_argnums=(1,))
+        self._step = jax.jit(step, donate_argnums=(1,), **jit_kw)
 
     @classmethod
     def create(

@@ -1,0 +1,46 @@
+"""Run by test_engine_tp.py in a fresh process with 4 forced host devices:
+generate with the KV heads sharded over a 4-device mesh and print what the test
+checks as JSON."""
+
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import kvsched  # noqa: E402
+from kvsched.engine.model import LlamaConfig, greedy_dense, init_params  # noqa: E402
+from kvsched.engine.runner import Engine  # noqa: E402
+from kvsched.engine.sharding import make_mesh  # noqa: E402
+
+backend = sys.argv[1]
+model = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=16,
+                    ffn_dim=128)  # fmt: skip
+params = init_params(model, seed=2)
+cfg = kvsched.SchedulerConfig(
+    num_blocks=64, block_size=4, max_num_seqs=4, max_batched_tokens=32, max_seq_len=64,
+    long_prefill_chunk=8, overhead_reserve=0.0,
+)  # fmt: skip
+eng = Engine.create(model, params, cfg, mesh=make_mesh(4), backend=backend)
+eng.warmup(progress=False)
+eng.scheduler.add_tenant(kvsched.TenantConfig("t"))
+rng = np.random.default_rng(0)
+prompts = [rng.integers(0, 256, n).tolist() for n in (5, 19, 11)]
+ids = [eng.scheduler.submit("t", np.asarray(p, np.int32), 6, now=0.0) for p in prompts]
+out = {}
+while eng.scheduler.live_requests:
+    for f in eng.step(now=0.0).events.finished:
+        out[f.request_id] = f.output_ids.tolist()
+equal = [out[i] == greedy_dense(params, model, p, 6) for i, p in zip(ids, prompts, strict=True)]
+print(json.dumps({
+    "devices": len(jax.devices()),
+    "cache_spec": str(eng.caches[0].sharding.spec),
+    "shard_shapes": [list(s.data.shape) for s in eng.caches[0].addressable_shards],
+    "equal_dense": equal,
+    "programs": eng.compiled_programs(),
+    "buckets": len(eng.scheduler.token_buckets),
+}))  # fmt: skip
