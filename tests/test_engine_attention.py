@@ -124,3 +124,35 @@ def test_the_kernel_lowers_to_mosaic_for_tpu():
     f = jax.jit(functools.partial(_call, scale=0.1, block_q=16, interpret=False))
     text = export.export(f, platforms=["tpu"])(*args).mlir_module()
     assert "tpu_custom_call" in text and "kvsched_ragged_paged_attention" in text
+
+
+@pytest.mark.parametrize(("hq", "hkv", "block_q"), [(4, 2, 8), (4, 4, 16), (8, 1, 8)])
+def test_the_gpu_variant_matches_the_reference_in_the_interpreter(hq, hkv, block_q):
+    from kvsched.engine.pallas_gpu import ragged_paged_attention_gpu
+
+    for q, cache, inputs, _, _ in plans(hq=hq, hkv=hkv, d=16, block_size=4, steps=6):
+        got = np.asarray(ragged_paged_attention_gpu(q, cache, inputs, scale=0.25,
+                                                    block_q=block_q))  # fmt: skip
+        want = np.asarray(reference_attention(q, cache, inputs, scale=0.25))
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_the_gpu_variant_lowers_to_triton_for_cuda():
+    """Ops Triton lacks (value slices, stacks) fail here, not on the GPU. Needs
+    the jax CUDA plugin's Python side (.ci/run installs it without CUDA)."""
+    pytest.importorskip("jax_cuda12_plugin")
+    import functools
+
+    import jax
+    from jax import export
+
+    from kvsched.engine.pallas_gpu import _call
+
+    t, hq, d, p, bs, hkv, s, pps = 64, 8, 128, 64, 16, 2, 8, 16
+    shapes = [((t, hq, d), jnp.bfloat16), ((p, bs, 2 * hkv, d), jnp.bfloat16), ((s,), jnp.int32),
+              ((s, pps), jnp.int32), ((s + 1,), jnp.int32), ((1,), jnp.int32)]  # fmt: skip
+    args = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in shapes]
+    f = jax.jit(functools.partial(_call, scale=0.1, block_q=16, interpret=False))
+    safety = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    text = export.export(f, platforms=["cuda"], disabled_checks=safety)(*args).mlir_module()
+    assert "__gpu$xla.gpu.triton" in text and "kvsched_ragged_paged_attention_gpu" in text

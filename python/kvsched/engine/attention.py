@@ -6,8 +6,10 @@ softmax(q_t . K_s^T * scale, causal) . V_s over the first kv_lens[s] positions
 of s's pages, with grouped-query attention (query head h reads KV head
 h // (Hq / Hkv)). Rows past the plan's tokens are padding: their output is 0.
 
-Backends: `reference` (pure jnp, static shapes) and `pallas` (kvsched's kernel,
-see pallas_attention.py); `oracle_attention` is a float64 numpy oracle for tests.
+Backends: `reference` (pure jnp, static shapes), `pallas` (kvsched's kernel for
+TPU, pallas_attention.py; on an NVIDIA GPU it picks the Triton variant) and
+`pallas_gpu` (the Triton variant, pallas_gpu.py); `oracle_attention` is a
+float64 numpy oracle for tests.
 """
 
 from __future__ import annotations
@@ -149,8 +151,14 @@ def paged_attention(
         )(q, cache, *plan)
     if backend == "reference":
         return reference_attention(q, cache, inputs, scale=scale)
+    if backend == "pallas" and jax.default_backend() == "gpu":
+        backend = "pallas_gpu"
     if backend == "pallas":
         from kvsched.engine.pallas_attention import ragged_paged_attention
 
         return ragged_paged_attention(q, cache, inputs, scale=scale, **kw)
-    raise ValueError(f"unknown attention backend {backend!r} (reference, pallas)")
+    if backend == "pallas_gpu":
+        from kvsched.engine.pallas_gpu import ragged_paged_attention_gpu
+
+        return ragged_paged_attention_gpu(q, cache, inputs, scale=scale, **kw)
+    raise ValueError(f"unknown attention backend {backend!r} (reference, pallas, pallas_gpu)")

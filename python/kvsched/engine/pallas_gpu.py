@@ -1,0 +1,132 @@
+"""The GPU (Triton) variant of kvsched's ragged paged attention kernel.
+
+Same algorithm as pallas_attention.py (query blocks over the padded token
+dimension; per block, every sequence it meets, page by page, into an online
+softmax), written for Pallas' Triton backend: no scalar prefetch or DMA there,
+so the plan arrays and the cache are plain refs in global memory, read with
+dynamic indices (a page's K and V of one head at a time). Shapes Triton tiles
+need powers of two: block_size, head_dim and block_q * (Hq / Hkv) >= 16.
+On CPU it runs in Pallas' generic interpreter.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from kvsched.engine.attention import MASK, AttentionInputs
+
+
+def _kernel(kv_lens_ref, pages_ref, cu_ref, nseq_ref, q_ref, cache_ref, o_ref, *,
+            block_q: int, kv_heads: int, group: int, pages_per_seq: int, scale: float):  # fmt: skip
+    # Triton lowers no value slicing, stacking or reshapes: every head is loaded
+    # and stored through its own ref index, and the carry is a tuple per head.
+    bs, d = cache_ref.shape[1], cache_ref.shape[3]
+    hq = kv_heads * group
+    row0 = pl.program_id(0) * block_q
+    token = row0 + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
+    qs = [q_ref[:, h, :].astype(jnp.float32) * scale for h in range(hq)]
+    carry0 = tuple(
+        (
+            jnp.full((block_q, 1), MASK, jnp.float32),
+            jnp.zeros((block_q, 1), jnp.float32),
+            jnp.zeros((block_q, d), jnp.float32),
+        )
+        for _ in range(hq)
+    )
+
+    def seq_body(j, carry):
+        q_lo, q_hi, kv_len = cu_ref[j], cu_ref[j + 1], kv_lens_ref[j]
+        meets = jnp.logical_and(q_lo < row0 + block_q, q_hi > row0)
+        in_seq = jnp.logical_and(token >= q_lo, token < q_hi)
+        pos = kv_len - (q_hi - token)
+        # A sequence that misses the block runs no page (a cond-free skip).
+        n_pages = jnp.where(meets, lax.div(kv_len + bs - 1, bs), 0)
+
+        def page_body(p, carry):
+            page = pages_ref[j * pages_per_seq + p]
+            key = p * bs + lax.broadcasted_iota(jnp.int32, (1, bs), 1)
+            ok = in_seq & (key <= pos) & (key < kv_len)
+            new = []
+            for kh in range(kv_heads):
+                k = cache_ref[page, :, 2 * kh, :].astype(jnp.float32)
+                v = cache_ref[page, :, 2 * kh + 1, :].astype(jnp.float32)
+                for h in range(kh * group, (kh + 1) * group):
+                    m, denom, acc = carry[h]
+                    s = jnp.where(ok, pl.dot(qs[h], k, trans_b=True), MASK)
+                    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+                    alpha = jnp.exp(m - m_new)
+                    w = jnp.where(ok, jnp.exp(s - m_new), 0.0)
+                    new.append(
+                        (
+                            m_new,
+                            alpha * denom + jnp.sum(w, axis=1, keepdims=True),
+                            alpha * acc + pl.dot(w, v),
+                        )
+                    )
+            return tuple(new)
+
+        return lax.fori_loop(0, n_pages, page_body, carry)
+
+    final = lax.fori_loop(0, nseq_ref[0], seq_body, carry0)
+    for h in range(hq):
+        _, denom, acc = final[h]
+        out = jnp.where(denom > 0, acc / jnp.where(denom > 0, denom, 1.0), 0.0)
+        o_ref[:, h, :] = out.astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_q", "interpret"))
+def _call(q, cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, scale, block_q, interpret):
+    t, hq, d = q.shape
+    hkv = cache.shape[2] // 2
+    s, pps = page_indices.shape
+    kernel = functools.partial(_kernel, block_q=block_q, kv_heads=hkv, group=hq // hkv,
+                               pages_per_seq=pps, scale=scale)  # fmt: skip
+    full = lambda shape: pl.BlockSpec(shape, lambda b: (0,) * len(shape))  # noqa: E731
+    return pl.pallas_call(
+        kernel,
+        grid=(t // block_q,),
+        in_specs=[
+            full((s,)),
+            full((s * pps,)),
+            full((s + 1,)),
+            full((1,)),
+            pl.BlockSpec((block_q, hq, d), lambda b: (b, 0, 0)),
+            full(cache.shape),
+        ],  # fmt: skip
+        out_specs=pl.BlockSpec((block_q, hq, d), lambda b: (b, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        interpret=interpret,
+        # Triton explicitly: this JAX defaults GPU kernels to Mosaic GPU.
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        name="kvsched_ragged_paged_attention_gpu",
+    )(kv_lens, page_indices.reshape(s * pps), cu_q_lens, num_seqs, q, cache)
+
+
+def ragged_paged_attention_gpu(
+    q: jax.Array,
+    cache: jax.Array,
+    inputs: AttentionInputs,
+    *,
+    scale: float,
+    block_q: int = 16,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """As pallas_attention.ragged_paged_attention, for NVIDIA GPUs (Triton)."""
+    t, hq, _ = q.shape
+    hkv = cache.shape[2] // 2
+    if t % block_q:
+        raise ValueError(f"{t} query rows are not a multiple of block_q={block_q}")
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads do not group over {hkv} KV heads")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    return _call(
+        q, cache, inputs.kv_lens, inputs.page_indices, inputs.cu_q_lens, inputs.num_seqs,
+        scale=scale, block_q=block_q, interpret=bool(interpret),
+    )  # fmt: skip
