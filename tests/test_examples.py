@@ -37,3 +37,17 @@ def test_the_example_engine_accounts_for_every_request_and_never_recompiles():
     assert ended == 40
     assert run["programs_after"] == run["programs"], "nothing compiled after warmup"
     assert table["chat"]["cached_share"] > 0.3, "chat's system prompt is served from the cache"
+
+
+def test_the_gpu_check_script_runs_its_checks_in_the_interpreter():
+    import pytest
+
+    pytest.importorskip("jax")
+    spec = importlib.util.spec_from_file_location(
+        "gpu_check", EXAMPLES.parent / "benches" / "gpu_check.py"
+    )
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = module.main(["--interpret"])
+    assert out["ran"] and out["max_error"] < 1e-2
