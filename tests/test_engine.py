@@ -144,3 +144,32 @@ def test_the_pool_is_sized_from_measured_free_memory_where_there_is_one():
     assert sized.bytes_per_block == per_block
     assert (sized.source, sized.measured_free_bytes) == ("measured", 8_000_000)
     assert sized.num_blocks == int(8_000_000 * 0.9) // per_block
+
+
+def test_bf16_weights_generate_like_bf16_dense_recompute():
+    model = LlamaConfig(**{**MODEL.__dict__, "dtype": "bfloat16"})
+    params = init_params(model, seed=1)
+    cfg = kvsched.SchedulerConfig(num_blocks=96, block_size=4, max_num_seqs=4,
+                                  max_batched_tokens=32, max_seq_len=96)  # fmt: skip
+    eng = Engine.create(model, params, cfg, kv_dtype="bfloat16")
+    eng.warmup(progress=False)
+    eng.scheduler.add_tenant(kvsched.TenantConfig("t"))
+    prompts = prompts_with_shared_prefix(seed=5)[:2]
+    assert run(eng, prompts, 5) == [greedy_dense(params, model, p, 5) for p in prompts]
+    assert eng.caches[0].dtype == jnp.bfloat16
+
+
+def test_the_engine_names_its_model_in_the_metrics():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvsched.metrics import SchedulerCollector
+
+    eng = engine()
+    registry = CollectorRegistry()
+    registry.register(SchedulerCollector(eng.scheduler, model=eng.model_info()))
+    text = generate_latest(registry).decode()
+    line = next(ln for ln in text.splitlines() if ln.startswith("kvsched_model_info{"))
+    assert f'checksum="{eng.checksum}"' in line and 'name="tiny-llama"' in line
+    assert len(eng.checksum) == 16
+    other = init_params(MODEL, seed=2)
+    assert Engine.create(MODEL, other, eng.scheduler.config).checksum != eng.checksum

@@ -167,6 +167,8 @@ def ragged_paged_attention(
         raise ValueError(f"{hq} query heads do not group over {hkv} KV heads")
     if interpret is None:
         interpret = not on_tpu()
+    if not interpret and q.shape[-1] % 128:
+        raise ValueError(f"head_dim {q.shape[-1]} must be a multiple of 128 on TPU (lane width)")
     return _call(
         q, cache, inputs.kv_lens, inputs.page_indices, inputs.cu_q_lens, inputs.num_seqs,
         scale=scale, block_q=block_q, interpret=bool(interpret),
