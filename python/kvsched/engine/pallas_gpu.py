@@ -58,7 +58,7 @@ def _kernel(kv_lens_ref, pages_ref, cu_ref, nseq_ref, q_ref, cache_ref, o_ref, *
                 v = cache_ref[page, :, 2 * kh + 1, :].astype(jnp.float32)
                 for h in range(kh * group, (kh + 1) * group):
                     m, denom, acc = carry[h]
-                    s = jnp.where(ok, pl.dot(qs[h], k, trans_b=True), MASK)
+                    s = jnp.where(ok, pltriton.dot(qs[h], k, trans_b=True), MASK)
                     m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
                     alpha = jnp.exp(m - m_new)
                     w = jnp.where(ok, jnp.exp(s - m_new), 0.0)
@@ -66,7 +66,7 @@ def _kernel(kv_lens_ref, pages_ref, cu_ref, nseq_ref, q_ref, cache_ref, o_ref, *
                         (
                             m_new,
                             alpha * denom + jnp.sum(w, axis=1, keepdims=True),
-                            alpha * acc + pl.dot(w, v),
+                            alpha * acc + pltriton.dot(w, v),
                         )
                     )
             return tuple(new)
