@@ -1,0 +1,255 @@
+"""Capacity and cost: how many tokens of KV fit, how many sequences run at once,
+and what serving a load costs three ways.
+
+Memory. KV bytes per token = 2 (K and V) x layers x KV heads x head_dim x bytes
+per element. Weights take parameters x bytes per weight (bf16 2, int8 1, int4
+0.5). Usable KV = devices x HBM x (1 - overhead reserve) - weights. Tensor
+parallelism is modelled as one device with the devices' summed memory: right
+for memory (weights and KV heads split evenly), optimistic for latency (it
+ignores the all-reduces between devices).
+
+Cost. Three ways to serve a load of tokens per second: pay-as-you-go per token,
+provisioned throughput units (a fixed rate buys a fixed token throughput), and
+self-hosting (accelerators by the hour, plus an engineering cost that has no
+default: the price of running it yourself is yours to state). Ties go to
+pay-as-you-go. `portfolio` sizes a dedicated floor to the median of a load over
+time and spills the rest to pay-as-you-go, beside all-dedicated-at-peak and
+all-pay-as-you-go, with utilization next to cost: a self-hosted floor idling at
+30% is a business case that has quietly inverted.
+
+Presets are public figures (model configs; vendor datasheets, dense bf16);
+both tables are plain dicts: add your own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    params: float  # parameters
+    vocab: int
+
+    def kv_bytes_per_token(self, dtype_bytes: float = 2) -> float:
+        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+
+    def weight_bytes(self, precision: str = "bf16") -> float:
+        return self.params * WEIGHT_BYTES[precision]
+
+    def flops_per_token(self) -> float:
+        """Forward FLOPs per token, weights only (2 per parameter)."""
+        return 2.0 * self.params
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    name: str
+    hbm_bytes: float
+    hbm_bytes_per_s: float
+    bf16_flops: float
+
+
+WEIGHT_BYTES = {"bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5}
+
+MODELS: dict[str, ModelShape] = {
+    m.name: m
+    for m in (
+        ModelShape("llama-3-8b", 32, 8, 128, 8.03e9, 128256),
+        ModelShape("llama-3-70b", 80, 8, 128, 70.6e9, 128256),
+        ModelShape("mistral-7b", 32, 8, 128, 7.25e9, 32768),
+        ModelShape("qwen2.5-7b", 28, 4, 128, 7.62e9, 152064),
+        ModelShape("gemma-2-9b", 42, 8, 256, 9.24e9, 256000),
+        ModelShape("gemma-2-27b", 46, 16, 128, 27.2e9, 256000),
+    )
+}
+
+ACCELERATORS: dict[str, Accelerator] = {
+    a.name: a
+    for a in (
+        Accelerator("tpu-v5e", 16e9, 819e9, 197e12),
+        Accelerator("tpu-v5p", 95e9, 2765e9, 459e12),
+        Accelerator("tpu-v6e", 32e9, 1640e9, 918e12),
+        Accelerator("h100", 80e9, 3.35e12, 989e12),
+        Accelerator("h200", 141e9, 4.8e12, 989e12),
+    )
+}
+
+
+class CapacityError(ValueError):
+    """The model does not fit, or a cost input is missing or impossible."""
+
+
+@dataclass(frozen=True)
+class Capacity:
+    model: str
+    accelerator: str
+    devices: int
+    weight_bytes: float
+    kv_bytes_per_token: float
+    usable_kv_bytes: float
+    block_size: int
+    kv_blocks: int
+    kv_tokens: int
+    context: int
+    max_concurrent_seqs: int
+
+    def scheduler_config(self, **overrides):
+        """The kvsched.SchedulerConfig this capacity calls for (the overhead
+        reserve is already taken out of the pool, so the scheduler keeps none)."""
+        import kvsched
+
+        kw = dict(
+            num_blocks=self.kv_blocks + 1,  # + the null page
+            block_size=self.block_size,
+            max_seq_len=self.context,
+            max_num_seqs=max(1, min(self.max_concurrent_seqs, 1024)),
+            overhead_reserve=0.0,
+        )
+        kw["max_batched_tokens"] = max(kw["max_num_seqs"], 2048)
+        kw.update(overrides)
+        return kvsched.SchedulerConfig(**kw)
+
+
+def capacity(
+    model: str | ModelShape,
+    accelerator: str | Accelerator,
+    *,
+    devices: int = 1,
+    precision: str = "bf16",
+    kv_dtype_bytes: float = 2,
+    overhead_reserve: float = 0.10,
+    block_size: int = 16,
+    context: int = 8192,
+) -> Capacity:
+    m = MODELS[model] if isinstance(model, str) else model
+    a = ACCELERATORS[accelerator] if isinstance(accelerator, str) else accelerator
+    if precision not in WEIGHT_BYTES:
+        raise CapacityError(f"precision must be one of {sorted(WEIGHT_BYTES)}, got {precision!r}")
+    if devices < 1 or not 0 <= overhead_reserve < 1 or block_size < 1 or context < 1:
+        raise CapacityError("devices, block_size and context must be >= 1, reserve in [0, 1)")
+    weights = m.weight_bytes(precision)
+    usable = devices * a.hbm_bytes * (1 - overhead_reserve) - weights
+    if usable <= 0:
+        raise CapacityError(
+            f"{m.name} at {precision} ({weights / 1e9:.1f} GB) does not fit {devices} x "
+            f"{a.name} ({a.hbm_bytes / 1e9:.0f} GB, {overhead_reserve:.0%} reserved)"
+        )
+    per_token = m.kv_bytes_per_token(kv_dtype_bytes)
+    blocks = int(usable // (per_token * block_size))
+    per_seq_blocks = math.ceil(context / block_size)
+    return Capacity(
+        model=m.name,
+        accelerator=a.name,
+        devices=devices,
+        weight_bytes=weights,
+        kv_bytes_per_token=per_token,
+        usable_kv_bytes=usable,
+        block_size=block_size,
+        kv_blocks=blocks,
+        kv_tokens=blocks * block_size,
+        context=context,
+        max_concurrent_seqs=blocks // per_seq_blocks,
+    )
+
+
+# -- cost ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Prices:
+    payg_per_mtok: float  # pay-as-you-go, per million tokens
+    ptu_per_hour: float | None = None  # one provisioned throughput unit
+    ptu_tokens_per_s: float | None = None  # what one unit sustains
+    device_per_hour: float | None = None  # one accelerator, self-hosted
+    device_tokens_per_s: float | None = None  # what one accelerator sustains
+    engineering_per_hour: float | None = None  # running it yourself; no default
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str
+    per_hour: float
+    units: int
+    utilization: float
+
+
+def compare(load_tokens_per_s: float, prices: Prices) -> list[Option]:
+    """Hourly cost of serving a steady load three ways, cheapest first; ties
+    go to pay-as-you-go."""
+    if load_tokens_per_s < 0:
+        raise CapacityError("load must be >= 0")
+    out = [Option("pay_as_you_go", load_tokens_per_s * 3600 / 1e6 * prices.payg_per_mtok, 0, 1.0)]
+    if prices.ptu_per_hour is not None:
+        if not prices.ptu_tokens_per_s:
+            raise CapacityError("provisioned units need ptu_tokens_per_s")
+        units = max(1, math.ceil(load_tokens_per_s / prices.ptu_tokens_per_s))
+        util = load_tokens_per_s / (units * prices.ptu_tokens_per_s)
+        out.append(Option("provisioned", units * prices.ptu_per_hour, units, util))
+    if prices.device_per_hour is not None:
+        out.append(_self_hosted(load_tokens_per_s, prices))
+    order = {"pay_as_you_go": 0, "provisioned": 1, "self_hosted": 2}
+    return sorted(out, key=lambda o: (round(o.per_hour, 9), order[o.name]))
+
+
+def _self_hosted(load: float, prices: Prices, units: int | None = None) -> Option:
+    if prices.engineering_per_hour is None:
+        raise CapacityError(
+            "self-hosting needs engineering_per_hour: the people who run it cost money, and "
+            "no default is honest (0 makes self-hosting look cheaper than it is)"
+        )
+    if not prices.device_tokens_per_s or prices.device_per_hour is None:
+        raise CapacityError("self-hosting needs device_per_hour and device_tokens_per_s")
+    n = units if units is not None else max(1, math.ceil(load / prices.device_tokens_per_s))
+    util = min(1.0, load / (n * prices.device_tokens_per_s))
+    return Option("self_hosted", n * prices.device_per_hour + prices.engineering_per_hour, n, util)
+
+
+@dataclass(frozen=True)
+class Portfolio:
+    name: str
+    cost: float  # over the whole load series
+    dedicated_units: int
+    utilization: float  # of the dedicated units (1.0 when there are none)
+
+
+def portfolio(load_per_hour: np.ndarray | list[float], prices: Prices) -> list[Portfolio]:
+    """For a load (tokens/s, one value per hour): a self-hosted floor sized to
+    the median with the rest on pay-as-you-go, beside all self-hosted at peak
+    and all pay-as-you-go. Cheapest first (ties to pay-as-you-go)."""
+    load = np.asarray(load_per_hour, float)
+    if load.size == 0 or (load < 0).any():
+        raise CapacityError("load must be a non-empty series of tokens/s >= 0")
+    payg = lambda tps: tps * 3600 / 1e6 * prices.payg_per_mtok  # noqa: E731
+    cap = prices.device_tokens_per_s
+    _self_hosted(0.0, prices, units=1)  # checks the self-hosting inputs
+    assert cap and prices.device_per_hour is not None and prices.engineering_per_hour is not None
+    hourly = prices.device_per_hour
+
+    def dedicated(units: int) -> Portfolio:
+        served = np.minimum(load, units * cap)
+        spill = load - served
+        cost = float(
+            len(load) * (units * hourly + (prices.engineering_per_hour if units else 0.0))
+            + sum(payg(x) for x in spill)
+        )
+        util = float(served.sum() / (units * cap * len(load))) if units else 1.0
+        return Portfolio("", cost, units, util)
+
+    floor = dedicated(math.ceil(float(np.median(load)) / cap))
+    peak = dedicated(math.ceil(float(load.max()) / cap))
+    all_payg = Portfolio("all_pay_as_you_go", float(sum(payg(x) for x in load)), 0, 1.0)
+    out = [
+        all_payg,
+        Portfolio("median_floor_plus_spill", floor.cost, floor.dedicated_units, floor.utilization),
+        Portfolio("all_dedicated_at_peak", peak.cost, peak.dedicated_units, peak.utilization),
+    ]
+    order = {p.name: i for i, p in enumerate(out)}
+    return sorted(out, key=lambda p: (round(p.cost, 6), order[p.name]))

@@ -1,0 +1,101 @@
+"""Capacity and cost against hand-computed figures."""
+
+from __future__ import annotations
+
+import pytest
+
+import kvsched
+from kvsched.capacity import (
+    MODELS,
+    CapacityError,
+    Prices,
+    capacity,
+    compare,
+    portfolio,
+)
+
+
+@pytest.mark.parametrize(
+    ("model", "per_token"),
+    [
+        ("llama-3-8b", 131_072),  # 2 x 32 layers x 8 heads x 128 x 2 bytes
+        ("llama-3-70b", 327_680),  # 2 x 80 x 8 x 128 x 2
+        ("qwen2.5-7b", 57_344),  # 2 x 28 x 4 x 128 x 2
+        ("gemma-2-9b", 344_064),  # 2 x 42 x 8 x 256 x 2
+        ("gemma-2-27b", 376_832),  # 2 x 46 x 16 x 128 x 2
+        ("mistral-7b", 131_072),
+    ],
+)
+def test_kv_bytes_per_token(model, per_token):
+    assert MODELS[model].kv_bytes_per_token(2) == per_token
+    assert MODELS[model].kv_bytes_per_token(1) == per_token / 2  # an 8-bit KV cache
+
+
+def test_llama_3_8b_on_one_h100():
+    c = capacity("llama-3-8b", "h100", context=8192)
+    assert c.weight_bytes == 16.06e9
+    assert c.usable_kv_bytes == pytest.approx(80e9 * 0.9 - 16.06e9)
+    assert c.kv_blocks == int((80e9 * 0.9 - 16.06e9) // (131_072 * 16)) == 26_674
+    assert c.kv_tokens == 26_674 * 16
+    assert c.max_concurrent_seqs == 26_674 // 512 == 52
+    cfg = c.scheduler_config()
+    assert (cfg.num_blocks, cfg.block_size, cfg.max_seq_len, cfg.max_num_seqs) == (
+        26_675, 16, 8192, 52
+    )  # fmt: skip
+    assert kvsched.Scheduler(cfg).stats(now=0.0)["pool"]["usable"] == 26_674
+
+
+def test_int4_weights_and_tensor_parallelism_as_one_big_device():
+    with pytest.raises(CapacityError, match="does not fit"):
+        capacity("llama-3-70b", "h100")  # 141 GB of bf16 weights in 72 GB
+    tp = capacity("llama-3-70b", "h100", devices=4)
+    assert tp.usable_kv_bytes == pytest.approx(4 * 80e9 * 0.9 - 141.2e9)
+    int4 = capacity("llama-3-70b", "h100", precision="int4")
+    assert int4.weight_bytes == 70.6e9 * 0.5
+    with pytest.raises(CapacityError, match="precision"):
+        capacity("llama-3-8b", "h100", precision="fp3")
+
+
+PRICES = Prices(
+    payg_per_mtok=10.0,
+    ptu_per_hour=4.0,
+    ptu_tokens_per_s=100.0,
+    device_per_hour=2.0,
+    device_tokens_per_s=100.0,
+    engineering_per_hour=1.0,
+)
+
+
+def test_compare_costs_a_steady_load_three_ways():
+    # 150 tok/s: pay-as-you-go 150 x 3600 / 1e6 x 10 = 5.4 $/h; 2 provisioned units
+    # 8 $/h at 75%; 2 self-hosted accelerators 4 $/h + 1 $/h engineering.
+    opts = {o.name: o for o in compare(150.0, PRICES)}
+    assert opts["pay_as_you_go"].per_hour == pytest.approx(5.4)
+    assert (opts["provisioned"].per_hour, opts["provisioned"].units) == (8.0, 2)
+    assert opts["provisioned"].utilization == pytest.approx(0.75)
+    assert opts["self_hosted"].per_hour == 5.0
+    assert [o.name for o in compare(150.0, PRICES)][0] == "self_hosted"
+
+
+def test_ties_go_to_pay_as_you_go_and_self_hosting_needs_an_engineering_cost():
+    # 50 tok/s on pay-as-you-go: 1.8 $/h; one device at 0.8 + 1.0 engineering: 1.8 $/h.
+    prices = Prices(payg_per_mtok=10.0, device_per_hour=0.8, device_tokens_per_s=100.0,
+                    engineering_per_hour=1.0)  # fmt: skip
+    assert compare(50.0, prices)[0].name == "pay_as_you_go"
+    no_eng = Prices(payg_per_mtok=10.0, device_per_hour=2.0, device_tokens_per_s=100.0)
+    with pytest.raises(CapacityError, match="engineering_per_hour"):
+        compare(50.0, no_eng)
+
+
+def test_portfolio_median_floor_with_spill():
+    # Hourly load 100, 100, 300 tok/s. All pay-as-you-go: 500 x 0.036 = 18 $.
+    # Median floor: 1 device, 3 h x (2 + 1) = 9 $ + 200 tok/s spill x 0.036 = 7.2 $ -> 16.2 $,
+    # fully used. At peak: 3 devices, 3 h x (6 + 1) = 21 $, 500 / 900 used.
+    got = {p.name: p for p in portfolio([100, 100, 300], PRICES)}
+    assert got["all_pay_as_you_go"].cost == pytest.approx(18.0)
+    floor = got["median_floor_plus_spill"]
+    assert (floor.cost, floor.dedicated_units, floor.utilization) == (pytest.approx(16.2), 1, 1.0)
+    peak = got["all_dedicated_at_peak"]
+    assert (peak.cost, peak.dedicated_units) == (pytest.approx(21.0), 3)
+    assert peak.utilization == pytest.approx(500 / 900)
+    assert portfolio([100, 100, 300], PRICES)[0].name == "median_floor_plus_spill"
