@@ -71,3 +71,38 @@ def mooncake_ceiling(reqs: list[MooncakeRequest]) -> tuple[float, float]:
                 hit_tokens += n
             seen.add(h)
     return hit_blocks / blocks, hit_tokens / tokens
+
+
+@dataclass(frozen=True)
+class AzureRequest:
+    arrival: float
+    """Seconds from the first request of the trace."""
+    context_tokens: int
+    generated_tokens: int
+
+
+def read_azure(path: str | Path, limit: int | None = None) -> list[AzureRequest]:
+    """azure_code_2023.csv (Azure/AzurePublicDataset, CC-BY 4.0): TIMESTAMP,
+    ContextTokens, GeneratedTokens, in arrival order."""
+    import csv
+    from datetime import datetime
+
+    rows: list[tuple[datetime, int, int]] = []
+    with open(path, newline="") as f:
+        for i, r in enumerate(csv.DictReader(f)):
+            if limit is not None and i >= limit:
+                break
+            stamp = r["TIMESTAMP"].strip()
+            # Seven fractional digits: keep the six datetime parses.
+            if "." in stamp:
+                head, frac = stamp.split(".", 1)
+                stamp = f"{head}.{frac[:6]}"
+            rows.append(
+                (datetime.fromisoformat(stamp), int(r["ContextTokens"]), int(r["GeneratedTokens"]))
+            )
+    if not rows:
+        return []
+    t0 = min(t for t, _, _ in rows)
+    out = [AzureRequest((t - t0).total_seconds(), c, g) for t, c, g in rows]
+    out.sort(key=lambda r: r.arrival)
+    return out

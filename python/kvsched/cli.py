@@ -1,0 +1,173 @@
+"""The `kvsched` command.
+
+kvsched capacity --model llama-3-8b --accelerator h100 [--devices N] [--context 8192]
+                 [--load TOK_PER_S --payg $/Mtok [--device-hour $ --device-tps N
+                  --engineering-hour $] [--ptu-hour $ --ptu-tps N]]
+kvsched simulate --trace azure|mooncake|prefill-vs-decode|burst [--trace-path F]
+                 [--limit N] [--time-scale X] [--scenarios standard|a,b,...]
+                 [--model M --accelerator A --devices N] [--plots DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+SHARED = Path(__file__).resolve().parents[2] / "../shared/traces"
+
+
+def _progress():
+    """A rich progress bar keyed by scenario (plain text without rich)."""
+    try:
+        from rich.progress import Progress
+    except ImportError:  # pragma: no cover
+        return None, lambda name, done, total: None
+    prog = Progress(transient=True)
+    tasks: dict[str, Any] = {}
+
+    def update(name: str, done: int, total: int) -> None:
+        if name not in tasks:
+            tasks[name] = prog.add_task(f"simulating {name}", total=total)
+        prog.update(tasks[name], completed=done)
+
+    return prog, update
+
+
+def cmd_capacity(args: argparse.Namespace) -> int:
+    from kvsched import capacity as cap
+
+    c = cap.capacity(args.model, args.accelerator, devices=args.devices, precision=args.precision,
+                     kv_dtype_bytes=args.kv_bytes, overhead_reserve=args.reserve,
+                     block_size=args.block_size, context=args.context)  # fmt: skip
+    print(f"{c.model} ({args.precision}) on {c.devices} x {c.accelerator}")
+    print(f"  weights          {c.weight_bytes / 1e9:10.1f} GB")
+    print(f"  KV per token     {c.kv_bytes_per_token:10,.0f} bytes")
+    reserve = f"{args.reserve:.0%} reserve held back"
+    print(f"  usable for KV    {c.usable_kv_bytes / 1e9:10.1f} GB ({reserve})")
+    print(f"  KV blocks        {c.kv_blocks:10,} of {c.block_size} tokens = {c.kv_tokens:,} tokens")
+    print(f"  sequences of {c.context:,} tokens at once: {c.max_concurrent_seqs:,}")
+    cfg = c.scheduler_config()
+    print(
+        f"  kvsched.SchedulerConfig(num_blocks={cfg.num_blocks}, block_size={cfg.block_size}, "
+        f"max_seq_len={cfg.max_seq_len}, max_num_seqs={cfg.max_num_seqs}, overhead_reserve=0.0)"
+    )
+    if args.load is not None:
+        if args.payg is None:
+            print("cost: --payg (per million tokens) is needed with --load", file=sys.stderr)
+            return 2
+        prices = cap.Prices(args.payg, args.ptu_hour, args.ptu_tps, args.device_hour,
+                            args.device_tps, args.engineering_hour)  # fmt: skip
+        print(f"cost of {args.load:,.0f} tokens/s:")
+        for o in cap.compare(args.load, prices):
+            print(f"  {o.name:<14} {o.per_hour:10.2f} $/h  units {o.units:>4}  "
+                  f"utilization {o.utilization:.0%}")  # fmt: skip
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    import kvsched
+    from kvsched.capacity import capacity
+    from kvsched.sim import scenarios, workloads
+    from kvsched.sim.simulator import StepCost
+    from kvsched.sim.traces import read_azure, read_mooncake
+
+    if args.trace == "azure":
+        path = args.trace_path or SHARED / "azure_code_2023.csv"
+        arrivals = workloads.azure(read_azure(path, args.limit), time_scale=args.time_scale)
+        tenants = [kvsched.TenantConfig("interactive", tier=0),
+                   kvsched.TenantConfig("batch", tier=1)]  # fmt: skip
+    elif args.trace == "mooncake":
+        path = args.trace_path or SHARED / "mooncake_synthetic.jsonl"
+        arrivals = workloads.mooncake(read_mooncake(path, args.limit), time_scale=args.time_scale)
+        tenants = [kvsched.TenantConfig("mooncake")]
+    elif args.trace == "prefill-vs-decode":
+        arrivals = workloads.prefill_vs_decode(seconds=60 * args.time_scale)
+        tenants = [kvsched.TenantConfig("chat", tier=0), kvsched.TenantConfig("docs", tier=1)]
+    else:
+        arrivals = workloads.burst(seconds=40 * args.time_scale)
+        tenants = [kvsched.TenantConfig("gold", tier=0), kvsched.TenantConfig("bulk", tier=1)]
+    longest = max(len(a.prompt) + a.max_tokens for a in arrivals)
+    context = max(args.context, -(-longest // 16) * 16)
+    cap = capacity(args.model, args.accelerator, devices=args.devices, context=context)
+    base = cap.scheduler_config(
+        max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
+        long_prefill_chunk=args.chunk, max_waiting=4 * args.max_num_seqs,
+    )  # fmt: skip
+    chosen = scenarios.standard(base)
+    if args.scenarios != "standard":
+        wanted = args.scenarios.split(",")
+        chosen = [s for s in chosen if s.name in wanted]
+        if len(chosen) != len(wanted):
+            names = ", ".join(s.name for s in scenarios.standard(base))
+            print(f"unknown scenario in {args.scenarios!r}; known: {names}", file=sys.stderr)
+            return 2
+    cost = StepCost.preset(args.model, args.accelerator, devices=args.devices)
+    pool = f"{base.num_blocks - 1:,} KV blocks of {base.block_size}"
+    print(f"{len(arrivals)} requests ({args.trace}) on {args.devices} x {args.accelerator} "
+          f"serving {args.model}: {pool}")  # fmt: skip
+    prog, update = _progress()
+    if prog is not None:
+        prog.start()
+    try:
+        results = scenarios.run(base, tenants, arrivals, cost, chosen, progress=update)
+    finally:
+        if prog is not None:
+            prog.stop()
+    print(scenarios.table(results))
+    if args.plots:
+        for p in scenarios.plot(results, args.plots):
+            print(f"wrote {p}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvsched", description="kvsched: capacity and simulation")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("capacity", help="KV capacity, the matching SchedulerConfig, cost")
+    c.add_argument("--model", default="llama-3-8b")
+    c.add_argument("--accelerator", default="h100")
+    c.add_argument("--devices", type=int, default=1)
+    c.add_argument("--precision", default="bf16")
+    c.add_argument("--kv-bytes", type=float, default=2.0, help="bytes per KV element")
+    c.add_argument("--reserve", type=float, default=0.10)
+    c.add_argument("--block-size", type=int, default=16)
+    c.add_argument("--context", type=int, default=8192)
+    c.add_argument("--load", type=float, help="tokens/s to cost")
+    c.add_argument("--payg", type=float, help="pay-as-you-go $ per million tokens")
+    c.add_argument("--ptu-hour", type=float)
+    c.add_argument("--ptu-tps", type=float)
+    c.add_argument("--device-hour", type=float)
+    c.add_argument("--device-tps", type=float)
+    c.add_argument("--engineering-hour", type=float)
+    c.set_defaults(func=cmd_capacity)
+
+    s = sub.add_parser("simulate", help="replay a workload through the real scheduler")
+    s.add_argument("--trace", choices=["azure", "mooncake", "prefill-vs-decode", "burst"],
+                   default="azure")  # fmt: skip
+    s.add_argument("--trace-path")
+    s.add_argument("--limit", type=int)
+    s.add_argument("--time-scale", type=float, default=1.0, help="< 1 compresses time")
+    s.add_argument("--scenarios", default="standard")
+    s.add_argument("--model", default="llama-3-8b")
+    s.add_argument("--accelerator", default="h100")
+    s.add_argument("--devices", type=int, default=1)
+    s.add_argument("--context", type=int, default=8192)
+    s.add_argument("--max-num-seqs", type=int, default=128)
+    s.add_argument("--max-batched-tokens", type=int, default=8192)
+    s.add_argument("--chunk", type=int, default=2048)
+    s.add_argument("--plots", help="write PNG plots to this folder")
+    s.set_defaults(func=cmd_simulate)
+
+    args = ap.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (ValueError, OSError) as e:  # CapacityError is a ValueError
+        print(f"kvsched {args.command}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

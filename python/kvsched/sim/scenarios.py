@@ -1,0 +1,123 @@
+"""Scenarios compared on one workload: the same engine and step-cost model, one
+scheduling choice changed at a time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import kvsched
+from kvsched.sim.simulator import Arrival, SimResult, StepCost, simulate
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    overrides: dict[str, Any] = field(default_factory=dict)
+    static_batching: bool = False
+
+
+def _cfg_kwargs(cfg: kvsched.SchedulerConfig) -> dict[str, Any]:
+    keys = ("num_blocks", "block_size", "max_num_seqs", "max_batched_tokens", "max_seq_len",
+            "overhead_reserve", "max_waiting", "long_prefill_chunk", "admission",
+            "watermark_blocks", "preempt_lower_tiers", "prefix_caching", "ladder",
+            "ladder_retry_after_s")  # fmt: skip
+    return {k: getattr(cfg, k) for k in keys}
+
+
+def standard(base: kvsched.SchedulerConfig) -> list[Scenario]:
+    """The comparisons the simulator exists for, against `base` (continuous
+    batching, chunked prefill, reserve mode, no ladder)."""
+    return [
+        Scenario("continuous"),
+        Scenario("static", static_batching=True),
+        Scenario(
+            "unchunked",
+            {"long_prefill_chunk": base.max_seq_len, "max_batched_tokens": base.max_seq_len},
+        ),  # fmt: skip
+        Scenario("ladder", {"ladder": "default"}),
+        Scenario("overcommit", {"admission": "overcommit", "watermark_blocks": 1}),
+        *[Scenario(f"reserve_{r:.0%}", {"overhead_reserve": r}) for r in (0.0, 0.05, 0.2)],
+    ]
+
+
+def run(
+    base: kvsched.SchedulerConfig,
+    tenants: Iterable[kvsched.TenantConfig],
+    arrivals: list[Arrival],
+    cost: StepCost,
+    scenarios: Iterable[Scenario],
+    *,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> list[SimResult]:
+    tenants = list(tenants)
+    out = []
+    for sc in scenarios:
+        kw = {**_cfg_kwargs(base), **sc.overrides}
+        if kw.get("admission") == "reserve":
+            kw["watermark_blocks"] = None
+        cfg = kvsched.SchedulerConfig(**kw)
+        cb = (lambda d, n, name=sc.name: progress(name, d, n)) if progress else None
+        out.append(simulate(cfg, tenants, arrivals, cost, name=sc.name,
+                            static_batching=sc.static_batching, progress=cb))  # fmt: skip
+    return out
+
+
+def table(results: list[SimResult]) -> str:
+    """Per scenario and tenant: TTFT and inter-token p50/p99, rejections, tokens/s."""
+    head = (f"{'scenario':<12}{'tenant':<12}{'done':>6}  {'TTFT p50/p99 (s)':>18}  "
+            f"{'ITL p50/p99 (ms)':>18}{'tok/s':>9}  rejected")  # fmt: skip
+    lines = [head, "-" * len(head)]
+    for r in results:
+        for t, row in r.summary().items():
+            lines.append(
+                f"{r.name:<12}{t:<12}{row['finished']:>6}  "
+                f"{row['ttft_p50']:>8.3f}/{row['ttft_p99']:<9.3f}  "
+                f"{row['itl_p50'] * 1e3:>8.1f}/{row['itl_p99'] * 1e3:<9.1f}"
+                f"{row['tokens_per_s']:>9.1f}  {row['rejected'] or '-'}"
+            )
+        lines.append(
+            f"{'':<12}{'(all)':<12} throughput {r.throughput():.1f} tok/s, pool use "
+            f"{r.utilization():.0%}, {r.steps} steps, {r.step_errors} OOM, "
+            f"{r.wall_s:.1f} s wall"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: list[SimResult], out_dir: str) -> list[str]:
+    """PNGs: TTFT CDFs per tenant, pool use over time, ladder level over time."""
+    import os
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    tenants = sorted({t for r in results for t in r.tenants()})
+    fig, axes = plt.subplots(1, len(tenants), figsize=(5 * len(tenants), 4), squeeze=False)
+    for ax, t in zip(axes[0], tenants, strict=True):
+        for r in results:
+            ttft = np.sort([x.ttft for x in r.records if x.tenant == t and x.ttft is not None])
+            if len(ttft):
+                ax.plot(ttft, np.arange(1, len(ttft) + 1) / len(ttft), label=r.name)
+        ax.set(xscale="log", xlabel="TTFT (s)", ylabel="share of requests", title=t)
+        ax.legend(fontsize=7)
+    paths.append(os.path.join(out_dir, "ttft_cdf.png"))
+    fig.tight_layout()
+    fig.savefig(paths[-1], dpi=100)
+    for key, label, name in (("pool_used", "pool pages in use", "pool_use.png"),
+                             ("ladder_level", "ladder level", "ladder_level.png")):  # fmt: skip
+        fig, ax = plt.subplots(figsize=(8, 3.5))
+        for r in results:
+            ax.plot(r.timeline["t"], r.timeline[key], label=r.name, lw=0.8)
+        ax.set(xlabel="virtual time (s)", ylabel=label)
+        ax.legend(fontsize=7)
+        paths.append(os.path.join(out_dir, name))
+        fig.tight_layout()
+        fig.savefig(paths[-1], dpi=100)
+    plt.close("all")
+    return paths

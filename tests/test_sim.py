@@ -1,0 +1,115 @@
+"""The simulator on small workloads: the comparisons it exists to make."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import kvsched
+from kvsched.sim import scenarios, workloads
+from kvsched.sim.simulator import StepCost, simulate
+from kvsched.sim.traces import read_azure
+
+COST = StepCost.preset("llama-3-8b", "h100")
+DATA = Path(__file__).parent / "data"
+
+
+def test_the_step_cost_is_compute_bound_for_prefill_and_memory_bound_for_decode():
+    one = COST.seconds(1, 1000) - COST.overhead_s
+    weights_read = 8.03e9 * 2 / (3.35e12 * 0.8)
+    assert one == pytest.approx(weights_read + 1000 * 131_072 / (3.35e12 * 0.8))
+    big = COST.seconds(8192, 8192) - COST.overhead_s
+    assert big == pytest.approx(8192 * 2 * 8.03e9 / (989e12 * 0.5))
+
+
+def mixed():
+    base = kvsched.SchedulerConfig(
+        num_blocks=20001, block_size=16, max_num_seqs=64, max_batched_tokens=2048,
+        max_seq_len=32768, long_prefill_chunk=2048, max_waiting=256,
+    )  # fmt: skip
+    arrivals = workloads.prefill_vs_decode(seconds=20, long_rate=1.0)
+    tenants = [kvsched.TenantConfig("chat", tier=0), kvsched.TenantConfig("docs", tier=1)]
+    return base, arrivals, tenants
+
+
+def test_continuous_batching_beats_static_at_the_same_batch_cap():
+    base, arrivals, tenants = mixed()
+    cont, static = scenarios.run(base, tenants, arrivals, COST,
+                                 [scenarios.Scenario("continuous"),
+                                  scenarios.Scenario("static", static_batching=True)])  # fmt: skip
+    assert cont.throughput() > 1.1 * static.throughput()
+    assert cont.summary()["chat"]["ttft_p99"] < static.summary()["chat"]["ttft_p99"]
+
+
+def test_chunked_prefill_lowers_the_decode_tenants_p99_inter_token_time():
+    base, arrivals, tenants = mixed()
+    chunked, unchunked = scenarios.run(base, tenants, arrivals, COST, [
+        scenarios.Scenario("chunked"),
+        scenarios.Scenario("unchunked", {"long_prefill_chunk": 32768, "max_batched_tokens": 32768}),
+    ])  # fmt: skip
+    # A 30k-token prompt in one step stalls every decode for ~1 s.
+    assert chunked.summary()["chat"]["itl_p99"] < 0.2 < unchunked.summary()["chat"]["itl_p99"]
+
+
+def test_the_ladder_keeps_tier_0_within_target_under_a_10x_burst():
+    base = kvsched.SchedulerConfig(
+        num_blocks=1201, block_size=16, max_num_seqs=32, max_batched_tokens=2048,
+        max_seq_len=4096, long_prefill_chunk=1024, max_waiting=128, overhead_reserve=0.0,
+    )  # fmt: skip
+    arrivals = workloads.burst(seconds=40, base_rate=1.5, burst_factor=10, burst=(10, 20),
+                               output=256)  # fmt: skip
+    tenants = [kvsched.TenantConfig("gold", tier=0), kvsched.TenantConfig("bulk", tier=1)]
+    off, on = scenarios.run(base, tenants, arrivals, COST, [
+        scenarios.Scenario("no_ladder"), scenarios.Scenario("ladder", {"ladder": "default"}),
+    ])  # fmt: skip
+    gold_on, gold_off = on.summary()["gold"], off.summary()["gold"]
+    assert gold_on["rejected"] == {} and gold_off["rejected"], "without it, gold is refused"
+    assert gold_on["ttft_p99"] < 0.1, "tier 0's target: first token within 100 ms"
+    assert on.summary()["bulk"]["rejected"].get("shed", 0) > 0
+    assert on.stats["ladder"]["rungs"][0]["climbs"] > 0
+
+
+def test_every_scenario_runs_the_azure_excerpt_without_an_out_of_memory():
+    reqs = read_azure(DATA / "azure_code_head400.csv")
+    assert len(reqs) == 399 and reqs[0].context_tokens == 4808
+    arrivals = workloads.azure(reqs, time_scale=0.25)  # four times the load
+    base = kvsched.SchedulerConfig(
+        num_blocks=8001, block_size=16, max_num_seqs=64, max_batched_tokens=4096,
+        max_seq_len=16384, long_prefill_chunk=2048, max_waiting=128,
+    )  # fmt: skip
+    tenants = [kvsched.TenantConfig("interactive", tier=0), kvsched.TenantConfig("batch", tier=1)]
+    results = scenarios.run(base, tenants, arrivals, COST, scenarios.standard(base))
+    for r in results:
+        assert r.step_errors == 0, r.name
+        ended = sum(row["finished"] + sum(row["rejected"].values()) for row in r.summary().values())
+        assert ended == len(arrivals), f"{r.name}: every request ends finished or rejected"
+    text = scenarios.table(results)
+    assert "static" in text and "reserve_20%" in text
+
+
+def test_plots_are_written(tmp_path):
+    base, arrivals, tenants = mixed()
+    res = [simulate(base, tenants, arrivals[:30], COST, name="continuous")]
+    paths = scenarios.plot(res, str(tmp_path))
+    assert [Path(p).name for p in paths] == ["ttft_cdf.png", "pool_use.png", "ladder_level.png"]
+    assert all(Path(p).stat().st_size > 1000 for p in paths)
+
+
+def test_the_kvsched_command(tmp_path, capsys):
+    from kvsched.cli import main
+
+    assert main(["capacity", "--model", "llama-3-8b", "--accelerator", "h100", "--load", "150",
+                 "--payg", "10", "--device-hour", "2", "--device-tps", "100",
+                 "--engineering-hour", "1"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "131,072 bytes" in out and "26,674 of 16" in out and "self_hosted" in out
+    assert main(["capacity", "--model", "llama-3-70b", "--accelerator", "h100"]) == 2
+    assert "does not fit" in capsys.readouterr().err
+    csv = str(DATA / "azure_code_head400.csv")
+    assert main(["simulate", "--trace", "azure", "--trace-path", csv, "--limit", "100",
+                 "--scenarios", "continuous,static", "--plots", str(tmp_path)]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "100 requests (azure)" in out and "static" in out and "0 OOM" in out
+    assert (tmp_path / "ttft_cdf.png").exists()
+    assert main(["simulate", "--scenarios", "nope", "--trace", "burst"]) == 2
