@@ -99,3 +99,14 @@ def test_portfolio_median_floor_with_spill():
     assert (peak.cost, peak.dedicated_units) == (pytest.approx(21.0), 3)
     assert peak.utilization == pytest.approx(500 / 900)
     assert portfolio([100, 100, 300], PRICES)[0].name == "median_floor_plus_spill"
+
+
+def test_a_traces_load_over_time_feeds_the_portfolio():
+    from kvsched.capacity import load_series
+
+    # Requests at 0 s, 30 s, 70 s of 600, 600 and 1200 tokens -> per minute 20, 20 tok/s.
+    series = load_series([0, 30, 70], [600, 600, 1200], bucket_s=60)
+    assert series.tolist() == [20.0, 20.0]
+    per_minute = portfolio(series, PRICES, hours_per_point=1 / 60)
+    payg = next(p for p in per_minute if p.name == "all_pay_as_you_go")
+    assert payg.cost == pytest.approx(2400 / 1e6 * 10)  # every token once, at 10 $/Mtok

@@ -220,14 +220,30 @@ class Portfolio:
     utilization: float  # of the dedicated units (1.0 when there are none)
 
 
-def portfolio(load_per_hour: np.ndarray | list[float], prices: Prices) -> list[Portfolio]:
-    """For a load (tokens/s, one value per hour): a self-hosted floor sized to
-    the median with the rest on pay-as-you-go, beside all self-hosted at peak
-    and all pay-as-you-go. Cheapest first (ties to pay-as-you-go)."""
-    load = np.asarray(load_per_hour, float)
+def load_series(
+    arrivals_s: np.ndarray | list[float], tokens: np.ndarray | list[float], bucket_s: float
+) -> np.ndarray:
+    """Tokens/s in consecutive buckets of `bucket_s` seconds, from arrival times
+    and each request's tokens (prompt + output): a trace's load over time."""
+    at, tok = np.asarray(arrivals_s, float), np.asarray(tokens, float)
+    if at.size == 0:
+        return np.zeros(0)
+    idx = (at // bucket_s).astype(int)
+    return np.bincount(idx, weights=tok) / bucket_s
+
+
+def portfolio(
+    load: np.ndarray | list[float], prices: Prices, *, hours_per_point: float = 1.0
+) -> list[Portfolio]:
+    """For a load (tokens/s, one value per `hours_per_point` hours): a
+    self-hosted floor sized to the median with the rest on pay-as-you-go,
+    beside all self-hosted at peak and all pay-as-you-go. Cheapest first (ties
+    to pay-as-you-go)."""
+    load = np.asarray(load, float)
     if load.size == 0 or (load < 0).any():
         raise CapacityError("load must be a non-empty series of tokens/s >= 0")
-    payg = lambda tps: tps * 3600 / 1e6 * prices.payg_per_mtok  # noqa: E731
+    hours = hours_per_point
+    payg = lambda tps: tps * 3600 * hours / 1e6 * prices.payg_per_mtok  # noqa: E731
     cap = prices.device_tokens_per_s
     _self_hosted(0.0, prices, units=1)  # checks the self-hosting inputs
     assert cap and prices.device_per_hour is not None and prices.engineering_per_hour is not None
@@ -236,10 +252,8 @@ def portfolio(load_per_hour: np.ndarray | list[float], prices: Prices) -> list[P
     def dedicated(units: int) -> Portfolio:
         served = np.minimum(load, units * cap)
         spill = load - served
-        cost = float(
-            len(load) * (units * hourly + (prices.engineering_per_hour if units else 0.0))
-            + sum(payg(x) for x in spill)
-        )
+        fixed = units * hourly + (prices.engineering_per_hour if units else 0.0)
+        cost = float(len(load) * hours * fixed + sum(payg(x) for x in spill))
         util = float(served.sum() / (units * cap * len(load))) if units else 1.0
         return Portfolio("", cost, units, util)
 
