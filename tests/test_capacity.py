@@ -110,3 +110,11 @@ def test_a_traces_load_over_time_feeds_the_portfolio():
     per_minute = portfolio(series, PRICES, hours_per_point=1 / 60)
     payg = next(p for p in per_minute if p.name == "all_pay_as_you_go")
     assert payg.cost == pytest.approx(2400 / 1e6 * 10)  # every token once, at 10 $/Mtok
+
+
+def test_config_overrides_and_a_context_that_does_not_fit_once():
+    c = capacity("llama-3-8b", "h100")
+    cfg = c.scheduler_config(max_num_seqs=1024)
+    assert cfg.max_batched_tokens >= cfg.max_num_seqs == 1024
+    with pytest.raises(CapacityError, match="not one sequence"):
+        capacity("llama-3-70b", "h100", devices=2, context=32768)

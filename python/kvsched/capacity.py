@@ -106,15 +106,15 @@ class Capacity:
         reserve is already taken out of the pool, so the scheduler keeps none)."""
         import kvsched
 
-        kw = dict(
+        kw: dict = dict(
             num_blocks=self.kv_blocks + 1,  # + the null page
             block_size=self.block_size,
             max_seq_len=self.context,
-            max_num_seqs=max(1, min(self.max_concurrent_seqs, 1024)),
+            max_num_seqs=min(self.max_concurrent_seqs, 1024),
             overhead_reserve=0.0,
         )
-        kw["max_batched_tokens"] = max(kw["max_num_seqs"], 2048)
         kw.update(overrides)
+        kw.setdefault("max_batched_tokens", max(kw["max_num_seqs"], 2048))
         return kvsched.SchedulerConfig(**kw)
 
 
@@ -145,6 +145,11 @@ def capacity(
     per_token = m.kv_bytes_per_token(kv_dtype_bytes)
     blocks = int(usable // (per_token * block_size))
     per_seq_blocks = math.ceil(context / block_size)
+    if blocks < per_seq_blocks:
+        raise CapacityError(
+            f"{m.name} on {devices} x {a.name} leaves KV room for {blocks * block_size:,} "
+            f"tokens: not one sequence of {context:,}"
+        )
     return Capacity(
         model=m.name,
         accelerator=a.name,
@@ -187,6 +192,10 @@ def compare(load_tokens_per_s: float, prices: Prices) -> list[Option]:
     if load_tokens_per_s < 0:
         raise CapacityError("load must be >= 0")
     out = [Option("pay_as_you_go", load_tokens_per_s * 3600 / 1e6 * prices.payg_per_mtok, 0, 1.0)]
+    if (prices.ptu_per_hour is None) != (prices.ptu_tokens_per_s is None):
+        raise CapacityError("provisioned units need both ptu_per_hour and ptu_tokens_per_s")
+    if prices.device_per_hour is None and prices.device_tokens_per_s is not None:
+        raise CapacityError("self-hosting needs device_per_hour with device_tokens_per_s")
     if prices.ptu_per_hour is not None:
         if not prices.ptu_tokens_per_s:
             raise CapacityError("provisioned units need ptu_tokens_per_s")
@@ -226,8 +235,12 @@ def load_series(
     """Tokens/s in consecutive buckets of `bucket_s` seconds, from arrival times
     and each request's tokens (prompt + output): a trace's load over time."""
     at, tok = np.asarray(arrivals_s, float), np.asarray(tokens, float)
+    if bucket_s <= 0:
+        raise CapacityError("bucket_s must be > 0")
     if at.size == 0:
         return np.zeros(0)
+    if (at < 0).any():
+        raise CapacityError("arrival times must be seconds from the start of the trace (>= 0)")
     idx = (at // bucket_s).astype(int)
     return np.bincount(idx, weights=tok) / bucket_s
 

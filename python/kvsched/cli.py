@@ -83,11 +83,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         arrivals = workloads.mooncake(read_mooncake(path, args.limit), time_scale=args.time_scale)
         tenants = [kvsched.TenantConfig("mooncake")]
     elif args.trace == "prefill-vs-decode":
-        arrivals = workloads.prefill_vs_decode(seconds=60 * args.time_scale)
+        arrivals = workloads.scale_time(workloads.prefill_vs_decode(seconds=60), args.time_scale)
         tenants = [kvsched.TenantConfig("chat", tier=0), kvsched.TenantConfig("docs", tier=1)]
     else:
-        arrivals = workloads.burst(seconds=40 * args.time_scale)
+        arrivals = workloads.scale_time(workloads.burst(seconds=40), args.time_scale)
         tenants = [kvsched.TenantConfig("gold", tier=0), kvsched.TenantConfig("bulk", tier=1)]
+    if not arrivals:
+        print("the workload is empty", file=sys.stderr)
+        return 2
     longest = max(len(a.prompt) + a.max_tokens for a in arrivals)
     context = max(args.context, -(-longest // 16) * 16)
     cap = capacity(args.model, args.accelerator, devices=args.devices, context=context)
@@ -97,7 +100,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     )  # fmt: skip
     chosen = scenarios.standard(base)
     if args.scenarios != "standard":
-        wanted = args.scenarios.split(",")
+        wanted = list(dict.fromkeys(w.strip() for w in args.scenarios.split(",") if w.strip()))
         chosen = [s for s in chosen if s.name in wanted]
         if len(chosen) != len(wanted):
             names = ", ".join(s.name for s in scenarios.standard(base))
@@ -123,12 +126,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvsched.capacity import ACCELERATORS, MODELS
+
     ap = argparse.ArgumentParser(prog="kvsched", description="kvsched: capacity and simulation")
     sub = ap.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("capacity", help="KV capacity, the matching SchedulerConfig, cost")
-    c.add_argument("--model", default="llama-3-8b")
-    c.add_argument("--accelerator", default="h100")
+    c.add_argument("--model", default="llama-3-8b", choices=sorted(MODELS))
+    c.add_argument("--accelerator", default="h100", choices=sorted(ACCELERATORS))
     c.add_argument("--devices", type=int, default=1)
     c.add_argument("--precision", default="bf16")
     c.add_argument("--kv-bytes", type=float, default=2.0, help="bytes per KV element")
@@ -151,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--limit", type=int)
     s.add_argument("--time-scale", type=float, default=1.0, help="< 1 compresses time")
     s.add_argument("--scenarios", default="standard")
-    s.add_argument("--model", default="llama-3-8b")
-    s.add_argument("--accelerator", default="h100")
+    s.add_argument("--model", default="llama-3-8b", choices=sorted(MODELS))
+    s.add_argument("--accelerator", default="h100", choices=sorted(ACCELERATORS))
     s.add_argument("--devices", type=int, default=1)
     s.add_argument("--context", type=int, default=8192)
     s.add_argument("--max-num-seqs", type=int, default=128)
@@ -162,9 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     s.set_defaults(func=cmd_simulate)
 
     args = ap.parse_args(argv)
+    import kvsched
+
     try:
         return int(args.func(args))
-    except (ValueError, OSError) as e:  # CapacityError is a ValueError
+    except (ValueError, OSError, kvsched.KvSchedError) as e:  # CapacityError: a ValueError
         print(f"kvsched {args.command}: {e}", file=sys.stderr)
         return 2
 

@@ -22,7 +22,7 @@ def _cfg_kwargs(cfg: kvsched.SchedulerConfig) -> dict[str, Any]:
     keys = ("num_blocks", "block_size", "max_num_seqs", "max_batched_tokens", "max_seq_len",
             "overhead_reserve", "max_waiting", "long_prefill_chunk", "admission",
             "watermark_blocks", "preempt_lower_tiers", "prefix_caching", "ladder",
-            "ladder_retry_after_s")  # fmt: skip
+            "ladder_retry_after_s", "full_validation")  # fmt: skip
     return {k: getattr(cfg, k) for k in keys}
 
 
@@ -34,7 +34,10 @@ def standard(base: kvsched.SchedulerConfig) -> list[Scenario]:
         Scenario("static", static_batching=True),
         Scenario(
             "unchunked",
-            {"long_prefill_chunk": base.max_seq_len, "max_batched_tokens": base.max_seq_len},
+            {
+                "long_prefill_chunk": base.max_seq_len,
+                "max_batched_tokens": max(base.max_batched_tokens, base.max_seq_len),
+            },
         ),  # fmt: skip
         Scenario("ladder", {"ladder": "default"}),
         Scenario("overcommit", {"admission": "overcommit", "watermark_blocks": 1}),
@@ -66,13 +69,13 @@ def run(
 
 def table(results: list[SimResult]) -> str:
     """Per scenario and tenant: TTFT and inter-token p50/p99, rejections, tokens/s."""
-    head = (f"{'scenario':<12}{'tenant':<12}{'done':>6}  {'TTFT p50/p99 (s)':>18}  "
+    head = (f"{'scenario':<12}{'tenant':<12}{'offered':>8}{'done':>6}  {'TTFT p50/p99 (s)':>18}  "
             f"{'ITL p50/p99 (ms)':>18}{'tok/s':>9}  rejected")  # fmt: skip
     lines = [head, "-" * len(head)]
     for r in results:
         for t, row in r.summary().items():
             lines.append(
-                f"{r.name:<12}{t:<12}{row['finished']:>6}  "
+                f"{r.name:<12}{t:<12}{row['requests']:>8}{row['finished']:>6}  "
                 f"{row['ttft_p50']:>8.3f}/{row['ttft_p99']:<9.3f}  "
                 f"{row['itl_p50'] * 1e3:>8.1f}/{row['itl_p99'] * 1e3:<9.1f}"
                 f"{row['tokens_per_s']:>9.1f}  {row['rejected'] or '-'}"

@@ -68,8 +68,9 @@ class RequestRecord:
     tenant: str
     arrival: float
     prompt_len: int
-    outcome: str = "pending"  # finished | rejected:<reason>
+    outcome: str = "pending"  # finished | rejected:<reason> | aborted:oom
     first_token: float | None = None
+    last_token: float | None = None
     finished: float | None = None
     output_len: int = 0
 
@@ -94,6 +95,7 @@ class SimResult:
     step_errors: int  # a step or commit the scheduler refused: an OOM in a real engine
     timeline: dict[str, list[float]] = field(default_factory=dict)
     stats: dict[str, Any] = field(default_factory=dict)  # the scheduler's, at the end
+    gaps: dict[str, list[float]] = field(default_factory=dict)  # inter-token gaps per tenant
 
     def tenants(self) -> list[str]:
         return sorted({r.tenant for r in self.records})
@@ -104,12 +106,12 @@ class SimResult:
             mine = [r for r in self.records if r.tenant == t]
             done = [r for r in mine if r.outcome == "finished"]
             ttft = [r.ttft for r in done if r.ttft is not None]
-            # Inter-token time per gap (the scheduler's own histogram, in virtual
-            # time): a request's mean would hide the stall a long prefill causes.
-            gaps = self.stats.get("tenants", {}).get(t, {}).get("inter_token", {})
+            # Every inter-token gap (a request's mean would hide the stall a long
+            # prefill causes), exact rather than from the scheduler's histogram.
+            gaps = self.gaps.get(t, [])
             rejected: dict[str, int] = {}
             for r in mine:
-                if r.outcome.startswith("rejected:"):
+                if r.outcome.startswith(("rejected:", "aborted:")):
                     reason = r.outcome.split(":", 1)[1]
                     rejected[reason] = rejected.get(reason, 0) + 1
             out[t] = {
@@ -118,8 +120,8 @@ class SimResult:
                 "rejected": rejected,
                 "ttft_p50": _pct(ttft, 50),
                 "ttft_p99": _pct(ttft, 99),
-                "itl_p50": gaps.get("p50") or float("nan"),
-                "itl_p99": gaps.get("p99") or float("nan"),
+                "itl_p50": _pct(gaps, 50),
+                "itl_p99": _pct(gaps, 99),
                 "tokens_per_s": sum(r.output_len for r in done) / max(self.virtual_s, 1e-9),
             }
         return out
@@ -162,12 +164,16 @@ def simulate(
     held: list[tuple[Arrival, RequestRecord]] = []  # static batching: waits client-side
     n = len(arrivals)
 
-    def submit(a: Arrival, rec: RequestRecord, at: float) -> None:
+    gaps: dict[str, list[float]] = {}
+
+    def submit(a: Arrival, rec: RequestRecord, at: float) -> str | None:
         try:
             rid = sched.submit(a.tenant, a.prompt, a.max_tokens, now=at)
             by_id[rid] = rec
+            return None
         except kvsched.Rejected as e:
             rec.outcome = f"rejected:{e.reason}"
+            return e.reason
 
     while nxt < n or sched.live_requests or held:
         while nxt < n and arrivals[nxt].at <= now:
@@ -180,9 +186,17 @@ def simulate(
                 submit(a, rec, now)
             nxt += 1
         if static_batching and not sched.live_requests and held:
-            batch, held = held[: config.max_num_seqs], held[config.max_num_seqs :]
-            for a, rec in batch:
-                submit(a, rec, now)
+            # A batch of what fits an empty engine; the rest waits for the next
+            # one. Only a request that fits no empty engine is refused for good.
+            taken = 0
+            while held and taken < config.max_num_seqs:
+                a, rec = held[0]
+                reason = submit(a, rec, now)
+                if reason in ("pool_full", "concurrency") and taken > 0:
+                    rec.outcome = "pending"
+                    break
+                held.pop(0)
+                taken += reason is None
         try:
             plan = sched.step(now=now)
         except kvsched.KvSchedError:
@@ -202,12 +216,15 @@ def simulate(
             events = sched.commit(plan, np.zeros(len(plan), np.int32), now=now)
         except kvsched.KvSchedError:
             errors += 1
-            continue
+            break
         steps += 1
         for rid in events.request_ids.tolist():
             rec = by_id[rid]
             if rec.first_token is None:
                 rec.first_token = now
+            else:
+                gaps.setdefault(rec.tenant, []).append(now - rec.last_token)
+            rec.last_token = now
         for f in events.finished:
             rec = by_id.pop(f.request_id)
             rec.outcome = "finished"
@@ -220,7 +237,13 @@ def simulate(
             timeline["ladder_level"].append(st["ladder"]["level"])
         if progress is not None and steps % 256 == 0:
             progress(nxt, n)
+    if errors:
+        # The engine died: whatever was live or still to come is lost, and said so.
+        for rec in list(by_id.values()) + [r for _, r in held]:
+            rec.outcome = "aborted:oom"
+        for a in arrivals[nxt:]:
+            records.append(RequestRecord(a.tenant, a.at, len(a.prompt), "aborted:oom"))
     if progress is not None:
         progress(n, n)
     return SimResult(name, records, now, time.perf_counter() - t0, steps, errors, timeline,
-                     sched.stats(now=now))  # fmt: skip
+                     sched.stats(now=now), gaps)  # fmt: skip

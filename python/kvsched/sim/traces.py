@@ -5,7 +5,7 @@ mooncake_synthetic.jsonl (kvcache-ai/Mooncake, FAST'25; Apache-2.0) names each
 ids being prefix-chained, an equal prefix). The trace has no token ids, so
 `mooncake_prompt` builds them: every id gets its own 512 pseudo-random tokens,
 the same wherever it appears, so equal ids are equal tokens and different ids
-differ in their first token.
+differ somewhere in their 512 (a pseudo-random stream per id).
 """
 
 from __future__ import annotations

@@ -13,6 +13,12 @@ from kvsched.sim.traces import AzureRequest, MooncakeRequest, mooncake_prompt
 VOCAB = 32000
 
 
+def scale_time(arrivals: list[Arrival], time_scale: float) -> list[Arrival]:
+    """The same requests with arrival times multiplied by `time_scale` (< 1: the
+    same work in less time, more load)."""
+    return [Arrival(a.at * time_scale, a.tenant, a.prompt, a.max_tokens) for a in arrivals]
+
+
 def by_length(threshold: int = 4096, short: str = "interactive", long: str = "batch"):
     """A tenant rule: prompts longer than `threshold` tokens go to `long`."""
     return lambda n_prompt, i: long if n_prompt > threshold else short
