@@ -79,7 +79,11 @@ def reference_attention(
     m = jnp.max(s, axis=-1, keepdims=True)
     p = jnp.where(allowed[:, None, None, :], jnp.exp(s - m), 0.0)
     denom = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("thgl,tlhd->thgd", p, v.astype(jnp.float32))
+    # V past kv_len is whatever a page's previous owner left (inf or NaN after an
+    # overflow): a 0 weight times it would still be NaN, so zero those rows.
+    in_seq = key_pos[None, :] < kv_len[:, None]  # [T, L]
+    v = jnp.where(in_seq[:, :, None, None], v.astype(jnp.float32), 0.0)
+    o = jnp.einsum("thgl,tlhd->thgd", p, v)
     o = jnp.where(denom > 0, o / jnp.where(denom > 0, denom, 1.0), 0.0)
     return o.reshape(t, hq, d).astype(q.dtype)
 

@@ -83,9 +83,12 @@ def _kernel(
                 key = p * bs + lax.broadcasted_iota(jnp.int32, (1, bs), 1)
                 ok = in_seq & (key <= pos) & (key < kv_len)  # [rows, bs]
                 ms, ls, accs = [], [], []
+                # Slots past kv_len hold a previous owner's data: zero V there
+                # (a 0 weight times inf is NaN); K only meets masked scores.
+                live = jnp.transpose(key < kv_len)  # [bs, 1]
                 for h in range(kv_heads):
                     k = kv[:, 2 * h, :]
-                    v = kv[:, 2 * h + 1, :]
+                    v = jnp.where(live, kv[:, 2 * h + 1, :], 0.0)
                     s = lax.dot_general(
                         qs[h], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
                     )
@@ -157,19 +160,21 @@ def ragged_paged_attention(
     block_q: int = 8,
     interpret: bool | None = None,
 ) -> jax.Array:
-    """q [T, Hq, D] (T a multiple of block_q), cache [P, bs, 2*Hkv, D] -> [T, Hq, D].
-    `interpret` defaults to True off TPU (Pallas' TPU interpreter)."""
+    """q [T, Hq, D], cache [P, bs, 2*Hkv, D] -> [T, Hq, D]. T need not be a
+    multiple of block_q (zero rows pad it; they lie past the plan's tokens and
+    come out 0). `interpret` defaults to True off TPU (the TPU interpreter)."""
     t, hq, _ = q.shape
     hkv = cache.shape[2] // 2
-    if t % block_q:
-        raise ValueError(f"{t} query rows are not a multiple of block_q={block_q}")
     if hq % hkv:
         raise ValueError(f"{hq} query heads do not group over {hkv} KV heads")
     if interpret is None:
         interpret = not on_tpu()
     if not interpret and q.shape[-1] % 128:
         raise ValueError(f"head_dim {q.shape[-1]} must be a multiple of 128 on TPU (lane width)")
-    return _call(
-        q, cache, inputs.kv_lens, inputs.page_indices, inputs.cu_q_lens, inputs.num_seqs,
+    pad = -t % block_q
+    qp = jnp.pad(q, ((0, pad), (0, 0), (0, 0))) if pad else q
+    out = _call(
+        qp, cache, inputs.kv_lens, inputs.page_indices, inputs.cu_q_lens, inputs.num_seqs,
         scale=scale, block_q=block_q, interpret=bool(interpret),
     )  # fmt: skip
+    return out[:t] if pad else out

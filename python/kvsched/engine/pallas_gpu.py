@@ -21,6 +21,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from kvsched.engine.attention import MASK, AttentionInputs
 
+HIGHEST = lax.Precision.HIGHEST
+
 
 def _kernel(kv_lens_ref, pages_ref, cu_ref, nseq_ref, q_ref, cache_ref, o_ref, *,
             block_q: int, kv_heads: int, group: int, pages_per_seq: int, scale: float):  # fmt: skip
@@ -53,12 +55,14 @@ def _kernel(kv_lens_ref, pages_ref, cu_ref, nseq_ref, q_ref, cache_ref, o_ref, *
             key = p * bs + lax.broadcasted_iota(jnp.int32, (1, bs), 1)
             ok = in_seq & (key <= pos) & (key < kv_len)
             new = []
+            live = jnp.transpose(key < kv_len)  # [bs, 1]: stale slots past kv_len
             for kh in range(kv_heads):
                 k = cache_ref[page, :, 2 * kh, :].astype(jnp.float32)
-                v = cache_ref[page, :, 2 * kh + 1, :].astype(jnp.float32)
+                v = jnp.where(live, cache_ref[page, :, 2 * kh + 1, :].astype(jnp.float32), 0.0)
                 for h in range(kh * group, (kh + 1) * group):
                     m, denom, acc = carry[h]
-                    s = jnp.where(ok, pltriton.dot(qs[h], k, trans_b=True), MASK)
+                    # HIGHEST: f32 dots would otherwise run as TF32 (~1e-3).
+                    s = jnp.where(ok, pltriton.dot(qs[h], k, trans_b=True, precision=HIGHEST), MASK)
                     m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
                     alpha = jnp.exp(m - m_new)
                     w = jnp.where(ok, jnp.exp(s - m_new), 0.0)
@@ -66,7 +70,7 @@ def _kernel(kv_lens_ref, pages_ref, cu_ref, nseq_ref, q_ref, cache_ref, o_ref, *
                         (
                             m_new,
                             alpha * denom + jnp.sum(w, axis=1, keepdims=True),
-                            alpha * acc + pltriton.dot(w, v),
+                            alpha * acc + pltriton.dot(w, v, precision=HIGHEST),
                         )
                     )
             return tuple(new)
@@ -120,13 +124,14 @@ def ragged_paged_attention_gpu(
     """As pallas_attention.ragged_paged_attention, for NVIDIA GPUs (Triton)."""
     t, hq, _ = q.shape
     hkv = cache.shape[2] // 2
-    if t % block_q:
-        raise ValueError(f"{t} query rows are not a multiple of block_q={block_q}")
     if hq % hkv:
         raise ValueError(f"{hq} query heads do not group over {hkv} KV heads")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    return _call(
-        q, cache, inputs.kv_lens, inputs.page_indices, inputs.cu_q_lens, inputs.num_seqs,
+    pad = -t % block_q
+    qp = jnp.pad(q, ((0, pad), (0, 0), (0, 0))) if pad else q
+    out = _call(
+        qp, cache, inputs.kv_lens, inputs.page_indices, inputs.cu_q_lens, inputs.num_seqs,
         scale=scale, block_q=block_q, interpret=bool(interpret),
     )  # fmt: skip
+    return out[:t] if pad else out
