@@ -23,13 +23,16 @@ import time
 import numpy as np
 
 
-def median_time(f, *args, reps: int) -> float:
+def median_time(f, *args, reps: int, batch: int = 10) -> float:
+    """Median over `reps` of the time per call of `batch` back-to-back calls
+    (one sync per batch: dispatch overhead overlaps the kernels)."""
     f(*args).block_until_ready()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        f(*args).block_until_ready()
-        times.append(time.perf_counter() - t0)
+        outs = [f(*args) for _ in range(batch)]
+        outs[-1].block_until_ready()
+        times.append((time.perf_counter() - t0) / batch)
     return float(np.median(times))
 
 
@@ -84,7 +87,10 @@ def main(argv: list[str] | None = None) -> dict:
         err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
         worst = max(worst, err)
         sched.commit(plan, np.zeros(len(plan), np.int32), now=float(step))
-    print(f"kernel vs reference on mixed plans (bf16): max abs error {worst:.2e}")
+    tolerance = 3e-2  # bf16 KV and queries
+    ok = worst <= tolerance
+    print(f"kernel vs reference on mixed plans (bf16): max abs error {worst:.2e} "
+          f"({'within' if ok else 'OVER'} {tolerance})")  # fmt: skip
 
     # 2. Decode attention against the bandwidth limit.
     per_seq = -(-ctx // bs)
@@ -112,9 +118,10 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"  kernel    {t_kernel * 1e3:8.3f} ms  {kv_bytes / t_kernel / 1e9:8.1f} GB/s  "
           f"{limit / t_kernel:6.1%} of {args.hbm_tbs} TB/s")  # fmt: skip
     print(f"  reference {t_ref * 1e3:8.3f} ms  {kv_bytes / t_ref / 1e9:8.1f} GB/s")
-    return {"ran": True, "max_error": worst, "kernel_s": t_kernel, "reference_s": t_ref,
-            "bandwidth_share": limit / t_kernel}  # fmt: skip
+    return {"ran": True, "ok": ok, "max_error": worst, "kernel_s": t_kernel,
+            "reference_s": t_ref, "bandwidth_share": limit / t_kernel}  # fmt: skip
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main(sys.argv[1:])["ran"] else 2)
+    result = main(sys.argv[1:])
+    sys.exit(2 if not result["ran"] else 0 if result["ok"] else 1)

@@ -53,7 +53,12 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     from kvsched.engine.runner import Engine
 
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
-    model = LlamaConfig()
+    # Mosaic tiles head_dim by the TPU's 128 lanes: the TPU model has 128-wide heads.
+    model = (
+        LlamaConfig(dim=256, n_heads=2, n_kv_heads=1, head_dim=128, ffn_dim=512)
+        if args.device == "tpu"
+        else LlamaConfig()
+    )
     params = init_params(model, seed=args.seed)
     engine = Engine.create(
         model,

@@ -104,13 +104,17 @@ def test_warmup_compiles_every_bucket_and_nothing_recompiles_after():
 
 
 def test_temperature_sampling_is_seeded():
-    outs = []
-    for _ in range(2):
-        eng = engine()
-        eng.temperature, eng.seed = 1.0, 0
-        outs.append(run(eng, [[1, 2, 3, 4, 5]], 10))
-    assert outs[0] == outs[1]
-    assert outs[0] != [greedy_dense(PARAMS, MODEL, [1, 2, 3, 4, 5], 10)]
+    def sample(seed: int) -> list[list[int]]:
+        cfg = kvsched.SchedulerConfig(num_blocks=96, block_size=4, max_num_seqs=4,
+                                      max_batched_tokens=32, max_seq_len=96)  # fmt: skip
+        eng = Engine.create(MODEL, PARAMS, cfg, temperature=1.0, seed=seed)
+        eng.warmup(progress=False)
+        eng.scheduler.add_tenant(kvsched.TenantConfig("t"))
+        return run(eng, [[1, 2, 3, 4, 5]], 10)
+
+    assert sample(0) == sample(0)
+    assert sample(0) != sample(7), "the seed is the stream"
+    assert sample(0) != [greedy_dense(PARAMS, MODEL, [1, 2, 3, 4, 5], 10)]
 
 
 def test_a_llama_checkpoint_round_trips_and_bad_shapes_are_refused(tmp_path):
@@ -125,6 +129,15 @@ def test_a_llama_checkpoint_round_trips_and_bad_shapes_are_refused(tmp_path):
     wider = LlamaConfig(**{**MODEL.__dict__, "ffn_dim": 64})
     with pytest.raises(ValueError, match="shape"):
         load_llama_safetensors(path, wider)
+    fewer = LlamaConfig(**{**MODEL.__dict__, "n_layers": 1})
+    with pytest.raises(ValueError, match="does not describe"):
+        load_llama_safetensors(path, fewer)  # a 2-layer file is not a 1-layer model
+    hf = {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+          "rope_theta": 10000.0, "rms_norm_eps": 1e-5}  # fmt: skip
+    assert LlamaConfig.from_hf(hf, name="tiny-llama") == MODEL
+    with pytest.raises(ValueError, match="rope_scaling"):
+        LlamaConfig.from_hf({**hf, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
 
 
 def test_the_pool_is_sized_from_measured_free_memory_where_there_is_one():
@@ -144,6 +157,19 @@ def test_the_pool_is_sized_from_measured_free_memory_where_there_is_one():
     assert sized.bytes_per_block == per_block
     assert (sized.source, sized.measured_free_bytes) == ("measured", 8_000_000)
     assert sized.num_blocks == int(8_000_000 * 0.9) // per_block
+
+    # Tensor parallel over 4 devices: each holds a quarter of every block, and
+    # the device with the least free memory decides.
+    class Busy(Gpu):
+        def memory_stats(self):
+            return {"bytes_limit": 10_000_000, "bytes_in_use": 4_000_000}
+
+    tp = size_pool(MODEL, cfg, "float32", Gpu(), shards=4, devices=[Gpu(), Busy(), Gpu(), Gpu()])
+    assert tp.num_blocks == int(6_000_000 * 0.9) * 4 // per_block
+    # The reserve is held back once: a scheduler over a measured pool keeps none.
+    eng = Engine.create(MODEL, PARAMS, cfg, device=Gpu())
+    assert eng.scheduler.config.overhead_reserve == 0.0
+    assert eng.scheduler.config.num_blocks == sized.num_blocks
 
 
 def test_bf16_weights_generate_like_bf16_dense_recompute():

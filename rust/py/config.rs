@@ -236,6 +236,36 @@ impl PySchedulerConfig {
     fn __eq__(&self, other: &Self) -> bool {
         self.inner == other.inner
     }
+
+    /// A copy with some arguments changed (validated like the constructor); the
+    /// write-only prefix_cache_key is carried over unless given.
+    #[pyo3(signature = (**changes))]
+    fn replace(&self, py: Python<'_>, changes: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
+        let kw = self.kwargs(py)?;
+        let mut new_key = false;
+        if let Some(c) = changes {
+            if c.contains("admission")? && !c.contains("watermark_blocks")? {
+                let same = c
+                    .get_item("admission")?
+                    .map(|a| a.eq(self.admission()))
+                    .transpose()?
+                    .unwrap_or(true);
+                if !same {
+                    kw.del_item("watermark_blocks")?;
+                }
+            }
+            new_key = c.contains("prefix_cache_key")?;
+            kw.update(c.as_mapping())?;
+        }
+        let mut out: PySchedulerConfig = py
+            .get_type::<PySchedulerConfig>()
+            .call((), Some(&kw))?
+            .extract()?;
+        if !new_key {
+            out.inner.prefix_cache_key = self.inner.prefix_cache_key;
+        }
+        Ok(out)
+    }
 }
 
 impl PySchedulerConfig {

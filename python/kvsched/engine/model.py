@@ -30,6 +30,8 @@ Params = dict[str, Any]
 
 @dataclass(frozen=True)
 class LlamaConfig:
+    """The shapes of a Llama-style decoder. `from_hf` reads a Llama config.json."""
+
     vocab_size: int = 512
     dim: int = 128
     n_layers: int = 2
@@ -41,6 +43,27 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     dtype: str = "float32"  # or "bfloat16"
     name: str = "tiny-llama"
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], name: str = "llama") -> LlamaConfig:
+        """From a Hugging Face Llama config.json (as a dict). RoPE scaling (the
+        "llama3" frequency rescaling of Llama 3.1 and later) is not modelled:
+        such a config is refused rather than run with the wrong positions."""
+        if cfg.get("rope_scaling"):
+            raise ValueError(f"rope_scaling {cfg['rope_scaling']!r} is not supported")
+        heads = cfg["num_attention_heads"]
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            dim=cfg["hidden_size"],
+            n_layers=cfg["num_hidden_layers"],
+            n_heads=heads,
+            n_kv_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            ffn_dim=cfg["intermediate_size"],
+            rope_theta=cfg.get("rope_theta", 10000.0),
+            norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            name=name,
+        )
 
     @property
     def jdtype(self) -> jnp.dtype:
@@ -246,6 +269,17 @@ def load_llama_safetensors(path: str | Path, config: LlamaConfig) -> Params:
             }
         )
     head = "lm_head.weight" if "lm_head.weight" in t else "model.embed_tokens.weight"
+    expected = {
+        f"model.layers.{i}.{name}" for i in range(c.n_layers) for name in _LAYER_KEYS.values()
+    }
+    expected |= {"model.embed_tokens.weight", "model.norm.weight", head}
+    # Rotary frequency buffers some exporters save are recomputed here.
+    extra = {k for k in t if k not in expected and not k.endswith("rotary_emb.inv_freq")}
+    if extra:
+        raise ValueError(
+            f"{path}: {len(extra)} tensors the config does not describe (more layers, "
+            f"biases?), e.g. {sorted(extra)[:3]}"
+        )
     return {
         "embed": get("model.embed_tokens.weight", (c.vocab_size, c.dim)),
         "layers": layers,

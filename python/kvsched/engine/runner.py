@@ -50,16 +50,25 @@ class PoolSizing:
 
 
 def size_pool(
-    model: LlamaConfig, sched_config: kvsched.SchedulerConfig, kv_dtype: str, device: Any
+    model: LlamaConfig,
+    sched_config: kvsched.SchedulerConfig,
+    kv_dtype: str,
+    device: Any,
+    *,
+    shards: int = 1,
+    devices: list[Any] | None = None,
 ) -> PoolSizing:
-    """Size the KV pool from the device's free memory less the overhead reserve;
-    where the backend gives no figure (CPU), keep the configured size."""
+    """Size the KV pool from free device memory less the overhead reserve; where
+    the backend gives no figure (CPU), keep the configured size. With tensor
+    parallelism each of `shards` devices holds 1/shards of every block, so the
+    device with the least free memory decides."""
     per_block = kv_bytes_per_block(model, sched_config.block_size, kv_dtype)
-    free = measured_free_bytes(device)
-    if free is None:
+    frees = [measured_free_bytes(d) for d in (devices or [device])]
+    if any(f is None for f in frees):
         return PoolSizing(sched_config.num_blocks, None, per_block, "configured")
+    free = min(f for f in frees if f is not None)
     usable = int(free * (1.0 - sched_config.overhead_reserve))
-    return PoolSizing(max(2, usable // per_block), free, per_block, "measured")
+    return PoolSizing(max(2, usable * shards // per_block), free, per_block, "measured")
 
 
 @dataclass
@@ -134,16 +143,14 @@ class Engine:
         """Size the pool from the device (after the weights are resident), build a
         cold scheduler over it, and the engine."""
         device = device or jax.devices()[0]
-        sizing = size_pool(model, sched_config, kv_dtype, device)
-        sched = kvsched.Scheduler(
-            kvsched.SchedulerConfig(
-                **{
-                    **_config_kwargs(sched_config),
-                    "num_blocks": sizing.num_blocks,
-                    "require_warmup": True,
-                }  # fmt: skip
-            )
-        )
+        mesh = kw.get("mesh")
+        shards = 1 if mesh is None else mesh.devices.size
+        devices = None if mesh is None else list(mesh.devices.flat)
+        sizing = size_pool(model, sched_config, kv_dtype, device, shards=shards, devices=devices)
+        changes: dict[str, Any] = {"num_blocks": sizing.num_blocks, "require_warmup": True}
+        if sizing.source == "measured":
+            changes["overhead_reserve"] = 0.0  # held back from the measurement already
+        sched = kvsched.Scheduler(sched_config.replace(**changes))
         return cls(model, params, sched, kv_dtype=kv_dtype, sizing=sizing, **kw)
 
     # -- running plans -----------------------------------------------------------------
@@ -167,6 +174,11 @@ class Engine:
         sampled = self.run_plan(plan)
         events = self.scheduler.commit(plan, sampled, now=now)
         return StepResult(plan, events, time.perf_counter() - t0)
+
+    def reseed(self, seed: int) -> None:
+        """Restart the sampling stream from `seed`."""
+        self.seed = seed
+        self._key = jax.random.PRNGKey(seed)
 
     def compiled_programs(self) -> int:
         """Programs the step function compiled so far (one per bucket after warmup)."""
@@ -197,13 +209,7 @@ class Engine:
             self.run_plan(dummy)
             bar(f"compiled bucket {t}")
         scratch = kvsched.Scheduler(
-            kvsched.SchedulerConfig(
-                **{
-                    **_config_kwargs(self.scheduler.config),
-                    "require_warmup": False,
-                    "prefix_caching": False,
-                }
-            )  # fmt: skip
+            self.scheduler.config.replace(require_warmup=False, prefix_caching=False)
         )
         scratch.add_tenant(kvsched.TenantConfig("warmup"))
         scratch.submit("warmup", np.arange(1, 9, dtype=np.int32), 2, now=0.0)
@@ -211,6 +217,7 @@ class Engine:
             plan = scratch.step(now=0.0)
             scratch.commit(plan, self.run_plan(plan), now=0.0)
         bar("synthetic request completed")
+        self.reseed(self.seed)  # sampling does not depend on what warmup ran
         self.scheduler.mark_ready()
         return time.perf_counter() - t0
 
@@ -233,14 +240,6 @@ class _Plan:
 
     def __len__(self) -> int:
         return self.n
-
-
-def _config_kwargs(cfg: kvsched.SchedulerConfig) -> dict[str, Any]:
-    keys = ("num_blocks", "block_size", "max_num_seqs", "max_batched_tokens", "max_seq_len",
-            "overhead_reserve", "max_waiting", "long_prefill_chunk", "token_buckets",
-            "admission", "watermark_blocks", "preempt_lower_tiers", "prefix_caching",
-            "ladder", "ladder_retry_after_s", "require_warmup")  # fmt: skip
-    return {k: getattr(cfg, k) for k in keys}
 
 
 def _progress(enabled: bool, total: int):
