@@ -56,7 +56,8 @@ def test_a_repeated_prompt_runs_only_its_tail_and_generates_the_same():
     assert fb.cached_tokens == 40 and fa.cached_tokens == 0
     assert fa.output_ids.tolist() == fb.output_ids.tolist()
     pc = eng.sched.stats()["tenants"]["a"]["prefix_cache"]
-    assert pc == {"query_blocks": 10, "hit_blocks": 5, "query_tokens": 86, "hit_tokens": 40}
+    assert pc == {"query_blocks": 10, "hit_blocks": 5, "query_tokens": 86, "hit_tokens": 40,
+                  "hit_rate_blocks": 0.5, "hit_rate_tokens": 40 / 86}  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -823,6 +823,21 @@ fn stats_dict<'py>(
         prefix.set_item("hit_blocks", m.prefix_hit_blocks)?;
         prefix.set_item("query_tokens", m.prefix_query_tokens)?;
         prefix.set_item("hit_tokens", m.prefix_hit_tokens)?;
+        let rate = |hit: u64, query: u64| {
+            if query == 0 {
+                0.0
+            } else {
+                hit as f64 / query as f64
+            }
+        };
+        prefix.set_item(
+            "hit_rate_blocks",
+            rate(m.prefix_hit_blocks, m.prefix_query_blocks),
+        )?;
+        prefix.set_item(
+            "hit_rate_tokens",
+            rate(m.prefix_hit_tokens, m.prefix_query_tokens),
+        )?;
         d.set_item("prefix_cache", prefix)?;
         d.set_item("virtual_time", t.vtime)?;
         d.set_item("queue_time", histogram_dict(py, &m.queue_time)?)?;
