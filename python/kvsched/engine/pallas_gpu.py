@@ -2,7 +2,8 @@
 
 Same algorithm as pallas_attention.py (query blocks over the padded token
 dimension; per block, every sequence it meets, page by page, into an online
-softmax), written for Pallas' Triton backend: no scalar prefetch or DMA there,
+softmax), with one program per (query block, KV head), written for Pallas'
+Triton backend: no scalar prefetch or DMA there,
 so the plan arrays and the cache are plain refs in global memory, read with
 dynamic indices (a page's K and V of one head at a time). Shapes Triton tiles
 need powers of two: block_size, head_dim and block_q * (Hq / Hkv) >= 16.
@@ -25,21 +26,23 @@ HIGHEST = lax.Precision.HIGHEST
 
 
 def _kernel(kv_lens_ref, pages_ref, cu_ref, nseq_ref, q_ref, cache_ref, o_ref, *,
-            block_q: int, kv_heads: int, group: int, pages_per_seq: int, scale: float):  # fmt: skip
-    # Triton lowers no value slicing, stacking or reshapes: every head is loaded
-    # and stored through its own ref index, and the carry is a tuple per head.
+            block_q: int, group: int, pages_per_seq: int, scale: float):  # fmt: skip
+    # One program per (query block, KV head): a decode-heavy step still has
+    # Hkv times more programs than query blocks to spread over the GPU.
+    # Triton lowers no value slicing, stacking or reshapes: every query head is
+    # loaded and stored through its own ref index, the carry is a tuple per head.
     bs, d = cache_ref.shape[1], cache_ref.shape[3]
-    hq = kv_heads * group
+    kh = pl.program_id(1)
     row0 = pl.program_id(0) * block_q
     token = row0 + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
-    qs = [q_ref[:, h, :].astype(jnp.float32) * scale for h in range(hq)]
+    qs = [q_ref[:, g, :].astype(jnp.float32) * scale for g in range(group)]
     carry0 = tuple(
         (
             jnp.full((block_q, 1), MASK, jnp.float32),
             jnp.zeros((block_q, 1), jnp.float32),
             jnp.zeros((block_q, d), jnp.float32),
         )
-        for _ in range(hq)
+        for _ in range(group)
     )
 
     def seq_body(j, carry):
@@ -54,56 +57,57 @@ def _kernel(kv_lens_ref, pages_ref, cu_ref, nseq_ref, q_ref, cache_ref, o_ref, *
             page = pages_ref[j * pages_per_seq + p]
             key = p * bs + lax.broadcasted_iota(jnp.int32, (1, bs), 1)
             ok = in_seq & (key <= pos) & (key < kv_len)
-            new = []
             live = jnp.transpose(key < kv_len)  # [bs, 1]: stale slots past kv_len
-            for kh in range(kv_heads):
-                k = cache_ref[page, :, 2 * kh, :].astype(jnp.float32)
-                v = jnp.where(live, cache_ref[page, :, 2 * kh + 1, :].astype(jnp.float32), 0.0)
-                for h in range(kh * group, (kh + 1) * group):
-                    m, denom, acc = carry[h]
-                    # HIGHEST: f32 dots would otherwise run as TF32 (~1e-3).
-                    s = jnp.where(ok, pltriton.dot(qs[h], k, trans_b=True, precision=HIGHEST), MASK)
-                    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
-                    alpha = jnp.exp(m - m_new)
-                    w = jnp.where(ok, jnp.exp(s - m_new), 0.0)
-                    new.append(
-                        (
-                            m_new,
-                            alpha * denom + jnp.sum(w, axis=1, keepdims=True),
-                            alpha * acc + pltriton.dot(w, v, precision=HIGHEST),
-                        )
+            k = cache_ref[page, :, 2 * kh, :].astype(jnp.float32)
+            v = jnp.where(live, cache_ref[page, :, 2 * kh + 1, :].astype(jnp.float32), 0.0)
+            new = []
+            for g in range(group):
+                m, denom, acc = carry[g]
+                # HIGHEST: f32 dots would otherwise run as TF32 (~1e-3).
+                s = jnp.where(ok, pltriton.dot(qs[g], k, trans_b=True, precision=HIGHEST), MASK)
+                m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+                alpha = jnp.exp(m - m_new)
+                w = jnp.where(ok, jnp.exp(s - m_new), 0.0)
+                new.append(
+                    (
+                        m_new,
+                        alpha * denom + jnp.sum(w, axis=1, keepdims=True),
+                        alpha * acc + pltriton.dot(w, v, precision=HIGHEST),
                     )
+                )
             return tuple(new)
 
         return lax.fori_loop(0, n_pages, page_body, carry)
 
     final = lax.fori_loop(0, nseq_ref[0], seq_body, carry0)
-    for h in range(hq):
-        _, denom, acc = final[h]
+    for g in range(group):
+        _, denom, acc = final[g]
         out = jnp.where(denom > 0, acc / jnp.where(denom > 0, denom, 1.0), 0.0)
-        o_ref[:, h, :] = out.astype(o_ref.dtype)
+        o_ref[:, g, :] = out.astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "interpret"))
 def _call(q, cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, scale, block_q, interpret):
     t, hq, d = q.shape
     hkv = cache.shape[2] // 2
+    group = hq // hkv
     s, pps = page_indices.shape
-    kernel = functools.partial(_kernel, block_q=block_q, kv_heads=hkv, group=hq // hkv,
-                               pages_per_seq=pps, scale=scale)  # fmt: skip
-    full = lambda shape: pl.BlockSpec(shape, lambda b: (0,) * len(shape))  # noqa: E731
+    kernel = functools.partial(_kernel, block_q=block_q, group=group, pages_per_seq=pps,
+                               scale=scale)  # fmt: skip
+    full = lambda shape: pl.BlockSpec(shape, lambda b, h: (0,) * len(shape))  # noqa: E731
+    heads = pl.BlockSpec((block_q, group, d), lambda b, h: (b, h, 0))
     return pl.pallas_call(
         kernel,
-        grid=(t // block_q,),
+        grid=(t // block_q, hkv),
         in_specs=[
             full((s,)),
             full((s * pps,)),
             full((s + 1,)),
             full((1,)),
-            pl.BlockSpec((block_q, hq, d), lambda b: (b, 0, 0)),
+            heads,
             full(cache.shape),
         ],  # fmt: skip
-        out_specs=pl.BlockSpec((block_q, hq, d), lambda b: (b, 0, 0)),
+        out_specs=heads,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         interpret=interpret,
         # Triton explicitly: this JAX defaults GPU kernels to Mosaic GPU.
