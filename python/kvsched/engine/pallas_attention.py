@@ -11,7 +11,8 @@ that straddles sequences is still exact; padding rows come out 0.
 Written for Mosaic: scalar-prefetched plan arrays in SMEM, the cache left in HBM
 (`memory_space=ANY`) and copied a page at a time, 2-D matmuls per KV head, K
 and V separated on the loaded value (the interpreter allows only plain ref
-indexing). On CPU it runs in Pallas' TPU interpret mode.
+indexing). Pages are double-buffered: the DMA of a sequence's next page runs
+while the current one is folded in. On CPU it runs in Pallas' TPU interpret mode.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ def _kernel(
     cache_hbm,  # [P, bs, 2*Hkv, D], in HBM
     o_ref,  # [block_q, Hq, D]
     # Scratch.
-    kv_buf,  # [bs, 2*Hkv, D] VMEM
-    sem,
+    kv_buf,  # [2, bs, 2*Hkv, D] VMEM: two page slots (double buffering)
+    sem,  # two DMA semaphores, one per slot
     *,
     block_q: int,
     kv_heads: int,
@@ -47,8 +48,8 @@ def _kernel(
     pages_per_seq: int,
     scale: float,
 ):
-    bs = kv_buf.shape[0]
-    d = kv_buf.shape[2]
+    bs = kv_buf.shape[1]
+    d = kv_buf.shape[3]
     rows_per_head = block_q * group
     row0 = pl.program_id(0) * block_q
     # Query row r * group + g is token row0 + r, query head h * group + g.
@@ -72,14 +73,23 @@ def _kernel(
             kv_len = kv_lens_ref[j]
             in_seq = jnp.logical_and(token >= q_lo, token < q_hi)
             pos = kv_len - (q_hi - token)  # the row's absolute position
+            n_pages = lax.div(kv_len + bs - 1, bs)
+
+            def fetch(p, slot):
+                page = pages_ref[j * pages_per_seq + p]
+                return pltpu.make_async_copy(cache_hbm.at[page], kv_buf.at[slot], sem.at[slot])
 
             def page_body(p, carry):
                 m, denom, acc = carry
-                page = pages_ref[j * pages_per_seq + p]
-                copy = pltpu.make_async_copy(cache_hbm.at[page], kv_buf, sem)
-                copy.start()
-                copy.wait()
-                kv = kv_buf[...].astype(jnp.float32)
+                # Double buffering: the next page's DMA runs while this one is used.
+                slot = lax.rem(p, 2)
+
+                @pl.when(p + 1 < n_pages)
+                def _():
+                    fetch(p + 1, 1 - slot).start()
+
+                fetch(p, slot).wait()
+                kv = kv_buf[slot].astype(jnp.float32)
                 key = p * bs + lax.broadcasted_iota(jnp.int32, (1, bs), 1)
                 ok = in_seq & (key <= pos) & (key < kv_len)  # [rows, bs]
                 ms, ls, accs = [], [], []
@@ -106,7 +116,10 @@ def _kernel(
                     ms.append(m_new)
                 return jnp.stack(ms), jnp.stack(ls), jnp.stack(accs)
 
-            n_pages = lax.div(kv_len + bs - 1, bs)
+            @pl.when(n_pages > 0)
+            def _():
+                fetch(0, 0).start()
+
             return lax.fori_loop(0, n_pages, page_body, carry)
 
         return lax.cond(meets, run, lambda c: c, carry)
@@ -140,7 +153,7 @@ def _call(q, cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, scale, block_
             pl.BlockSpec(memory_space=pl.ANY),
         ],
         out_specs=pl.BlockSpec((block_q, hq, d), lambda b, *_: (b, 0, 0)),
-        scratch_shapes=[pltpu.VMEM((bs, h2, d), cache.dtype), pltpu.SemaphoreType.DMA(())],
+        scratch_shapes=[pltpu.VMEM((2, bs, h2, d), cache.dtype), pltpu.SemaphoreType.DMA((2,))],
     )
     return pl.pallas_call(
         kernel,
