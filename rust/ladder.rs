@@ -138,6 +138,12 @@ impl LadderConfig {
         }
     }
 
+    /// `default_for` with the max_tokens cap a scheduler of this size uses:
+    /// 256, or half of max_seq_len if that is smaller.
+    pub fn default_for_scheduler(max_num_seqs: usize, max_seq_len: usize) -> Self {
+        Self::default_for(max_num_seqs, 256.min((max_seq_len / 2).max(1)))
+    }
+
     pub fn validate(&self) -> KvResult<()> {
         let bad = |m: String| Err(KvError::InvalidConfig(format!("ladder: {m}")));
         if !(self.retry_after_s.is_finite() && self.retry_after_s >= 0.0) {

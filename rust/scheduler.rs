@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::admission::{self, Capacity};
 use crate::buckets::TokenBuckets;
-use crate::error::{KvError, KvResult, RejectReason};
+use crate::error::{KvError, KvResult, RejectReason, Rejection};
 use crate::ladder::{Ladder, LadderConfig, LadderMove, Pressure};
 use crate::metrics::{Histogram, TenantMetrics};
 use crate::planner::{self, PlanBuffers, PlanShape, RowCache, SeqSlice};
@@ -774,6 +774,28 @@ impl Scheduler {
             &record.generated,
             now,
         )
+    }
+
+    /// Submit every record of a checkpoint (see `submit_restored`), each one's
+    /// outcome in order. Every record is checked first: one that can never run
+    /// is an error and nothing is submitted; a refusal for now (pool full, ...)
+    /// is that record's outcome.
+    pub fn restore(
+        &mut self,
+        records: &[InFlight],
+        now: f64,
+    ) -> KvResult<Vec<Result<u64, Rejection>>> {
+        for rec in records {
+            rec.validate()?;
+        }
+        records
+            .iter()
+            .map(|rec| match self.submit_restored(rec, now) {
+                Ok(id) => Ok(Ok(id)),
+                Err(KvError::Rejected(r)) => Ok(Err(r)),
+                Err(e) => Err(e),
+            })
+            .collect()
     }
 
     /// At the drain deadline: hand back every unfinished request.

@@ -241,6 +241,18 @@ impl PySchedulerConfig {
     /// write-only prefix_cache_key is carried over unless given.
     #[pyo3(signature = (**changes))]
     fn replace(&self, py: Python<'_>, changes: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
+        self.with_changes(py, changes)
+    }
+}
+
+impl PySchedulerConfig {
+    /// `replace`: this configuration's arguments with `changes` over them; a new
+    /// admission mode takes its own default watermark; the key is carried over.
+    pub(super) fn with_changes(
+        &self,
+        py: Python<'_>,
+        changes: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<Self> {
         let kw = self.kwargs(py)?;
         let mut new_key = false;
         if let Some(c) = changes {
@@ -266,9 +278,7 @@ impl PySchedulerConfig {
         }
         Ok(out)
     }
-}
 
-impl PySchedulerConfig {
     /// Every argument that rebuilds this configuration, but the secret key.
     pub(super) fn kwargs<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let c = &self.inner;

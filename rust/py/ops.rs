@@ -10,11 +10,6 @@ use crate::error::KvError;
 use crate::ladder::{Action, Ladder, LadderConfig, Pressure, Rung, Signal};
 use crate::scheduler::{FinishedRequest, InFlight, SchedulerEvent};
 
-/// The default ladder's max_tokens cap: 256, or max_seq_len / 2 if smaller.
-pub(super) fn default_cap_tokens(max_seq_len: usize) -> usize {
-    256.min((max_seq_len / 2).max(1))
-}
-
 /// `ladder=` of SchedulerConfig: None (off), "default", or a list of rung dicts
 /// {"signal", "engage", "release", "action", "value"}.
 pub(super) fn ladder_arg(
@@ -34,7 +29,7 @@ pub(super) fn ladder_arg(
                 ))
                 .into());
             }
-            LadderConfig::default_for(max_num_seqs, default_cap_tokens(max_seq_len))
+            LadderConfig::default_for_scheduler(max_num_seqs, max_seq_len)
         }
         Some(o) => {
             let list = o.cast::<PyList>().map_err(|_| {

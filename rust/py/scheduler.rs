@@ -384,25 +384,10 @@ impl PyScheduler {
         // between (another thread's reconfigure would otherwise be undone).
         for _ in 0..8 {
             let snapshot = locked(&self.inner, |s| s.config().clone())?;
-            let current = PySchedulerConfig {
+            let new = PySchedulerConfig {
                 inner: snapshot.clone(),
-            };
-            let kw = current.kwargs(py)?;
-            if let Some(k) = knobs {
-                // A new admission mode takes its own default watermark.
-                let mode_changes = match k.get_item("admission")? {
-                    Some(a) => !a.eq(current.kwargs(py)?.get_item("admission")?)?,
-                    None => false,
-                };
-                if mode_changes && !k.contains("watermark_blocks")? {
-                    kw.del_item("watermark_blocks")?;
-                }
-                kw.update(k.as_mapping())?;
             }
-            let new: PySchedulerConfig = py
-                .get_type::<PySchedulerConfig>()
-                .call((), Some(&kw))?
-                .extract()?;
+            .with_changes(py, knobs)?;
             let applied = locked(&self.inner, |s| {
                 (s.config() == &snapshot).then(|| s.update_config(new.inner))
             })?;
@@ -535,14 +520,11 @@ impl PyScheduler {
             }
         }
         // Every record is checked before any is submitted: a bad file changes nothing.
-        for rec in &records {
-            rec.validate()?;
-        }
-        for rec in &records {
-            match locked(&self.inner, |s| s.submit_restored(rec, now))? {
+        let outcomes = locked(&self.inner, |s| s.restore(&records, now))??;
+        for (rec, outcome) in records.iter().zip(outcomes) {
+            match outcome {
                 Ok(id) => restored.set_item(rec.id, id)?,
-                Err(KvError::Rejected(r)) => refused.set_item(rec.id, r.reason.as_str())?,
-                Err(e) => return Err(e.into()),
+                Err(r) => refused.set_item(rec.id, r.reason.as_str())?,
             }
         }
         let d = PyDict::new(py);

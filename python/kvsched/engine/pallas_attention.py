@@ -176,17 +176,24 @@ def ragged_paged_attention(
     """q [T, Hq, D], cache [P, bs, 2*Hkv, D] -> [T, Hq, D]. T need not be a
     multiple of block_q (zero rows pad it; they lie past the plan's tokens and
     come out 0). `interpret` defaults to True off TPU (the TPU interpreter)."""
-    t, hq, _ = q.shape
-    hkv = cache.shape[2] // 2
-    if hq % hkv:
-        raise ValueError(f"{hq} query heads do not group over {hkv} KV heads")
     if interpret is None:
         interpret = not on_tpu()
     if not interpret and q.shape[-1] % 128:
         raise ValueError(f"head_dim {q.shape[-1]} must be a multiple of 128 on TPU (lane width)")
+    return run_padded(_call, q, cache, inputs, scale=scale, block_q=block_q, interpret=interpret)
+
+
+def run_padded(call, q, cache, inputs: AttentionInputs, *, scale, block_q, interpret):
+    """Run a kernel `call` whose grid walks query blocks: check the head
+    grouping, pad the rows to a multiple of block_q (the zero rows lie past the
+    plan's tokens and come out 0), slice the padding off again."""
+    t, hq, _ = q.shape
+    hkv = cache.shape[2] // 2
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads do not group over {hkv} KV heads")
     pad = -t % block_q
     qp = jnp.pad(q, ((0, pad), (0, 0), (0, 0))) if pad else q
-    out = _call(
+    out = call(
         qp, cache, inputs.kv_lens, inputs.page_indices, inputs.cu_q_lens, inputs.num_seqs,
         scale=scale, block_q=block_q, interpret=bool(interpret),
     )  # fmt: skip

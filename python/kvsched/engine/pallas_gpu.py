@@ -21,6 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kvsched.engine.attention import MASK, AttentionInputs
+from kvsched.engine.pallas_attention import run_padded
 
 HIGHEST = lax.Precision.HIGHEST
 
@@ -126,16 +127,6 @@ def ragged_paged_attention_gpu(
     interpret: bool | None = None,
 ) -> jax.Array:
     """As pallas_attention.ragged_paged_attention, for NVIDIA GPUs (Triton)."""
-    t, hq, _ = q.shape
-    hkv = cache.shape[2] // 2
-    if hq % hkv:
-        raise ValueError(f"{hq} query heads do not group over {hkv} KV heads")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    pad = -t % block_q
-    qp = jnp.pad(q, ((0, pad), (0, 0), (0, 0))) if pad else q
-    out = _call(
-        qp, cache, inputs.kv_lens, inputs.page_indices, inputs.cu_q_lens, inputs.num_seqs,
-        scale=scale, block_q=block_q, interpret=bool(interpret),
-    )  # fmt: skip
-    return out[:t] if pad else out
+    return run_padded(_call, q, cache, inputs, scale=scale, block_q=block_q, interpret=interpret)
