@@ -10,14 +10,11 @@ pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 import kvsched  # noqa: E402
-from kvsched.engine.model import (  # noqa: E402
-    LlamaConfig,
-    forward_dense,
-    greedy_dense,
-    init_params,
+from kvsched.engine.loaders.safetensors_llama import (  # noqa: E402
     load_llama_safetensors,
     save_llama_safetensors,
 )
+from kvsched.engine.model import LlamaConfig, forward_dense, greedy_dense, init_params  # noqa: E402
 from kvsched.engine.runner import Engine, size_pool  # noqa: E402
 
 MODEL = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
@@ -182,7 +179,7 @@ def test_bf16_weights_generate_like_bf16_dense_recompute():
     eng.scheduler.add_tenant(kvsched.TenantConfig("t"))
     prompts = prompts_with_shared_prefix(seed=5)[:2]
     assert run(eng, prompts, 5) == [greedy_dense(params, model, p, 5) for p in prompts]
-    assert eng.caches[0].dtype == jnp.bfloat16
+    assert eng.caches.dtype == jnp.bfloat16
 
 
 def test_the_engine_names_its_model_in_the_metrics():

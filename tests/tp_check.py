@@ -38,8 +38,8 @@ while eng.scheduler.live_requests:
 equal = [out[i] == greedy_dense(params, model, p, 6) for i, p in zip(ids, prompts, strict=True)]
 print(json.dumps({
     "devices": len(jax.devices()),
-    "cache_spec": str(eng.caches[0].sharding.spec),
-    "shard_shapes": [list(s.data.shape) for s in eng.caches[0].addressable_shards],
+    "cache_spec": str(eng.caches.sharding.spec),
+    "shard_shapes": [list(s.data.shape) for s in eng.caches.addressable_shards],
     "equal_dense": equal,
     "programs": eng.compiled_programs(),
     "buckets": len(eng.scheduler.token_buckets),

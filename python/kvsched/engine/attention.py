@@ -56,17 +56,24 @@ def token_seq(cu_q_lens: jax.Array, num_seqs: jax.Array, t: int) -> tuple[jax.Ar
 
 
 def reference_attention(
-    q: jax.Array, cache: jax.Array, inputs: AttentionInputs, *, scale: float
+    q: jax.Array,
+    cache: jax.Array,
+    inputs: AttentionInputs,
+    *,
+    scale: float,
+    layer: jax.Array | int | None = None,
 ) -> jax.Array:
     """q [T, Hq, D], cache [P, bs, 2*Hkv, D] -> [T, Hq, D]. Static shapes: each
-    row gathers its sequence's whole page row, then masks."""
+    row gathers its sequence's whole page row, then masks. With `layer`, cache
+    is the stacked [L, P, ...] array and layer `layer` is read (one gather: the
+    layer is never sliced out whole)."""
     t, hq, d = q.shape
-    _, bs, h2, _ = cache.shape
+    bs, h2 = cache.shape[-3], cache.shape[-2]
     hkv = h2 // 2
     g = hq // hkv
     seq, valid = token_seq(inputs.cu_q_lens, inputs.num_seqs, t)
     pages = inputs.page_indices[seq]  # [T, PPS]
-    kv = cache[pages]  # [T, PPS, bs, 2Hkv, D]
+    kv = cache[pages] if layer is None else cache[layer, pages]  # [T, PPS, bs, 2Hkv, D]
     kv = kv.reshape(t, -1, h2, d)  # [T, L, 2Hkv, D]
     k, v = kv[:, :, 0::2, :], kv[:, :, 1::2, :]  # [T, L, Hkv, D]
     qg = q.reshape(t, hkv, g, d).astype(jnp.float32)
@@ -130,11 +137,19 @@ def paged_attention(
     scale: float,
     backend: str = "reference",
     mesh: Any = None,
+    layer: jax.Array | int | None = None,
     **kw: Any,
 ) -> jax.Array:
     """Attention for a plan with the named backend ("reference" or "pallas").
-    With a mesh, the Pallas kernel runs once per device on its own KV heads
-    (shard_map); the reference is left to XLA's partitioner."""
+    With `layer`, `cache` is the stacked [L, P, bs, 2*Hkv, D] array of every
+    layer and layer `layer` is read. With a mesh, the Pallas kernel runs once per
+    device on its own KV heads (shard_map); the reference is left to XLA's
+    partitioner."""
+    if backend == "reference":
+        return reference_attention(q, cache, inputs, scale=scale, layer=layer)
+    if layer is not None:
+        # The kernels take one layer's cache.
+        cache = jax.lax.dynamic_index_in_dim(cache, layer, axis=0, keepdims=False)
     if backend == "pallas" and mesh is not None:
         from jax.sharding import PartitionSpec as P
 
@@ -153,8 +168,6 @@ def paged_attention(
             out_specs=P(None, AXIS, None),
             check_vma=False,
         )(q, cache, *plan)
-    if backend == "reference":
-        return reference_attention(q, cache, inputs, scale=scale)
     if backend == "pallas" and jax.default_backend() == "gpu":
         backend = "pallas_gpu"
     if backend == "pallas":

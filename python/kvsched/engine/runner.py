@@ -20,7 +20,7 @@ import numpy as np
 
 import kvsched
 from kvsched.engine.attention import AttentionInputs
-from kvsched.engine.kv_cache import KVCacheSpec, init_cache
+from kvsched.engine.kv_cache import KVCacheSpec, init_caches
 from kvsched.engine.model import LlamaConfig, Params, forward_paged, weights_checksum
 
 
@@ -89,7 +89,7 @@ class Engine:
     kv_dtype: str = "float32"
     temperature: float = 0.0
     seed: int = 0
-    caches: list[jax.Array] = field(init=False)
+    caches: jax.Array = field(init=False)  # [layers, pages, block, 2*kv_heads, head_dim]
     sizing: PoolSizing | None = None
     mesh: Any = None  # a jax.sharding.Mesh: KV heads sharded over it (tensor parallelism)
 
@@ -101,7 +101,7 @@ class Engine:
         )  # fmt: skip
         self.spec = spec
         self.checksum = weights_checksum(self.params)
-        self.caches = [init_cache(spec) for _ in range(self.model.n_layers)]
+        self.caches = init_caches(spec, self.model.n_layers)
         jit_kw: dict[str, Any] = {}
         if self.mesh is not None:
             from kvsched.engine import sharding
@@ -109,9 +109,9 @@ class Engine:
             sharding.check_divisible(self.model, self.mesh)
             self.params = sharding.shard_params(self.params, self.mesh)
             cs = sharding.cache_sharding(self.mesh)
-            self.caches = [jax.device_put(c, cs) for c in self.caches]
+            self.caches = jax.device_put(self.caches, cs)
             rep = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-            jit_kw["out_shardings"] = (rep, [cs] * self.model.n_layers)
+            jit_kw["out_shardings"] = (rep, cs)
         self._key = jax.random.PRNGKey(self.seed)
         model, backend, mesh = self.model, self.backend, self.mesh
 

@@ -30,7 +30,8 @@ _LAYER_SPECS = {
     "w_down": P(AXIS, None),
 }
 
-CACHE_SPEC = P(None, None, AXIS, None)
+CACHE_SPEC = P(None, None, AXIS, None)  # one layer's cache
+STACKED_CACHE_SPEC = P(None, None, None, AXIS, None)  # [layers, ...]
 
 
 def make_mesh(n: int | None = None) -> Mesh:
@@ -53,12 +54,12 @@ def shard_params(params: Params, mesh: Mesh) -> Params:
         "embed": jax.device_put(params["embed"], rep),
         "final_norm": jax.device_put(params["final_norm"], rep),
         "lm_head": jax.device_put(params["lm_head"], rep),
-        "layers": [
-            {k: jax.device_put(v, NamedSharding(mesh, _LAYER_SPECS[k])) for k, v in layer.items()}
-            for layer in params["layers"]
-        ],
+        "layers": {  # stacked over layers: the layer axis is not split
+            k: jax.device_put(v, NamedSharding(mesh, P(None, *_LAYER_SPECS[k])))
+            for k, v in params["layers"].items()
+        },
     }
 
 
-def cache_sharding(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, CACHE_SPEC)
+def cache_sharding(mesh: Mesh, *, stacked: bool = True) -> NamedSharding:
+    return NamedSharding(mesh, STACKED_CACHE_SPEC if stacked else CACHE_SPEC)

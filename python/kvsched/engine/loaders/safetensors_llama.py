@@ -1,0 +1,100 @@
+"""A Hugging Face Llama checkpoint in safetensors (model.layers.N.self_attn.
+q_proj.weight, ...): projection weights are stored [out, in] and transposed here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from kvsched.engine.config import LlamaConfig
+from kvsched.engine.model import Params, make_params
+
+LAYER_KEYS = {
+    "attn_norm": "input_layernorm.weight",
+    "wq": "self_attn.q_proj.weight",
+    "wk": "self_attn.k_proj.weight",
+    "wv": "self_attn.v_proj.weight",
+    "wo": "self_attn.o_proj.weight",
+    "mlp_norm": "post_attention_layernorm.weight",
+    "w_gate": "mlp.gate_proj.weight",
+    "w_up": "mlp.up_proj.weight",
+    "w_down": "mlp.down_proj.weight",
+}
+
+
+def load_llama_safetensors(path: str | Path, config: LlamaConfig) -> Params:
+    """Weights from a Llama-format safetensors file. Shapes are checked against
+    `config`; a tensor the config does not describe is refused."""
+    from safetensors.numpy import load_file
+
+    t = load_file(str(path))
+
+    def get(name: str, shape: tuple[int, ...], transpose: bool = False) -> np.ndarray:
+        if name not in t:
+            raise KeyError(f"{path}: no tensor {name!r}")
+        a = t[name].T if transpose else t[name]
+        if a.shape != shape:
+            raise ValueError(f"{path}: {name} has shape {a.shape}, the config says {shape}")
+        return a
+
+    c = config
+    q_out, kv_out = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    shapes = {
+        "attn_norm": (c.dim,),
+        "wq": (c.dim, q_out),
+        "wk": (c.dim, kv_out),
+        "wv": (c.dim, kv_out),
+        "wo": (q_out, c.dim),
+        "mlp_norm": (c.dim,),
+        "w_gate": (c.dim, c.ffn_dim),
+        "w_up": (c.dim, c.ffn_dim),
+        "w_down": (c.ffn_dim, c.dim),
+    }
+    layers = []
+    for i in range(c.n_layers):
+        layers.append(
+            {
+                k: get(
+                    f"model.layers.{i}.{name}",
+                    shapes[k],
+                    transpose=k not in ("attn_norm", "mlp_norm"),
+                )
+                for k, name in LAYER_KEYS.items()
+            }
+        )
+    head = "lm_head.weight" if "lm_head.weight" in t else "model.embed_tokens.weight"
+    expected = {
+        f"model.layers.{i}.{name}" for i in range(c.n_layers) for name in LAYER_KEYS.values()
+    }
+    expected |= {"model.embed_tokens.weight", "model.norm.weight", head}
+    # Rotary frequency buffers some exporters save are recomputed here.
+    extra = {k for k in t if k not in expected and not k.endswith("rotary_emb.inv_freq")}
+    if extra:
+        raise ValueError(
+            f"{path}: {len(extra)} tensors the config does not describe (more layers, "
+            f"biases?), e.g. {sorted(extra)[:3]}"
+        )
+    return make_params(
+        c,
+        embed=get("model.embed_tokens.weight", (c.vocab_size, c.dim)),
+        layers=layers,
+        final_norm=get("model.norm.weight", (c.dim,)),
+        lm_head=get(head, (c.dim, c.vocab_size), transpose=True),
+    )
+
+
+def save_llama_safetensors(params: Params, path: str | Path) -> None:
+    """Write params in the Llama layout (the inverse of the loader)."""
+    from safetensors.numpy import save_file
+
+    out = {
+        "model.embed_tokens.weight": np.asarray(params["embed"], np.float32),
+        "model.norm.weight": np.asarray(params["final_norm"], np.float32),
+        "lm_head.weight": np.ascontiguousarray(np.asarray(params["lm_head"], np.float32).T),
+    }
+    for k, name in LAYER_KEYS.items():
+        stacked = np.asarray(params["layers"][k], np.float32)
+        for i, a in enumerate(stacked):
+            out[f"model.layers.{i}.{name}"] = a if a.ndim == 1 else np.ascontiguousarray(a.T)
+    save_file(out, str(path))
