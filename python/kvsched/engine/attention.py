@@ -68,7 +68,7 @@ def reference_attention(
     is the stacked [L, P, ...] array and layer `layer` is read (one gather: the
     layer is never sliced out whole)."""
     t, hq, d = q.shape
-    bs, h2 = cache.shape[-3], cache.shape[-2]
+    h2 = cache.shape[-2]
     hkv = h2 // 2
     g = hq // hkv
     seq, valid = token_seq(inputs.cu_q_lens, inputs.num_seqs, t)

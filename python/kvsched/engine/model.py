@@ -18,7 +18,6 @@ version in the metrics.
 from __future__ import annotations
 
 import hashlib
-from pathlib import Path
 from typing import Any
 
 import jax
