@@ -10,6 +10,7 @@ pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 import kvsched  # noqa: E402
+from kvsched.engine.config import UnsupportedConfig  # noqa: E402
 from kvsched.engine.loaders.safetensors_llama import (  # noqa: E402
     load_llama_safetensors,
     save_llama_safetensors,
@@ -133,7 +134,13 @@ def test_a_llama_checkpoint_round_trips_and_bad_shapes_are_refused(tmp_path):
           "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
           "rope_theta": 10000.0, "rms_norm_eps": 1e-5}  # fmt: skip
     assert LlamaConfig.from_hf(hf, name="tiny-llama") == MODEL
-    with pytest.raises(ValueError, match="rope_scaling"):
+    llama31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+    assert LlamaConfig.from_hf({**hf, "rope_scaling": llama31}).rope_type == "llama3"
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192}
+    with pytest.raises(UnsupportedConfig, match="rope_scaling.*yarn"):
+        LlamaConfig.from_hf({**hf, "rope_scaling": yarn})
+    with pytest.raises(UnsupportedConfig, match="rope_scaling"):  # llama3 without its fields
         LlamaConfig.from_hf({**hf, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
 
 

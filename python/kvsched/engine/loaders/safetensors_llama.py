@@ -1,13 +1,21 @@
 """A Hugging Face Llama checkpoint in safetensors (model.layers.N.self_attn.
-q_proj.weight, ...): projection weights are stored [out, in] and transposed here."""
+q_proj.weight, ...): projection weights are stored [out, in] and transposed here.
+
+The file is read by `read_safetensors`, a memory map of the format itself (an
+8-byte header length, a JSON header, the raw little-endian tensors), so bfloat16
+tensors load as `ml_dtypes.bfloat16` arrays, which `safetensors.numpy` cannot
+represent; the params come out in the config's dtype whatever the file holds.
+"""
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 
 import numpy as np
 
-from kvsched.engine.config import LlamaConfig
+from kvsched.engine.config import LlamaConfig, UnsupportedConfig
 from kvsched.engine.model import Params, make_params
 
 LAYER_KEYS = {
@@ -24,11 +32,10 @@ LAYER_KEYS = {
 
 
 def load_llama_safetensors(path: str | Path, config: LlamaConfig) -> Params:
-    """Weights from a Llama-format safetensors file. Shapes are checked against
+    """Weights from a Llama-format safetensors file (float32, bfloat16 or
+    float16 tensors), as params in `config.dtype`. Shapes are checked against
     `config`; a tensor the config does not describe is refused."""
-    from safetensors.numpy import load_file
-
-    t = load_file(str(path))
+    t = read_safetensors(path)
 
     def get(name: str, shape: tuple[int, ...], transpose: bool = False) -> np.ndarray:
         if name not in t:
@@ -82,6 +89,48 @@ def load_llama_safetensors(path: str | Path, config: LlamaConfig) -> Params:
         final_norm=get("model.norm.weight", (c.dim,)),
         lm_head=get(head, (c.dim, c.vocab_size), transpose=True),
     )
+
+
+_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+_MAX_HEADER = 100_000_000  # the format's own limit
+
+
+def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
+    """Every tensor of a safetensors file, as read-only numpy arrays over a
+    memory map of it (bfloat16 as ml_dtypes.bfloat16). Floating-point tensors
+    only: an integer or 8-bit (quantized) tensor is refused, naming it."""
+    import ml_dtypes
+
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < n <= min(_MAX_HEADER, size - 8):
+            raise ValueError(f"{path}: not a safetensors file (header length {n})")
+        header = json.loads(f.read(n))
+    data = (
+        np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n)
+        if size > 8 + n
+        else np.zeros(0, np.uint8)
+    )
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        kind = _DTYPES.get(info["dtype"])
+        if kind is None:
+            raise UnsupportedConfig(
+                f"{path}: tensor {name} is {info['dtype']}: only "
+                f"{', '.join(_DTYPES)} tensors are implemented"
+            )
+        dt = np.dtype(ml_dtypes.bfloat16) if kind == "bfloat16" else np.dtype(kind)
+        shape = tuple(int(d) for d in info["shape"])
+        begin, end = (int(o) for o in info["data_offsets"])
+        if not 0 <= begin <= end <= data.size or end - begin != math.prod(shape) * dt.itemsize:
+            raise ValueError(f"{path}: tensor {name}: offsets {begin}..{end} do not fit {shape}")
+        out[name] = data[begin:end].view(dt).reshape(shape)
+    return out
 
 
 def save_llama_safetensors(params: Params, path: str | Path) -> None:
