@@ -1,0 +1,294 @@
+"""Per-request sampling: parameters, a fixed-shape batch of them, and a jittable sampler.
+
+Every request may ask for its own temperature, top-k, top-p and seed. They reach the
+jitted engine step as arrays of shape [max_seqs] rather than Python scalars, so a new
+combination of values never triggers a recompile. Randomness is per row and keyed by
+(request seed, position): a request samples the same tokens whichever batch row it sits
+in and whoever shares the batch, and again after it is preempted and recomputed.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import kvsched
+
+MAX_LOGPROBS = 20
+"""The most top-n logprobs one request may ask for (OpenAI's limit)."""
+
+SEED_LIMIT = 2**63
+"""Seeds live in [0, 2**63): they fit a signed 64-bit integer on every client."""
+
+GREEDY_EPS = 1e-5
+"""Temperatures below this sample greedily: logits / 1e-6 would overflow float32."""
+
+_PRNG_IMPL = "threefry2x32"  # pinned: a config change must not change what a seed means
+_MASK64 = (1 << 64) - 1
+
+
+def _bad(field_name: str, msg: str) -> kvsched.InvalidRequest:
+    return kvsched.InvalidRequest(f"{field_name}: {msg}")
+
+
+def _as_int(field_name: str, value: Any) -> int:
+    """An integer (numpy ints included); bools and floats are client mistakes."""
+    if isinstance(value, bool | np.bool_):
+        raise _bad(field_name, f"must be an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise _bad(field_name, f"must be an integer, got {value!r}") from None
+
+
+def _as_float(field_name: str, value: Any) -> float:
+    if isinstance(value, bool | np.bool_) or not isinstance(value, int | float | np.number):
+        raise _bad(field_name, f"must be a number, got {value!r}")
+    out = float(value)
+    if not math.isfinite(out):
+        raise _bad(field_name, f"must be finite, got {value!r}")
+    return out
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request wants its tokens drawn.
+
+    Lists are accepted for the tuple fields (and a single string for `stop`, as in
+    the OpenAI API); values are normalized and checked on construction, so a bad
+    request fails at submit time with `kvsched.InvalidRequest` naming the field.
+    Call `validate(vocab_size)` once the model's vocabulary is known to check
+    `stop_token_ids` as well.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 0.0  # 0 (or below GREEDY_EPS) = greedy
+    top_p: float = 1.0  # nucleus mass in (0, 1]; the top token is always kept
+    top_k: int = 0  # 0 = off
+    seed: int | None = None  # None = the engine derives one from its seed and the request id
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings, matched on the detokenized text
+    logprobs: int | None = None  # top-n logprobs per token, 0..MAX_LOGPROBS; None = none
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen: normalize in place once, here
+        set_(self, "max_tokens", _as_int("max_tokens", self.max_tokens))
+        set_(self, "temperature", _as_float("temperature", self.temperature))
+        set_(self, "top_p", _as_float("top_p", self.top_p))
+        set_(self, "top_k", _as_int("top_k", self.top_k))
+        if self.seed is not None:
+            set_(self, "seed", _as_int("seed", self.seed))
+        if self.logprobs is not None:
+            set_(self, "logprobs", _as_int("logprobs", self.logprobs))
+        ids = self.stop_token_ids
+        if isinstance(ids, int | np.integer):
+            ids = (ids,)
+        if isinstance(ids, str | bytes) or not isinstance(ids, Sequence | np.ndarray):
+            raise _bad("stop_token_ids", f"must be a list of integers, got {ids!r}")
+        set_(self, "stop_token_ids", tuple(_as_int("stop_token_ids", i) for i in ids))
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = (stop,)
+        if not isinstance(stop, Sequence) or not all(isinstance(s, str) for s in stop):
+            raise _bad("stop", f"must be a list of strings, got {stop!r}")
+        set_(self, "stop", tuple(stop))
+        set_(self, "ignore_eos", bool(self.ignore_eos))
+        self.validate()
+
+    def validate(self, vocab_size: int | None = None) -> SamplingParams:
+        """Raise `kvsched.InvalidRequest` naming the first bad field; returns self.
+        With `vocab_size`, stop token ids must also lie in [0, vocab_size)."""
+        if self.max_tokens < 1:
+            raise _bad("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise _bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise _bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.top_k < 2**31:
+            raise _bad("top_k", f"must be >= 0 (0 = off), got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
+            raise _bad("seed", f"must be in [0, 2**63), got {self.seed}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise _bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        hi = vocab_size if vocab_size is not None else 2**31
+        for t in self.stop_token_ids:
+            if not 0 <= t < hi:
+                where = f"the vocabulary [0, {vocab_size})" if vocab_size else "[0, 2**31)"
+                raise _bad("stop_token_ids", f"{t} is outside {where}")
+        for s in self.stop:
+            if not s:
+                raise _bad("stop", "stop strings must be non-empty")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+
+GREEDY = SamplingParams()
+"""The default: greedy, no stops, no logprobs."""
+
+
+def mix_seed(engine_seed: int, request_id: int) -> int:
+    """A seed in [0, 2**63) for a request that brought none: the engine's seed mixed
+    with the request id (splitmix64), so concurrent requests draw independent streams
+    and a replay with the same engine seed draws the same ones."""
+    x = (engine_seed * 0x9E3779B97F4A7C15 + request_id + 0x632BE59BD9B4E019) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """Fixed-shape [max_seqs] arrays for `sample`, one row per sequence in plan order.
+
+    Rows past `num_rows` are padding: greedy, seed 0, position 0. Pass the arrays with
+    `sample(logits, *batch.arrays(), num_logprobs=...)`; the batch itself is not a
+    pytree on purpose, so its host-only fields can never become static jit arguments.
+    """
+
+    temperature: np.ndarray  # [S] f32
+    top_p: np.ndarray  # [S] f32
+    top_k: np.ndarray  # [S] i32, 0 = off
+    seeds: np.ndarray  # [S, 2] u32: threefry key data (high word, low word of the seed)
+    positions: np.ndarray  # [S] i32: folded into the key, one draw per position
+    num_rows: int = 0  # host-only: real rows
+    max_logprobs: int = 0  # host-only: the largest `logprobs` any row asked for
+    any_sampled: bool = False  # host-only: some row is not greedy
+
+    @classmethod
+    def build(
+        cls,
+        params_per_row: Sequence[SamplingParams | None],
+        positions: np.ndarray,
+        max_seqs: int,
+        default_seeds: Sequence[int] | None = None,
+    ) -> SamplingBatch:
+        """The batch for one step. `params_per_row[i]` (None = `GREEDY`) belongs to
+        plan row i; `positions[i]` is the position the sampled token will take in its
+        sequence (its length so far), which keeps draws reproducible under
+        preemption. `default_seeds[i]` (see `mix_seed`) is used where a row brought
+        no seed; it is required when such a row samples."""
+        n = len(params_per_row)
+        if n > max_seqs:
+            raise ValueError(f"{n} rows do not fit max_seqs={max_seqs}")
+        pos = np.asarray(positions)
+        if pos.ndim != 1 or pos.shape[0] < n:
+            raise ValueError(f"positions must be 1-D with at least {n} entries")
+        if default_seeds is not None and len(default_seeds) < n:
+            raise ValueError(f"default_seeds must have at least {n} entries")
+        temperature = np.zeros(max_seqs, np.float32)
+        top_p = np.ones(max_seqs, np.float32)
+        top_k = np.zeros(max_seqs, np.int32)
+        seeds = np.zeros((max_seqs, 2), np.uint32)
+        out_pos = np.zeros(max_seqs, np.int32)
+        out_pos[:n] = pos[:n]
+        max_lp, any_sampled = 0, False
+        for i, p in enumerate(params_per_row):
+            p = GREEDY if p is None else p
+            temperature[i], top_p[i], top_k[i] = p.temperature, p.top_p, p.top_k
+            max_lp = max(max_lp, p.logprobs or 0)
+            seed = p.seed
+            if seed is None:
+                if default_seeds is None:
+                    if p.greedy:
+                        continue  # the key is never used
+                    raise ValueError(f"row {i} samples without a seed and no default_seeds")
+                seed = int(default_seeds[i]) % SEED_LIMIT
+            any_sampled |= not p.greedy
+            seeds[i] = (seed >> 32, seed & 0xFFFFFFFF)
+        return cls(temperature, top_p, top_k, seeds, out_pos, n, max_lp, any_sampled)
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """(temperature, top_p, top_k, seeds, positions): `sample`'s array arguments."""
+        return (self.temperature, self.top_p, self.top_k, self.seeds, self.positions)
+
+
+def row_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
+    """One key per row: fold_in(key(seed), position). Depends on nothing else."""
+
+    def one(kd, pos):
+        return jax.random.fold_in(jax.random.wrap_key_data(kd, impl=_PRNG_IMPL), pos)
+
+    return jax.vmap(one)(seeds.astype(jnp.uint32), positions.astype(jnp.int32))
+
+
+def filter_logits(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Top-k, then top-p on the renormalized top-k distribution; dropped entries
+    become -inf. The top token always survives. Filtering is by value threshold, so
+    entries tied with the last kept one are kept too."""
+    v = scaled.shape[-1]
+    sorted_desc = -jnp.sort(-scaled, axis=-1)
+    k_eff = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
+    in_k = jnp.arange(v)[None, :] < k_eff[:, None]
+    masked = jnp.where(in_k, sorted_desc, -jnp.inf)
+    probs = jax.nn.softmax(masked, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs  # exactly 0 for the top token
+    p = top_p[:, None]
+    keep = in_k & ((p >= 1.0) | (mass_before < p))
+    n_keep = jnp.maximum(jnp.sum(keep, axis=-1), 1)
+    thresh = jnp.take_along_axis(sorted_desc, (n_keep - 1)[:, None], axis=-1)
+    return jnp.where(scaled >= thresh, scaled, -jnp.inf)
+
+
+def sample(
+    logits: jax.Array,
+    temperature: jax.Array,
+    top_p: jax.Array,
+    top_k: jax.Array,
+    seeds: jax.Array,
+    positions: jax.Array,
+    *,
+    num_logprobs: int = 0,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """One token per row of `logits` [S, V].
+
+    Returns (tokens [S] i32, logprob [S] f32 of each chosen token under the raw model
+    distribution log_softmax(logits), top_ids [S, n] i32, top_logprobs [S, n] f32
+    sorted best first) with n = num_logprobs (static; 0 gives [S, 0] arrays).
+
+    Greedy rows (temperature < GREEDY_EPS) take the exact argmax. When every row is
+    greedy the sampling branch, and the vocabulary sort inside it, never runs; the sort
+    also runs only when some sampled row sets top-k or top-p.
+    """
+    logits = logits.astype(jnp.float32)
+    temperature = temperature.astype(jnp.float32)
+    top_p = top_p.astype(jnp.float32)
+    top_k = top_k.astype(jnp.int32)
+    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    sampled = temperature >= GREEDY_EPS
+
+    def draw(_):
+        scaled = logits / jnp.where(sampled, temperature, 1.0)[:, None]
+        filtering = jnp.any(sampled & ((top_k > 0) | (top_p < 1.0)))
+        scaled = jax.lax.cond(
+            filtering, lambda s: filter_logits(s, top_k, top_p), lambda s: s, scaled
+        )
+        keys = row_keys(seeds, positions)
+        drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+        return jnp.where(sampled, drawn, greedy_tokens)
+
+    tokens = jax.lax.cond(jnp.any(sampled), draw, lambda _: greedy_tokens, None)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    s = logits.shape[0]
+    if num_logprobs > 0:
+        top_lp, top_ids = jax.lax.top_k(logp, num_logprobs)
+        top_ids = top_ids.astype(jnp.int32)
+    else:
+        top_lp = jnp.zeros((s, 0), jnp.float32)
+        top_ids = jnp.zeros((s, 0), jnp.int32)
+    return tokens, chosen, top_ids, top_lp
+
+
+sample_jit = jax.jit(sample, static_argnames=("num_logprobs",))
+"""`sample` compiled on its own (the engine calls `sample` inside its step instead)."""
