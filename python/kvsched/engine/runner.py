@@ -1,11 +1,20 @@
 """The engine loop: scheduler.step() -> model step -> sampling -> commit().
 
-`Engine` owns the KV caches (one per layer, donated to each step so they are
-updated in place) and one jitted step function. Plans come padded to a token
+`Engine` owns the KV caches (every layer's, stacked, donated to each step so they
+are updated in place) and one jitted step function. Plans come padded to a token
 bucket and every other dimension is fixed, so the step compiles once per bucket:
 `warmup()` compiles them all (with a progress bar), runs one synthetic request
 end to end, then marks the scheduler ready. After that nothing recompiles;
 `compiled_programs()` says how many programs exist.
+
+Requests enter through `Engine.submit(tenant, prompt_ids, SamplingParams)`: each
+carries its own temperature, top-k, top-p, seed, stop tokens, stop strings and
+logprobs. Per-row parameters reach the jitted step as [max_seqs] arrays, so
+requests that differ never recompile. With a tokenizer attached, each step's
+`outputs` carry the new text of every request (incremental detokenization that
+never splits a UTF-8 character; stop strings matched on the text and not
+returned). Requests submitted to `engine.scheduler` directly run with the
+engine's default sampling (`temperature`, `seed`) and get no outputs.
 """
 
 from __future__ import annotations
@@ -22,6 +31,8 @@ import kvsched
 from kvsched.engine.attention import AttentionInputs
 from kvsched.engine.kv_cache import KVCacheSpec, init_caches
 from kvsched.engine.model import LlamaConfig, Params, forward_paged, weights_checksum
+from kvsched.engine.sampling import MAX_LOGPROBS, SamplingBatch, SamplingParams, mix_seed, sample
+from kvsched.engine.text import IncrementalDetokenizer, StopStringMatcher
 
 
 def kv_bytes_per_block(model: LlamaConfig, block_size: int, kv_dtype: str) -> int:
@@ -72,10 +83,48 @@ def size_pool(
 
 
 @dataclass
+class TokenLogprob:
+    """The chosen token's log-probability under the model, and the top-n."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first; n = the request's ask
+
+
+@dataclass
+class RequestOutput:
+    """What one request produced in one step (only requests submitted through
+    `Engine.submit`). The last output of a request has `finished` set and its
+    `finish_reason`: "stop" (a stop token or stop string), "length" (max_tokens),
+    or "cancelled"."""
+
+    request_id: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None
+    finished: bool = False
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
 class StepResult:
     plan: Any
     events: Any
     seconds: float
+    outputs: list[RequestOutput] = field(default_factory=list)
+
+
+@dataclass
+class _Live:
+    """Engine-side state of a request submitted through `Engine.submit`."""
+
+    params: SamplingParams
+    prompt_len: int
+    detok: IncrementalDetokenizer | None
+    stops: StopStringMatcher | None
+    generated: int = 0
 
 
 @dataclass
@@ -87,11 +136,14 @@ class Engine:
     scheduler: kvsched.Scheduler
     backend: str = "reference"
     kv_dtype: str = "float32"
-    temperature: float = 0.0
-    seed: int = 0
+    temperature: float = 0.0  # default sampling for requests without their own
+    seed: int = 0  # mixed with each request id where a request brings no seed
     caches: jax.Array = field(init=False)  # [layers, pages, block, 2*kv_heads, head_dim]
     sizing: PoolSizing | None = None
     mesh: Any = None  # a jax.sharding.Mesh: KV heads sharded over it (tensor parallelism)
+    tokenizer: Any = None  # a tokenizers.Tokenizer: text in outputs, stop strings
+    eos_token_ids: tuple[int, ...] = ()  # stop tokens of every request (unless ignore_eos)
+    max_logprobs: int = 0  # top-n logprobs computed each step (static; 0 = none)
 
     def __post_init__(self) -> None:
         cfg = self.scheduler.config
@@ -112,20 +164,23 @@ class Engine:
             self.caches = jax.device_put(self.caches, cs)
             rep = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
             jit_kw["out_shardings"] = (rep, cs)
-        self._key = jax.random.PRNGKey(self.seed)
-        model, backend, mesh = self.model, self.backend, self.mesh
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}]")
+        self._live: dict[int, _Live] = {}
+        self._default = SamplingParams(temperature=self.temperature)
+        model, backend, mesh, n_lp = self.model, self.backend, self.mesh, self.max_logprobs
 
         def step(params, caches, token_ids, positions, slot_mapping, cu_q_lens, kv_lens,
-                 page_indices, num_seqs, logits_indices, key, temperature):  # fmt: skip
+                 page_indices, num_seqs, logits_indices, temperature, top_p, top_k, seeds,
+                 sample_positions):  # fmt: skip
             inputs = AttentionInputs(positions, cu_q_lens, kv_lens, page_indices, num_seqs)
             logits, caches = forward_paged(
                 params, caches, model, token_ids, positions, slot_mapping, inputs,
                 logits_indices, backend=backend, mesh=mesh,
             )  # fmt: skip
-            greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-            sampled = jax.random.categorical(key, logits / jnp.maximum(temperature, 1e-6))
-            tokens = jnp.where(temperature > 0, sampled.astype(jnp.int32), greedy)
-            return tokens, caches
+            out = sample(logits, temperature, top_p, top_k, seeds, sample_positions,
+                         num_logprobs=n_lp)  # fmt: skip
+            return out, caches
 
         self._step = jax.jit(step, donate_argnums=(1,), **jit_kw)
 
@@ -155,15 +210,72 @@ class Engine:
 
     # -- running plans -----------------------------------------------------------------
 
-    def run_plan(self, plan: Any) -> np.ndarray:
-        """The model on one plan: a sampled token per sequence (int32)."""
-        self._key, key = jax.random.split(self._key)
-        tokens, self.caches = self._step(
+    # -- requests -----------------------------------------------------------------------
+
+    def submit(
+        self,
+        tenant: str,
+        prompt_ids: Any,
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | bytes | None = None,
+        now: float | None = None,
+    ) -> int:
+        """Admit a request with its own sampling parameters; returns its id. Raises
+        kvsched.InvalidRequest for bad parameters (nothing changes) and
+        kvsched.Rejected when admission refuses."""
+        params = (params or SamplingParams()).validate(self.model.vocab_size)
+        if params.logprobs and params.logprobs > self.max_logprobs:
+            raise kvsched.InvalidRequest(
+                f"logprobs: {params.logprobs} asked, this engine computes at most "
+                f"{self.max_logprobs} (Engine(max_logprobs=...))"
+            )
+        if params.stop and self.tokenizer is None:
+            raise kvsched.InvalidRequest("stop: stop strings need a tokenizer on the engine")
+        prompt = np.asarray(prompt_ids, np.int32)
+        stop_ids = list(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids += [t for t in self.eos_token_ids if t not in stop_ids]
+        rid = self.scheduler.submit(tenant, prompt, params.max_tokens,
+                                    stop_token_ids=stop_ids or None, cache_salt=cache_salt,
+                                    now=now)  # fmt: skip
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, prompt.tolist())
+        stops = StopStringMatcher(params.stop) if params.stop else None
+        self._live[rid] = _Live(params, len(prompt), detok, stops)
+        return rid
+
+    def cancel(self, request_id: int) -> RequestOutput | None:
+        """Cancel a request; returns its final output (finish_reason "cancelled")
+        when it was submitted through `submit`."""
+        self.scheduler.cancel(request_id)
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return None
+        return RequestOutput(request_id, [], "", None, True, "cancelled", live.prompt_len,
+                             live.generated)  # fmt: skip
+
+    def _sampling_batch(self, plan: Any) -> SamplingBatch:
+        rids = plan.request_ids.tolist()
+        params = [self._live[r].params if r in self._live else self._default for r in rids]
+        seeds = [mix_seed(self.seed, r) for r in rids]
+        return SamplingBatch.build(params, plan.kv_lens[: len(rids)], len(plan.kv_lens), seeds)
+
+    # -- running plans -----------------------------------------------------------------
+
+    def run_plan(self, plan: Any, batch: SamplingBatch | None = None) -> Any:
+        """The model on one plan: a sampled token per sequence (int32). The full
+        sampler output (tokens, logprob, top ids, top logprobs) is kept in
+        `last_sample` for `step`."""
+        batch = batch or self._sampling_batch(plan)
+        out, self.caches = self._step(
             self.params, self.caches, plan.token_ids, plan.positions, plan.slot_mapping,
             plan.cu_q_lens, plan.kv_lens, plan.page_indices, plan.num_seqs,
-            plan.logits_indices, key, jnp.float32(self.temperature),
+            plan.logits_indices, *batch.arrays(),
         )  # fmt: skip
-        return np.asarray(tokens)[: len(plan)]
+        self.last_sample = out
+        return np.asarray(out[0])[: len(plan)]
 
     def step(self, now: float | None = None) -> StepResult | None:
         """One scheduler step through the model; None when nothing can run."""
@@ -173,12 +285,53 @@ class Engine:
             return None
         sampled = self.run_plan(plan)
         events = self.scheduler.commit(plan, sampled, now=now)
-        return StepResult(plan, events, time.perf_counter() - t0)
+        outputs = self._outputs(plan, events, now) if self._live else []
+        return StepResult(plan, events, time.perf_counter() - t0, outputs)
+
+    def _outputs(self, plan: Any, events: Any, now: float | None) -> list[RequestOutput]:
+        """Per request of this step: new tokens, new text, logprobs, and its ending."""
+        row_of = {r: i for i, r in enumerate(plan.request_ids.tolist())}
+        finished = {f.request_id: f for f in events.finished}
+        lp = None
+        outputs = []
+        for rid, tok in zip(events.request_ids.tolist(), events.tokens.tolist(), strict=True):
+            live = self._live.get(rid)
+            if live is None:
+                continue
+            live.generated += 1
+            logprobs = None
+            if live.params.logprobs is not None:
+                if lp is None:
+                    lp = [np.asarray(a) for a in self.last_sample[1:]]
+                row, n = row_of[rid], live.params.logprobs
+                top = list(zip(lp[1][row, :n].tolist(), lp[2][row, :n].tolist(), strict=True))
+                logprobs = [TokenLogprob(tok, float(lp[0][row]), top)]
+            text, stopped = "", False
+            fin = finished.get(rid)
+            if live.detok is not None:
+                stop_token = fin is not None and fin.reason == "stop"
+                # A stop token is not part of the text (OpenAI's convention).
+                text = live.detok.push([] if stop_token else [tok])
+                if fin is not None:
+                    text += live.detok.flush()
+                if live.stops is not None:
+                    text, stopped = live.stops.feed(text)
+                    if fin is not None and not stopped:
+                        text += live.stops.flush()
+            out = RequestOutput(rid, [tok], text, logprobs, prompt_tokens=live.prompt_len,
+                                completion_tokens=live.generated)  # fmt: skip
+            if stopped and fin is None:
+                self.scheduler.cancel(rid)  # a stop string: the request ends here
+            if stopped or fin is not None:
+                out.finished = True
+                out.finish_reason = "stop" if stopped else fin.reason
+                del self._live[rid]
+            outputs.append(out)
+        return outputs
 
     def reseed(self, seed: int) -> None:
-        """Restart the sampling stream from `seed`."""
+        """Requests without a seed of their own now draw from `seed`."""
         self.seed = seed
-        self._key = jax.random.PRNGKey(seed)
 
     def compiled_programs(self) -> int:
         """Programs the step function compiled so far (one per bucket after warmup)."""
@@ -217,7 +370,6 @@ class Engine:
             plan = scratch.step(now=0.0)
             scratch.commit(plan, self.run_plan(plan), now=0.0)
         bar("synthetic request completed")
-        self.reseed(self.seed)  # sampling does not depend on what warmup ran
         self.scheduler.mark_ready()
         return time.perf_counter() - t0
 
@@ -237,6 +389,7 @@ class _Plan:
     num_seqs: np.ndarray
     logits_indices: np.ndarray
     n: int
+    request_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     def __len__(self) -> int:
         return self.n

@@ -1,0 +1,309 @@
+"""A Llama-architecture GGUF file: config, weights, tokenizer and chat template.
+
+Weights are read and dequantized by the `gguf` package (its reader and its
+numpy dequantization of Q4_0/Q4_1/Q8_0/... blocks), into f32 or bf16 params.
+Layout: GGUF stores a [out, in] projection as ggml shape [in, out], which the
+reader hands back as a row-major [out, in] array, so projections are transposed
+to the engine's [in, out]. llama.cpp's converter also permutes the rows of Q and
+K within each head, from the rotate-half RoPE layout of Hugging Face checkpoints
+to the interleaved (adjacent pairs) one llama.cpp rotates; `_unpermute` undoes
+that so the engine's rotate-half RoPE computes what the original model did.
+
+The tokenizer is a `tokenizers.Tokenizer` (byte-level BPE) built from the
+file's vocabulary and merges; the chat template is the file's Jinja template
+rendered with jinja2's sandbox. Strict: an architecture, a tensor or a
+tokenizer kind this engine does not implement is an error naming it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvsched.engine.config import LlamaConfig, UnsupportedConfig
+from kvsched.engine.model import Params, make_params
+
+_LAYER_TENSORS = {
+    "attn_norm": "attn_norm",
+    "wq": "attn_q",
+    "wk": "attn_k",
+    "wv": "attn_v",
+    "wo": "attn_output",
+    "mlp_norm": "ffn_norm",
+    "w_gate": "ffn_gate",
+    "w_up": "ffn_up",
+    "w_down": "ffn_down",
+}
+
+# Metadata keys that change what the model computes, and what this engine
+# accepts for each (None: must be absent).
+_REFUSED_IF_PRESENT = (
+    "llama.rope.scaling.type",
+    "llama.rope.scaling.factor",
+    "llama.attention.sliding_window",
+    "llama.expert_count",
+    "llama.attention.layer_norm_epsilon",  # LayerNorm, not RMSNorm
+    "llama.attention.clamp_kqv",
+)
+
+
+@dataclass
+class GGUFModel:
+    """What one GGUF file holds, read into the engine's types."""
+
+    config: LlamaConfig
+    params: Params
+    tokenizer: Any  # tokenizers.Tokenizer
+    chat_template: str | None
+    bos_token_id: int | None
+    eos_token_id: int | None
+    special_tokens: dict[str, int] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True
+    ) -> str:
+        """The conversation as the model was trained to read it."""
+        if self.chat_template is None:
+            raise UnsupportedConfig("this GGUF file has no tokenizer.chat_template")
+        return render_chat_template(
+            self.chat_template, messages, add_generation_prompt=add_generation_prompt
+        )
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of the conversation, ready for the assistant's reply."""
+        text = self.apply_chat_template(messages)
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def _field(reader: Any, key: str) -> Any:
+    f = reader.fields.get(key)
+    return None if f is None else f.contents()
+
+
+def read_metadata(reader: Any) -> dict[str, Any]:
+    """Every scalar or string metadata field (arrays such as the vocabulary left out)."""
+    out = {}
+    for key, f in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and key.split(".")[-1] in (
+            "tokens",
+            "merges",
+            "token_type",
+            "scores",
+        ):
+            continue
+        out[key] = f.contents()
+    return out
+
+
+def config_from_gguf(
+    reader: Any, *, dtype: str = "float32", name: str | None = None
+) -> LlamaConfig:
+    """The model's shapes from the file's llama.* metadata (strict)."""
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise UnsupportedConfig(f"general.architecture={arch!r}: only 'llama' is implemented")
+    for key in _REFUSED_IF_PRESENT:
+        if key in reader.fields:
+            raise UnsupportedConfig(f"{key}={_field(reader, key)!r} is not implemented")
+
+    def need(key: str) -> Any:
+        v = _field(reader, key)
+        if v is None:
+            raise UnsupportedConfig(f"the GGUF file has no {key}")
+        return v
+
+    dim = int(need("llama.embedding_length"))
+    heads = int(need("llama.attention.head_count"))
+    kv_heads = int(_field(reader, "llama.attention.head_count_kv") or heads)
+    head_dim = dim // heads
+    rope_dims = _field(reader, "llama.rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != head_dim:
+        raise UnsupportedConfig(
+            f"llama.rope.dimension_count={rope_dims}: partial rotary (head_dim {head_dim}) "
+            "is not implemented"
+        )
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = _field(reader, "llama.vocab_size") or (len(tokens.data) if tokens else None)
+    if vocab is None:
+        raise UnsupportedConfig("the GGUF file has neither llama.vocab_size nor a vocabulary")
+    return LlamaConfig(
+        vocab_size=int(vocab),
+        dim=dim,
+        n_layers=int(need("llama.block_count")),
+        n_heads=heads,
+        n_kv_heads=kv_heads,
+        head_dim=head_dim,
+        ffn_dim=int(need("llama.feed_forward_length")),
+        rope_theta=float(_field(reader, "llama.rope.freq_base") or 10000.0),
+        norm_eps=float(need("llama.attention.layer_norm_rms_epsilon")),
+        dtype=dtype,
+        name=name or str(_field(reader, "general.name") or "gguf-llama"),
+    )
+
+
+def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Rows [out, in] of Q or K back from llama.cpp's interleaved RoPE order to
+    the rotate-half order: within each head, llama.cpp's row 2i + j is the
+    original row j * (head_dim / 2) + i."""
+    out, inp = w.shape
+    return w.reshape(n_heads, out // n_heads // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
+
+
+def _dequantize(t: Any) -> np.ndarray:
+    """A tensor as float32 [rows, cols] (ggml's shape reversed), through gguf."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        a = np.asarray(t.data, np.float32)
+    else:
+        a = dequantize(t.data, t.tensor_type)
+    shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+    return np.asarray(a, np.float32).reshape(shape)
+
+
+def load_gguf_params(reader: Any, config: LlamaConfig) -> Params:
+    """Dequantized weights in the engine's layout; every tensor in the file must
+    be one the model uses, with the shape the config implies."""
+    tensors = {t.name: t for t in reader.tensors}
+    c = config
+    q_out, kv_out = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    shapes = {  # [out, in] as stored
+        "attn_norm": (c.dim,),
+        "wq": (q_out, c.dim),
+        "wk": (kv_out, c.dim),
+        "wv": (kv_out, c.dim),
+        "wo": (c.dim, q_out),
+        "mlp_norm": (c.dim,),
+        "w_gate": (c.ffn_dim, c.dim),
+        "w_up": (c.ffn_dim, c.dim),
+        "w_down": (c.dim, c.ffn_dim),
+    }
+    used: set[str] = set()
+
+    def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name not in tensors:
+            raise UnsupportedConfig(f"the GGUF file has no tensor {name!r}")
+        used.add(name)
+        a = _dequantize(tensors[name])
+        if a.shape != shape:
+            raise UnsupportedConfig(f"{name} has shape {a.shape}, the config says {shape}")
+        return a
+
+    layers = []
+    for i in range(c.n_layers):
+        layer = {}
+        for key, short in _LAYER_TENSORS.items():
+            a = get(f"blk.{i}.{short}.weight", shapes[key])
+            if key == "wq":
+                a = _unpermute(a, c.n_heads)
+            elif key == "wk":
+                a = _unpermute(a, c.n_kv_heads)
+            layer[key] = a if a.ndim == 1 else a.T  # [out, in] -> [in, out]
+        layers.append(layer)
+    embed = get("token_embd.weight", (c.vocab_size, c.dim))
+    head = get("output.weight", (c.vocab_size, c.dim)) if "output.weight" in tensors else embed
+    final_norm = get("output_norm.weight", (c.dim,))
+    extra = sorted(set(tensors) - used - {"rope_freqs.weight"})
+    if "rope_freqs.weight" in tensors:
+        raise UnsupportedConfig("rope_freqs.weight (scaled RoPE frequencies) is not implemented")
+    if extra:
+        raise UnsupportedConfig(
+            f"{len(extra)} tensors the model does not use (biases? more layers?), e.g. {extra[:3]}"
+        )
+    return make_params(c, embed=embed, layers=layers, final_norm=final_norm, lm_head=head.T)
+
+
+# -- tokenizer ------------------------------------------------------------------------
+
+_CONTROL = 3  # llama.cpp's token type for special (control) tokens
+_USER_DEFINED = 4
+
+
+def load_gguf_tokenizer(reader: Any) -> tuple[Any, dict[str, int]]:
+    """A byte-level BPE `tokenizers.Tokenizer` from the file's gpt2-style vocabulary,
+    and its special tokens by name. The pre-tokenizer follows the file's
+    `tokenizer.ggml.pre`: "smollm" splits every digit on its own before GPT-2's
+    byte-level split; "gpt2" (and no value) is the byte-level split alone."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    kind = _field(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise UnsupportedConfig(f"tokenizer.ggml.model={kind!r}: only 'gpt2' (byte-level BPE)")
+    pre = _field(reader, "tokenizer.ggml.pre") or "gpt2"
+    tok_field = reader.fields["tokenizer.ggml.tokens"]
+    tokens = [bytes(tok_field.parts[i]).decode("utf-8") for i in tok_field.data]
+    merge_field = reader.fields["tokenizer.ggml.merges"]
+    merges = [tuple(bytes(merge_field.parts[i]).decode("utf-8").split(" ", 1))
+              for i in merge_field.data]  # fmt: skip
+    type_field = reader.fields.get("tokenizer.ggml.token_type")
+    types = [int(type_field.parts[i][0]) for i in type_field.data] if type_field else []
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "smollm":
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
+    elif pre == "gpt2":
+        tok.pre_tokenizer = byte_level
+    else:
+        raise UnsupportedConfig(f"tokenizer.ggml.pre={pre!r} is not implemented (smollm, gpt2)")
+    tok.decoder = decoders.ByteLevel()
+    special = {tokens[i]: i for i, ty in enumerate(types) if ty in (_CONTROL, _USER_DEFINED)}
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    return tok, special
+
+
+def render_chat_template(
+    template: str, messages: list[dict[str, str]], *, add_generation_prompt: bool = True, **kw: Any
+) -> str:
+    """Render a Hugging Face chat template (Jinja) in a sandbox."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+    def raise_exception(msg: str) -> None:
+        raise ValueError(f"chat template: {msg}")
+
+    env.globals["raise_exception"] = raise_exception
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ValueError(f"a chat message needs 'role' and 'content', got {m!r}")
+    return env.from_string(template).render(
+        messages=messages, add_generation_prompt=add_generation_prompt, **kw
+    )
+
+
+def load_gguf(path: str | Path, *, dtype: str = "float32", name: str | None = None) -> GGUFModel:
+    """Config, params, tokenizer and chat template from one GGUF file."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    config = config_from_gguf(reader, dtype=dtype, name=name)
+    params = load_gguf_params(reader, config)
+    tokenizer, special = load_gguf_tokenizer(reader)
+    if tokenizer.get_vocab_size() != config.vocab_size:
+        raise UnsupportedConfig(
+            f"the vocabulary has {tokenizer.get_vocab_size()} tokens, the model "
+            f"{config.vocab_size} rows"
+        )
+
+    def token_id(key: str) -> int | None:
+        v = _field(reader, key)
+        return None if v is None else int(v)
+
+    return GGUFModel(
+        config=config,
+        params=params,
+        tokenizer=tokenizer,
+        chat_template=_field(reader, "tokenizer.chat_template"),
+        bos_token_id=token_id("tokenizer.ggml.bos_token_id"),
+        eos_token_id=token_id("tokenizer.ggml.eos_token_id"),
+        special_tokens=special,
+        metadata=read_metadata(reader),
+    )
