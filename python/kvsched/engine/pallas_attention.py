@@ -9,10 +9,57 @@ online softmax per (row, head). Rows of other sequences are masked, so a block
 that straddles sequences is still exact; padding rows come out 0.
 
 Written for Mosaic: scalar-prefetched plan arrays in SMEM, the cache left in HBM
-(`memory_space=ANY`) and copied a page at a time, 2-D matmuls per KV head, K
-and V separated on the loaded value (the interpreter allows only plain ref
-indexing). Pages are double-buffered: the DMA of a sequence's next page runs
-while the current one is folded in. On CPU it runs in Pallas' TPU interpret mode.
+(`memory_space=ANY`) and copied a page at a time, 2-D matmuls per KV head, one
+K/V row per head loaded from the page buffer by plain ref indexing (the
+interpreter allows nothing fancier). Pages are double-buffered: the DMA of a
+sequence's next page runs while the current one is folded in. On CPU it runs in
+Pallas' TPU interpret mode.
+
+Query layout. q [T, Hq, D] is regrouped outside the kernel (an XLA transpose of
+q, which is small) to [Hkv, T * group, D]: row r * group + g of KV head h is
+token r, query head h * group + g. A block is then [Hkv, block_q * group, D], the
+GQA group is the matmul's M dimension, and each KV head reads and writes whole
+[rows, D] tiles: no reshape or sublane-offset slice inside the kernel. The
+output comes back in the same layout and is regrouped to [T, Hq, D].
+
+Head dims that are not a multiple of the 128-lane width (SmolLM2-135M: 64).
+TPU tiles the minor dimension of every array by 128 lanes, in HBM as in VMEM.
+Padding q with zeros along D leaves q.k unchanged if K is zero-padded too, and
+zero-padded V only adds zero output columns to slice off; but padding the cache
+per call would copy the whole cache every step, and a cache stored as
+[P, bs, 2*Hkv, 64] is already half lane padding in HBM (half the pages the
+memory holds, and every page DMA moves the padding). So the kernel reads two
+cache layouts, told apart by the cache's last dimension, and never copies the
+cache:
+
+- "split", [P, bs, 2*Hkv, D] (the step-plan layout: K of head h at 2h, V at
+  2h + 1): K and V are separate rows of D lanes. Lane-dense when D % 128 == 0,
+  the only case accepted on a TPU.
+- "packed", [P, bs, Hkv, 2*D]: the same bytes in row-major order (K_h, V_h
+  adjacent), viewed as one row [K_h | V_h] per head, so for D = 64 a page row
+  is exactly 128 lanes and nothing is padded anywhere. This is the layout
+  production TPU kernels use for head_dim 64 (tpu-inference's hd64 variant).
+  For D % 128 != 0, q is zero-padded per call to 2*D lanes, [q | 0] (cheap: q
+  is [T, Hq, D]); then s = [q | 0] . [K | V] = q . K exactly, and
+  w . [K | V] = [w.K | w.V], whose right half is the output (the left half is
+  discarded). The MXU contracts and produces 128 lanes per pass anyway, so the
+  padded halves cost no extra matmul passes at D = 64. For D % 128 == 0 the
+  row is split at lane D instead (aligned slices, no padding). On a TPU this
+  layout needs 2*D % 128 == 0 (D = 64, 128, 192, ...).
+
+On CPU and GPU the two layouts are a free reshape of each other (`pack_cache`);
+on TPU they are different tilings, so an engine serving D = 64 there should
+allocate and write its cache packed (write K|V concatenated along lanes at the
+slot) and pass it as is. Stale inf/NaN in a slot past kv_len are harmless in
+both layouts: V (in packed mode the whole row) is zeroed there before the PV
+product and the scores there are masked with `where`. The softmax scale is the
+caller's (the real head_dim**-0.5), never derived from the padded width.
+
+Layers. With `layer`, the cache is the engine's stacked [L, P, bs, ...] array
+and layer `layer` (a scalar-prefetch argument, traceable inside a lax.scan)
+is read page by page from cache.at[layer, page]: the layer is never sliced out
+(which would copy a whole layer's cache per layer per step). Without it a
+single layer's cache is viewed as L = 1 (a free leading unit dimension).
 """
 
 from __future__ import annotations
@@ -27,6 +74,18 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kvsched.engine.attention import MASK, AttentionInputs
 
+LANES = 128
+
+
+def _kv_rows(kv_buf, slot, h: int, mode: str, d: int):
+    """K and V rows ([bs, *]) of KV head h from page slot `slot` of the buffer."""
+    if mode == "split":  # [bs, 2*Hkv, D]: K at 2h, V at 2h + 1
+        return kv_buf[slot, :, 2 * h, :], kv_buf[slot, :, 2 * h + 1, :]
+    row = kv_buf[slot, :, h, :]  # [bs, 2*D] = [K_h | V_h]
+    if mode == "halves":  # D % 128 == 0: lane-aligned split
+        return row[:, :d], row[:, d:]
+    return row, row  # "row": q is [q | 0], the output is the right half
+
 
 def _kernel(
     # Scalar prefetch (SMEM).
@@ -34,12 +93,13 @@ def _kernel(
     pages_ref,
     cu_ref,
     nseq_ref,
+    layer_ref,  # [1]: which layer of the stacked cache
     # Blocks.
-    q_ref,  # [block_q, Hq, D]
-    cache_hbm,  # [P, bs, 2*Hkv, D], in HBM
-    o_ref,  # [block_q, Hq, D]
+    q_ref,  # [Hkv, block_q * group, QW]
+    cache_hbm,  # [L, P, bs, X, W], in HBM
+    o_ref,  # [Hkv, block_q * group, QW]
     # Scratch.
-    kv_buf,  # [2, bs, 2*Hkv, D] VMEM: two page slots (double buffering)
+    kv_buf,  # [2, bs, X, W] VMEM: two page slots (double buffering)
     sem,  # two DMA semaphores, one per slot
     *,
     block_q: int,
@@ -47,23 +107,22 @@ def _kernel(
     group: int,
     pages_per_seq: int,
     scale: float,
+    mode: str,
+    head_dim: int,
 ):
     bs = kv_buf.shape[1]
-    d = kv_buf.shape[3]
-    rows_per_head = block_q * group
+    rows = block_q * group
+    qw = q_ref.shape[2]
     row0 = pl.program_id(0) * block_q
-    # Query row r * group + g is token row0 + r, query head h * group + g.
+    # Row r of a KV head's block is token row0 + r // group.
     # (lax.div: truncating division of non-negative ints; jnp's floor division
     # lowers through sign(), which Mosaic only has per TPU generation.)
-    token = row0 + lax.div(lax.broadcasted_iota(jnp.int32, (rows_per_head, 1), 0), group)
-    q = q_ref[...].astype(jnp.float32)
-    qs = [
-        q[:, h * group : (h + 1) * group, :].reshape(rows_per_head, d) * scale
-        for h in range(kv_heads)
-    ]
-    m0 = jnp.full((kv_heads, rows_per_head, 1), MASK, jnp.float32)
-    l0 = jnp.zeros((kv_heads, rows_per_head, 1), jnp.float32)
-    acc0 = jnp.zeros((kv_heads, rows_per_head, d), jnp.float32)
+    token = row0 + lax.div(lax.broadcasted_iota(jnp.int32, (rows, 1), 0), group)
+    qs = [q_ref[h].astype(jnp.float32) * scale for h in range(kv_heads)]
+    layer = layer_ref[0]
+    m0 = jnp.full((kv_heads, rows, 1), MASK, jnp.float32)
+    l0 = jnp.zeros((kv_heads, rows, 1), jnp.float32)
+    acc0 = jnp.zeros((kv_heads, rows, qw), jnp.float32)
 
     def seq_body(j, carry):
         q_lo, q_hi = cu_ref[j], cu_ref[j + 1]
@@ -77,7 +136,9 @@ def _kernel(
 
             def fetch(p, slot):
                 page = pages_ref[j * pages_per_seq + p]
-                return pltpu.make_async_copy(cache_hbm.at[page], kv_buf.at[slot], sem.at[slot])
+                return pltpu.make_async_copy(
+                    cache_hbm.at[layer, page], kv_buf.at[slot], sem.at[slot]
+                )
 
             def page_body(p, carry):
                 m, denom, acc = carry
@@ -89,16 +150,16 @@ def _kernel(
                     fetch(p + 1, 1 - slot).start()
 
                 fetch(p, slot).wait()
-                kv = kv_buf[slot].astype(jnp.float32)
                 key = p * bs + lax.broadcasted_iota(jnp.int32, (1, bs), 1)
                 ok = in_seq & (key <= pos) & (key < kv_len)  # [rows, bs]
-                ms, ls, accs = [], [], []
                 # Slots past kv_len hold a previous owner's data: zero V there
                 # (a 0 weight times inf is NaN); K only meets masked scores.
-                live = jnp.transpose(key < kv_len)  # [bs, 1]
+                live = p * bs + lax.broadcasted_iota(jnp.int32, (bs, 1), 0) < kv_len
+                ms, ls, accs = [], [], []
                 for h in range(kv_heads):
-                    k = kv[:, 2 * h, :]
-                    v = jnp.where(live, kv[:, 2 * h + 1, :], 0.0)
+                    k, v = _kv_rows(kv_buf, slot, h, mode, head_dim)
+                    v = jnp.where(live, v.astype(jnp.float32), 0.0)
+                    k = v if mode == "row" else k.astype(jnp.float32)
                     s = lax.dot_general(
                         qs[h], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
                     )
@@ -125,43 +186,83 @@ def _kernel(
         return lax.cond(meets, run, lambda c: c, carry)
 
     _, denom, acc = lax.fori_loop(0, nseq_ref[0], seq_body, (m0, l0, acc0))
-    out = jnp.where(denom > 0, acc / jnp.where(denom > 0, denom, 1.0), 0.0)  # [Hkv, rows, D]
+    out = jnp.where(denom > 0, acc / jnp.where(denom > 0, denom, 1.0), 0.0)  # [Hkv, rows, QW]
     for h in range(kv_heads):
-        o_ref[:, h * group : (h + 1) * group, :] = (
-            out[h].reshape(block_q, group, d).astype(o_ref.dtype)
-        )
+        o_ref[h] = out[h].astype(o_ref.dtype)
 
 
 def on_tpu() -> bool:
     return jax.default_backend() == "tpu"
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_q", "interpret"))
-def _call(q, cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, scale, block_q, interpret):
-    t, hq, d = q.shape
-    _, bs, h2, _ = cache.shape
-    hkv = h2 // 2
-    s, pps = page_indices.shape
-    kernel = functools.partial(
-        _kernel, block_q=block_q, kv_heads=hkv, group=hq // hkv, pages_per_seq=pps, scale=scale
+def cache_mode(head_dim: int, cache_shape: tuple[int, ...]) -> tuple[str, int]:
+    """How a cache of this shape is read for queries of `head_dim`: ("split",
+    Hkv) for [..., 2*Hkv, D]; ("halves" or "row", Hkv) for the packed
+    [..., Hkv, 2*D] ("halves" when D is a multiple of 128)."""
+    x, w = cache_shape[-2], cache_shape[-1]
+    if w == head_dim:
+        if x % 2:
+            raise ValueError(f"a [..., 2*Hkv, D] cache needs an even head axis, got {x}")
+        return "split", x // 2
+    if w == 2 * head_dim:
+        return ("halves" if head_dim % LANES == 0 else "row"), x
+    raise ValueError(
+        f"cache rows of {w} fit neither head_dim {head_dim} ([..., 2*Hkv, D]) "
+        f"nor its packed layout ([..., Hkv, 2*D])"
     )
+
+
+def pack_cache(cache: jax.Array) -> jax.Array:
+    """[..., 2*Hkv, D] -> [..., Hkv, 2*D], [K_h | V_h] per row: the same bytes in
+    row-major order (free on CPU / GPU; on TPU a relayout, so allocate it packed)."""
+    *lead, x, d = cache.shape
+    return cache.reshape(*lead, x // 2, 2 * d)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_q", "interpret"))
+def _call(
+    q, cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, scale, block_q, interpret, layer=None
+):
+    """q [T, Hq, D] (T a multiple of block_q), cache [P, bs, X, W] or, with
+    `layer`, [L, P, bs, X, W] -> [T, Hq, D]."""
+    t, hq, d = q.shape
+    if layer is None:
+        cache, layer = cache[None], 0  # a leading unit dimension: no copy
+    _, _, bs, x, w = cache.shape
+    mode, hkv = cache_mode(d, cache.shape)
+    g = hq // hkv
+    qw = 2 * d if mode == "row" else d
+    s, pps = page_indices.shape
+    rows = block_q * g
+    q3 = q.reshape(t, hkv, g, d).transpose(1, 0, 2, 3).reshape(hkv, t * g, d)
+    if qw != d:
+        q3 = jnp.pad(q3, ((0, 0), (0, 0), (0, qw - d)))  # [q | 0]: meets K, not V
+    kernel = functools.partial(
+        _kernel, block_q=block_q, kv_heads=hkv, group=g, pages_per_seq=pps, scale=scale,
+        mode=mode, head_dim=d,
+    )  # fmt: skip
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=4,
+        num_scalar_prefetch=5,
         grid=(t // block_q,),
         in_specs=[
-            pl.BlockSpec((block_q, hq, d), lambda b, *_: (b, 0, 0)),
+            pl.BlockSpec((hkv, rows, qw), lambda b, *_: (0, b, 0)),
             pl.BlockSpec(memory_space=pl.ANY),
         ],
-        out_specs=pl.BlockSpec((block_q, hq, d), lambda b, *_: (b, 0, 0)),
-        scratch_shapes=[pltpu.VMEM((2, bs, h2, d), cache.dtype), pltpu.SemaphoreType.DMA((2,))],
+        out_specs=pl.BlockSpec((hkv, rows, qw), lambda b, *_: (0, b, 0)),
+        scratch_shapes=[pltpu.VMEM((2, bs, x, w), cache.dtype), pltpu.SemaphoreType.DMA((2,))],
     )
-    return pl.pallas_call(
+    out = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_shape=jax.ShapeDtypeStruct(q3.shape, q.dtype),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="kvsched_ragged_paged_attention",
-    )(kv_lens, page_indices.reshape(s * pps), cu_q_lens, num_seqs, q, cache)
+    )(
+        kv_lens, page_indices.reshape(s * pps), cu_q_lens, num_seqs,
+        jnp.asarray(layer, jnp.int32).reshape(1), q3, cache,
+    )  # fmt: skip
+    out = out[..., qw - d :]  # "row": [w.K | w.V] -> w.V
+    return out.reshape(hkv, t, g, d).transpose(1, 0, 2, 3).reshape(t, hq, d)
 
 
 def ragged_paged_attention(
@@ -172,23 +273,47 @@ def ragged_paged_attention(
     scale: float,
     block_q: int = 8,
     interpret: bool | None = None,
+    layer: jax.Array | int | None = None,
 ) -> jax.Array:
-    """q [T, Hq, D], cache [P, bs, 2*Hkv, D] -> [T, Hq, D]. T need not be a
+    """q [T, Hq, D], cache [P, bs, 2*Hkv, D] or packed [P, bs, Hkv, 2*D] ->
+    [T, Hq, D]. With `layer` (a scalar, may be traced), cache is the stacked
+    [L, P, bs, ...] array of every layer and layer `layer` is read in place.
+    `scale` is the real head_dim's (padding never changes it). T need not be a
     multiple of block_q (zero rows pad it; they lie past the plan's tokens and
     come out 0). `interpret` defaults to True off TPU (the TPU interpreter)."""
     if interpret is None:
         interpret = not on_tpu()
-    if not interpret and q.shape[-1] % 128:
-        raise ValueError(f"head_dim {q.shape[-1]} must be a multiple of 128 on TPU (lane width)")
-    return run_padded(_call, q, cache, inputs, scale=scale, block_q=block_q, interpret=interpret)
+    d = q.shape[-1]
+    if cache.ndim != (4 if layer is None else 5):
+        raise ValueError(
+            f"cache of rank {cache.ndim}: expected [P, bs, X, W], or [L, P, bs, X, W] with layer"
+        )
+    mode, hkv = cache_mode(d, cache.shape)
+    if not interpret:
+        if mode == "split" and d % LANES:
+            raise ValueError(
+                f"head_dim {d} with a [P, bs, 2*Hkv, D] cache on TPU: each K or V row is {d} "
+                f"lanes, the lane width is {LANES} (the cache would be lane padding in HBM); "
+                f"store the cache packed, [P, bs, Hkv, 2*D] (see pack_cache)"
+            )
+        if (2 * d) % LANES:
+            raise ValueError(
+                f"head_dim {d} on TPU: a packed [K | V] row of {2 * d} lanes is not a "
+                f"multiple of the {LANES}-lane width (head_dim must be a multiple of 64)"
+            )
+    call = _call if layer is None else functools.partial(_call, layer=layer)
+    return run_padded(call, q, cache, inputs, scale=scale, block_q=block_q, interpret=interpret,
+                      kv_heads=hkv)  # fmt: skip
 
 
-def run_padded(call, q, cache, inputs: AttentionInputs, *, scale, block_q, interpret):
+def run_padded(call, q, cache, inputs: AttentionInputs, *, scale, block_q, interpret,
+               kv_heads=None):  # fmt: skip
     """Run a kernel `call` whose grid walks query blocks: check the head
     grouping, pad the rows to a multiple of block_q (the zero rows lie past the
-    plan's tokens and come out 0), slice the padding off again."""
+    plan's tokens and come out 0), slice the padding off again. `kv_heads`
+    defaults to a [..., 2*Hkv, D] cache's."""
     t, hq, _ = q.shape
-    hkv = cache.shape[2] // 2
+    hkv = cache.shape[-2] // 2 if kv_heads is None else kv_heads
     if hq % hkv:
         raise ValueError(f"{hq} query heads do not group over {hkv} KV heads")
     pad = -t % block_q
