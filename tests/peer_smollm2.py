@@ -48,10 +48,11 @@ AWKWARD = ["1234567890 apples", "naïve café — 你好 🙂", "  leading space
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--backend", choices=["reference", "pallas"], default="reference")
+    ap.add_argument("--runs", default="reference:reserve,reference:overcommit",
+                    help="backend:admission pairs, comma-separated")  # fmt: skip
+    ap.add_argument("--pallas-prompts", type=int, default=2, help="prompts for pallas runs")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--admission", choices=["reserve", "overcommit"], default="reserve")
     ap.add_argument("--skip-logits", action="store_true")
     args = ap.parse_args(argv)
 
@@ -59,11 +60,9 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import kvsched
     from kvsched import model_files
     from kvsched.engine.loaders.gguf_llama import load_gguf
     from kvsched.engine.model import forward_dense
-    from kvsched.engine.runner import Engine
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     path = model_files.fetch()
@@ -110,18 +109,58 @@ def main(argv: list[str] | None = None) -> dict:
     hf_s = time.perf_counter() - t0
     hf_tokens = sum(len(o) for o in want_out)
 
-    # kvsched's paged engine: two waves so the second hits the prefix cache.
-    longest = max(len(p) for p in prompts) + args.tokens
+    runs = []
+    for spec in args.runs.split(","):
+        backend, admission = spec.split(":")
+        n = args.pallas_prompts if backend == "pallas" else len(prompts)
+        runs.append(run_engine(ours, prompts[:n], want_out[:n], backend, admission, args.tokens))
+    result = {
+        "prompts": len(prompts),
+        "tokenizer_mismatches": token_mismatch,
+        "max_abs_logit_diff": max(diffs) if diffs else None,
+        "logit_scale": max(scales) if scales else None,
+        "rel_logit_diff": max(d / s for d, s in zip(diffs, scales, strict=True)) if diffs else None,
+        "transformers_s": hf_s,
+        "transformers_tok_s": hf_tokens / hf_s,
+        "load_s": load_s,
+        "runs": runs,
+    }
+    print(f"tokenizer: {len(token_mismatch)} mismatches over {len(chats) + len(AWKWARD)} strings")
+    if diffs:
+        print(f"logits: max |diff| {result['max_abs_logit_diff']:.2e} at logit scale "
+              f"{result['logit_scale']:.1f} (relative {result['rel_logit_diff']:.1e})")  # fmt: skip
+    print(f"transformers generate: {result['transformers_tok_s']:.1f} tok/s (one at a time)")
+    for r in runs:
+        print(f"greedy {args.tokens} tokens ({r['backend']}, {r['admission']}): "
+              f"{sum(r['greedy_identical'])}/{len(r['greedy_identical'])} identical; prefix-cache "
+              f"hit tokens {r['prefix_hit_tokens']}, preemptions {r['preemptions']}; "
+              f"{r['engine_tok_s']:.1f} tok/s ({r['engine_steps']} steps)")  # fmt: skip
+    print(json.dumps(result))
+    return result
+
+
+def run_engine(ours, prompts, want_out, backend: str, admission: str, tokens: int) -> dict:
+    """Greedy generation through kvsched's paged engine, in two waves so the second
+    hits the prefix cache on the shared system prompt."""
+    import time
+
+    import kvsched
+    from kvsched.engine.runner import Engine
+    from kvsched.engine.sampling import SamplingParams
+
+    eos = ours.eos_token_id
+    longest = max(len(p) for p in prompts) + tokens
     cfg = dict(block_size=16, max_num_seqs=8, max_batched_tokens=64, max_seq_len=256,
                long_prefill_chunk=32, max_waiting=32, num_blocks=257)  # fmt: skip
-    if args.admission == "overcommit":
+    if admission == "overcommit":
         # Room for about three sequences at their final length: the rest are
         # preempted and recomputed when pages run out.
         cfg.update(admission="overcommit", watermark_blocks=0,
                    num_blocks=3 * -(-longest // 16) + 1, overhead_reserve=0.0)  # fmt: skip
     eng = Engine.create(ours.config, ours.params, kvsched.SchedulerConfig(**cfg),
-                        backend=args.backend)  # fmt: skip
-    eng.warmup(progress=False)
+                        backend=backend, tokenizer=ours.tokenizer,
+                        eos_token_ids=(eos,))  # fmt: skip
+    warm_s = eng.warmup(progress=False)
     sched = eng.scheduler
     sched.add_tenant(kvsched.TenantConfig("peer"))
     got_out: dict[int, list[int]] = {}
@@ -137,17 +176,15 @@ def main(argv: list[str] | None = None) -> dict:
             if res is None:
                 break
             steps += 1
-            for f in res.events.finished:
-                got_out[f.request_id] = f.output_ids.tolist()
+            for out in res.outputs:  # the engine's per-request stream
+                got_out.setdefault(out.request_id, []).extend(out.token_ids)
 
     for p in first:
-        order.append(sched.submit("peer", np.asarray(p, np.int32), args.tokens,
-                                  stop_token_ids=[eos]))  # fmt: skip
+        order.append(eng.submit("peer", p, SamplingParams(max_tokens=tokens)))
     # Let the first wave's prompts (and so the shared system prompt) be written.
     run_until(lambda: sched.stats()["tenants"]["peer"]["prefill_tokens"] >= sum(map(len, first)))
     for p in second:
-        order.append(sched.submit("peer", np.asarray(p, np.int32), args.tokens,
-                                  stop_token_ids=[eos]))  # fmt: skip
+        order.append(eng.submit("peer", p, SamplingParams(max_tokens=tokens)))
     run_until(lambda: sched.live_requests == 0)
     eng_s = time.perf_counter() - t0
     got = [got_out[r] for r in order]
@@ -157,16 +194,10 @@ def main(argv: list[str] | None = None) -> dict:
     first_diff = [next((i for i, (a, b) in enumerate(zip(g, w, strict=False)) if a != b),
                        None if len(g) == len(w) else min(len(g), len(w)))
                   for g, w in zip(got, want_out, strict=True)]  # fmt: skip
-    result = {
-        "backend": args.backend,
-        "admission": args.admission,
+    return {
+        "backend": backend,
+        "admission": admission,
         "prompts": len(prompts),
-        "tokenizer_mismatches": token_mismatch,
-        "max_abs_logit_diff": max(diffs) if diffs else None,
-        "logit_scale": max(scales) if scales else None,
-        "rel_logit_diff": (
-            max(d / s for d, s in zip(diffs, scales, strict=True)) if diffs else None
-        ),  # fmt: skip
         "greedy_identical": agree,
         "first_divergence": first_diff,
         "generated_tokens": sum(len(g) for g in got),
@@ -175,24 +206,11 @@ def main(argv: list[str] | None = None) -> dict:
         "engine_steps": steps,
         "engine_s": eng_s,
         "engine_tok_s": sum(len(g) for g in got) / eng_s,
-        "transformers_s": hf_s,
-        "transformers_tok_s": hf_tokens / hf_s,
-        "load_s": load_s,
+        "warmup_s": warm_s,
+        "programs": eng.compiled_programs(),
+        "buckets": len(sched.token_buckets),
         "sample": ours.tokenizer.decode(got[0]),
     }
-    print(f"tokenizer: {len(token_mismatch)} mismatches over {len(chats) + len(AWKWARD)} strings")
-    if diffs:
-        print(f"logits: max |diff| {result['max_abs_logit_diff']:.2e} at logit scale "
-              f"{result['logit_scale']:.1f} (relative {result['rel_logit_diff']:.1e})")  # fmt: skip
-    print(f"greedy {args.tokens} tokens ({args.backend}, {args.admission}): "
-          f"{sum(agree)}/{len(agree)} identical; prefix-cache hit tokens "
-          f"{result['prefix_hit_tokens']}, preemptions {result['preemptions']}")  # fmt: skip
-    print(
-        f"engine {result['engine_tok_s']:.1f} tok/s ({steps} steps, {len(prompts)} at once) vs "
-        f"transformers generate {result['transformers_tok_s']:.1f} tok/s (one at a time)"
-    )
-    print(json.dumps(result))
-    return result
 
 
 if __name__ == "__main__":

@@ -118,3 +118,25 @@ def test_config_overrides_and_a_context_that_does_not_fit_once():
     assert cfg.max_batched_tokens >= cfg.max_num_seqs == 1024
     with pytest.raises(CapacityError, match="not one sequence"):
         capacity("llama-3-70b", "h100", devices=2, context=32768)
+
+
+def test_an_int8_kv_cache_counts_its_scales():
+    m = MODELS["llama-3-8b"]
+    # int8 elements + one float32 scale per token per KV head, for K and for V:
+    # 2 x 32 layers x 8 heads x (128 x 1 + 4) = 67,584 bytes, against 131,072 for bf16.
+    assert m.kv_bytes_per_token(kv_dtype="int8") == 2 * 32 * 8 * (128 + 4) == 67_584
+    assert m.kv_bytes_per_token(kv_dtype="bf16") == m.kv_bytes_per_token(2) == 131_072
+    assert m.kv_bytes_per_token(kv_dtype="float32") == 262_144
+    with pytest.raises(CapacityError, match="kv_dtype"):
+        m.kv_bytes_per_token(kv_dtype="int3")
+
+    c = capacity("llama-3-8b", "h100", kv_dtype="int8")
+    assert c.kv_bytes_per_token == 67_584
+    assert c.kv_blocks == int((80e9 * 0.9 - 16.06e9) // (67_584 * 16)) == 51_731
+    assert c.max_concurrent_seqs == 51_731 // 512 == 101
+    bf16 = capacity("llama-3-8b", "h100")
+    assert c.kv_tokens / bf16.kv_tokens == pytest.approx(131_072 / 67_584, rel=1e-3)  # ~1.94x
+    # The bare element size still works and knows nothing of scales.
+    assert capacity("llama-3-8b", "h100", kv_dtype_bytes=1).kv_bytes_per_token == 65_536
+    with pytest.raises(CapacityError, match="not both"):
+        capacity("llama-3-8b", "h100", kv_dtype="int8", kv_dtype_bytes=1)

@@ -2,8 +2,10 @@
 and what serving a load costs three ways.
 
 Memory. KV bytes per token = 2 (K and V) x layers x KV heads x head_dim x bytes
-per element. Weights take parameters x bytes per weight (bf16 2, int8 1, int4
-0.5). Usable KV = devices x HBM x (1 - overhead reserve) - weights. Tensor
+per element, plus, for an int8 KV cache, one float32 scale per token per KV head
+(K and V each): 2 x layers x KV heads x (head_dim + 4), as the engine stores it
+(kvsched.engine.kv_cache). Weights take parameters x bytes per weight (bf16 2,
+int8 1, int4 0.5). Usable KV = devices x HBM x (1 - overhead reserve) - weights. Tensor
 parallelism is modelled as one device with the devices' summed memory: right
 for memory (weights and KV heads split evenly), optimistic for latency (it
 ignores the all-reduces between devices).
@@ -38,8 +40,15 @@ class ModelShape:
     params: float  # parameters
     vocab: int
 
-    def kv_bytes_per_token(self, dtype_bytes: float = 2) -> float:
-        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+    def kv_bytes_per_token(self, dtype_bytes: float = 2, *, kv_dtype: str | None = None) -> float:
+        """K and V of one token over all layers: `dtype_bytes` per element, or a
+        named `kv_dtype` (KV_DTYPES), an int8 one with its per-token-per-head scales."""
+        if kv_dtype is None:
+            return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+        if kv_dtype not in KV_DTYPES:
+            raise CapacityError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
+        element, scale = KV_DTYPES[kv_dtype]
+        return 2 * self.layers * self.kv_heads * (self.head_dim * element + scale)
 
     def weight_bytes(self, precision: str = "bf16") -> float:
         return self.params * WEIGHT_BYTES[precision]
@@ -59,6 +68,17 @@ class Accelerator:
 
 WEIGHT_BYTES = {"bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5}
 
+# KV cache dtypes: (bytes per element, bytes of scale per token per KV head for K
+# and for V). int8 is symmetric absmax with a float32 scale per token and head.
+KV_DTYPES: dict[str, tuple[int, int]] = {
+    "float32": (4, 0),
+    "bf16": (2, 0),
+    "bfloat16": (2, 0),
+    "fp16": (2, 0),
+    "float16": (2, 0),
+    "int8": (1, 4),
+}
+
 MODELS: dict[str, ModelShape] = {
     m.name: m
     for m in (
@@ -68,6 +88,7 @@ MODELS: dict[str, ModelShape] = {
         ModelShape("qwen2.5-7b", 28, 4, 128, 7.62e9, 152064),
         ModelShape("gemma-2-9b", 42, 8, 256, 9.24e9, 256000),
         ModelShape("gemma-2-27b", 46, 16, 128, 27.2e9, 256000),
+        ModelShape("smollm2-135m", 30, 3, 64, 134.5e6, 49152),  # the main job's model
     )
 }
 
@@ -124,17 +145,23 @@ def capacity(
     *,
     devices: int = 1,
     precision: str = "bf16",
-    kv_dtype_bytes: float = 2,
+    kv_dtype_bytes: float | None = None,
+    kv_dtype: str | None = None,
     overhead_reserve: float = 0.10,
     block_size: int = 16,
     context: int = 8192,
 ) -> Capacity:
+    """KV capacity of a model on accelerators. The KV cache is `kv_dtype` (a name
+    in KV_DTYPES, int8 with its scales) or `kv_dtype_bytes` per element (no
+    scales); bf16 when neither is given."""
     m = MODELS[model] if isinstance(model, str) else model
     a = ACCELERATORS[accelerator] if isinstance(accelerator, str) else accelerator
     if precision not in WEIGHT_BYTES:
         raise CapacityError(f"precision must be one of {sorted(WEIGHT_BYTES)}, got {precision!r}")
     if devices < 1 or not 0 <= overhead_reserve < 1 or block_size < 1 or context < 1:
         raise CapacityError("devices, block_size and context must be >= 1, reserve in [0, 1)")
+    if kv_dtype is not None and kv_dtype_bytes is not None:
+        raise CapacityError("give kv_dtype or kv_dtype_bytes, not both")
     weights = m.weight_bytes(precision)
     usable = devices * a.hbm_bytes * (1 - overhead_reserve) - weights
     if usable <= 0:
@@ -142,7 +169,10 @@ def capacity(
             f"{m.name} at {precision} ({weights / 1e9:.1f} GB) does not fit {devices} x "
             f"{a.name} ({a.hbm_bytes / 1e9:.0f} GB, {overhead_reserve:.0%} reserved)"
         )
-    per_token = m.kv_bytes_per_token(kv_dtype_bytes)
+    if kv_dtype is None:
+        per_token = m.kv_bytes_per_token(2 if kv_dtype_bytes is None else kv_dtype_bytes)
+    else:
+        per_token = m.kv_bytes_per_token(kv_dtype=kv_dtype)
     blocks = int(usable // (per_token * block_size))
     per_seq_blocks = math.ceil(context / block_size)
     if blocks < per_seq_blocks:

@@ -3,9 +3,14 @@
 kvsched capacity --model llama-3-8b --accelerator h100 [--devices N] [--context 8192]
                  [--load TOK_PER_S --payg $/Mtok [--device-hour $ --device-tps N
                   --engineering-hour $] [--ptu-hour $ --ptu-tps N]]
+                 [--kv-dtype bf16|int8|float32]
 kvsched simulate --trace azure|mooncake|prefill-vs-decode|burst [--trace-path F]
                  [--limit N] [--time-scale X] [--scenarios standard|a,b,...]
                  [--model M --accelerator A --devices N] [--plots DIR]
+kvsched fetch-model                 fetch SmolLM2-135M-Instruct's GGUF into the cache
+kvsched eval-kv [--kv-dtype int8] [--prompts N] [--tokens N]
+                [--min-agreement X] [--max-logprob-diff X]
+                                    the int8 KV gate: measured on the real model, saved
 """
 
 from __future__ import annotations
@@ -38,8 +43,9 @@ def _progress():
 def cmd_capacity(args: argparse.Namespace) -> int:
     from kvsched import capacity as cap
 
+    kv_bytes = None if args.kv_dtype else (2.0 if args.kv_bytes is None else args.kv_bytes)
     c = cap.capacity(args.model, args.accelerator, devices=args.devices, precision=args.precision,
-                     kv_dtype_bytes=args.kv_bytes, overhead_reserve=args.reserve,
+                     kv_dtype_bytes=kv_bytes, kv_dtype=args.kv_dtype, overhead_reserve=args.reserve,
                      block_size=args.block_size, context=args.context)  # fmt: skip
     print(f"{c.model} ({args.precision}) on {c.devices} x {c.accelerator}")
     print(f"  weights          {c.weight_bytes / 1e9:10.1f} GB")
@@ -125,6 +131,57 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+EVAL_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis in two sentences.",
+    "List three prime numbers greater than 10.",
+    "Who wrote the play Hamlet?",
+    "What is 17 times 23?",
+    "Give me one tip for sleeping well.",
+    "Why is the sky blue?",
+]
+
+
+def cmd_fetch_model(args: argparse.Namespace) -> int:
+    from kvsched import model_files
+
+    path = model_files.fetch()
+    model_files.verify(path)
+    print(f"{path} ({model_files.SMOLLM2_135M.size:,} bytes, sha256 checked)")
+    return 0
+
+
+def cmd_eval_kv(args: argparse.Namespace) -> int:
+    """The quantized-KV gate on SmolLM2-135M-Instruct: greedy agreement and mean
+    |logprob difference| against float32 KV; the report is saved for the engine."""
+    from kvsched import model_files
+    from kvsched.engine import kv_eval
+    from kvsched.engine.loaders.gguf_llama import load_gguf
+
+    gg = load_gguf(model_files.fetch())
+    prompts = [gg.encode_chat([{"role": "user", "content": p}])
+               for p in EVAL_PROMPTS[: args.prompts]]  # fmt: skip
+    report = kv_eval.evaluate_kv(
+        gg.config, gg.params, prompts, kv_dtype=args.kv_dtype, tokens=args.tokens,
+        min_agreement=args.min_agreement, max_mean_abs_logprob_diff=args.max_logprob_diff,
+    )  # fmt: skip
+    path = kv_eval.save_report(report)
+    verdict = "PASS" if report.passed else "FAIL"
+    print(f"{args.kv_dtype} KV vs float32 KV on {report.model} ({report.checksum}), "
+          f"{report.prompts} prompts x {report.tokens_per_prompt} greedy tokens:")  # fmt: skip
+    print(
+        f"  greedy agreement       {report.greedy_agreement:.3f} (gate >= "
+        f"{report.min_agreement}); {report.identical_prompts}/{report.prompts} identical"
+    )
+    print(
+        f"  mean |logprob diff|    {report.mean_abs_logprob_diff:.4f} (gate <= "
+        f"{report.max_mean_abs_logprob_diff}); max {report.max_abs_logprob_diff:.4f}"
+    )
+    print(f"  {verdict} in {report.seconds:.0f} s; report {path}")
+    return 0 if report.passed else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     from kvsched.capacity import ACCELERATORS, MODELS
 
@@ -136,7 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--accelerator", default="h100", choices=sorted(ACCELERATORS))
     c.add_argument("--devices", type=int, default=1)
     c.add_argument("--precision", default="bf16")
-    c.add_argument("--kv-bytes", type=float, default=2.0, help="bytes per KV element")
+    c.add_argument("--kv-bytes", type=float, help="bytes per KV element (default 2)")
+    c.add_argument(
+        "--kv-dtype",
+        choices=["float32", "bf16", "int8"],
+        help="KV dtype by name (int8 includes its scales); instead of --kv-bytes",
+    )
     c.add_argument("--reserve", type=float, default=0.10)
     c.add_argument("--block-size", type=int, default=16)
     c.add_argument("--context", type=int, default=8192)
@@ -166,12 +228,27 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--plots", help="write PNG plots to this folder")
     s.set_defaults(func=cmd_simulate)
 
+    f = sub.add_parser("fetch-model", help="fetch SmolLM2-135M-Instruct's GGUF into the cache")
+    f.set_defaults(func=cmd_fetch_model)
+
+    e = sub.add_parser("eval-kv", help="the quantized-KV gate, measured on the real model")
+    e.add_argument("--kv-dtype", default="int8", choices=["int8"])
+    e.add_argument("--prompts", type=int, default=8)
+    e.add_argument("--tokens", type=int, default=32)
+    e.add_argument("--min-agreement", type=float, default=0.90)
+    e.add_argument("--max-logprob-diff", type=float, default=0.05)
+    e.set_defaults(func=cmd_eval_kv)
+
     args = ap.parse_args(argv)
+    if args.command == "capacity" and args.kv_dtype and args.kv_bytes is not None:
+        ap.error("--kv-dtype and --kv-bytes: give one")
     import kvsched
+    from kvsched.model_files import ModelFetchError
 
     try:
         return int(args.func(args))
-    except (ValueError, OSError, kvsched.KvSchedError) as e:  # CapacityError: a ValueError
+    except (ValueError, OSError, ModelFetchError, kvsched.KvSchedError) as e:
+        # CapacityError and UnsupportedConfig are ValueErrors.
         print(f"kvsched {args.command}: {e}", file=sys.stderr)
         return 2
 

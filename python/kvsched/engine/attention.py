@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvsched.engine.kv_cache import QuantizedKV, UnsupportedKVDtype, dequantize, is_quantized
+
 MASK = -1e30  # finite: exp(MASK - MASK) would be 1, so masks use where, never arithmetic
 
 
@@ -57,7 +59,7 @@ def token_seq(cu_q_lens: jax.Array, num_seqs: jax.Array, t: int) -> tuple[jax.Ar
 
 def reference_attention(
     q: jax.Array,
-    cache: jax.Array,
+    cache: jax.Array | QuantizedKV,
     inputs: AttentionInputs,
     *,
     scale: float,
@@ -66,14 +68,23 @@ def reference_attention(
     """q [T, Hq, D], cache [P, bs, 2*Hkv, D] -> [T, Hq, D]. Static shapes: each
     row gathers its sequence's whole page row, then masks. With `layer`, cache
     is the stacked [L, P, ...] array and layer `layer` is read (one gather: the
-    layer is never sliced out whole)."""
+    layer is never sliced out whole). An int8 `QuantizedKV` cache gathers the
+    rows' pages of values and of scales the same way and dequantizes them to
+    float32 before the same math."""
     t, hq, d = q.shape
     h2 = cache.shape[-2]
     hkv = h2 // 2
     g = hq // hkv
     seq, valid = token_seq(inputs.cu_q_lens, inputs.num_seqs, t)
     pages = inputs.page_indices[seq]  # [T, PPS]
-    kv = cache[pages] if layer is None else cache[layer, pages]  # [T, PPS, bs, 2Hkv, D]
+
+    def gather(a: jax.Array) -> jax.Array:  # [T, PPS, bs, 2Hkv(, D)]
+        return a[pages] if layer is None else a[layer, pages]
+
+    if is_quantized(cache):
+        kv = dequantize(gather(cache.values), gather(cache.scales))
+    else:
+        kv = gather(cache)
     kv = kv.reshape(t, -1, h2, d)  # [T, L, 2Hkv, D]
     k, v = kv[:, :, 0::2, :], kv[:, :, 1::2, :]  # [T, L, Hkv, D]
     qg = q.reshape(t, hkv, g, d).astype(jnp.float32)
@@ -87,7 +98,8 @@ def reference_attention(
     p = jnp.where(allowed[:, None, None, :], jnp.exp(s - m), 0.0)
     denom = jnp.sum(p, axis=-1, keepdims=True)
     # V past kv_len is whatever a page's previous owner left (inf or NaN after an
-    # overflow): a 0 weight times it would still be NaN, so zero those rows.
+    # overflow; for int8, a garbage scale): a 0 weight times it would still be
+    # NaN, so zero those rows.
     in_seq = key_pos[None, :] < kv_len[:, None]  # [T, L]
     v = jnp.where(in_seq[:, :, None, None], v.astype(jnp.float32), 0.0)
     o = jnp.einsum("thgl,tlhd->thgd", p, v)
@@ -97,7 +109,7 @@ def reference_attention(
 
 def oracle_attention(
     q: np.ndarray,
-    cache: np.ndarray,
+    cache: np.ndarray | QuantizedKV,
     positions: np.ndarray,
     cu_q_lens: np.ndarray,
     kv_lens: np.ndarray,
@@ -106,8 +118,12 @@ def oracle_attention(
     *,
     scale: float,
 ) -> np.ndarray:
-    """The same in float64 numpy, one sequence at a time, no tricks."""
+    """The same in float64 numpy, one sequence at a time, no tricks. An int8
+    `QuantizedKV` cache is dequantized exactly (float64) first."""
     q = np.asarray(q, np.float64)
+    if is_quantized(cache):
+        values, scales = (np.asarray(a, np.float64) for a in cache)
+        cache = values * scales[..., None]
     cache = np.asarray(cache, np.float64)
     t, hq, d = q.shape
     _, bs, h2, _ = cache.shape
@@ -131,7 +147,7 @@ def oracle_attention(
 
 def paged_attention(
     q: jax.Array,
-    cache: jax.Array,
+    cache: jax.Array | QuantizedKV,
     inputs: AttentionInputs,
     *,
     scale: float,
@@ -144,11 +160,22 @@ def paged_attention(
     With `layer`, `cache` is the stacked [L, P, bs, 2*Hkv, D] array of every
     layer and layer `layer` is read. With a mesh, the Pallas kernel runs once per
     device on its own KV heads (shard_map); the reference is left to XLA's
-    partitioner."""
+    partitioner. An int8 `QuantizedKV` cache is read by the reference only."""
     if backend == "reference":
         return reference_attention(q, cache, inputs, scale=scale, layer=layer)
+    if is_quantized(cache) and backend in ("pallas", "pallas_gpu"):
+        raise UnsupportedKVDtype(
+            f"attention backend {backend!r} cannot read an int8 KV cache: int8 KV is "
+            "supported by the reference backend; the Pallas kernels read float caches "
+            "(use backend='reference' or a float32/bfloat16 kv_dtype)"
+        )
+    if backend == "pallas" and mesh is None and jax.default_backend() != "gpu":
+        from kvsched.engine.pallas_attention import ragged_paged_attention
+
+        # The TPU kernel reads the stacked cache at `layer`: no layer is copied out.
+        return ragged_paged_attention(q, cache, inputs, scale=scale, layer=layer, **kw)
     if layer is not None:
-        # The kernels take one layer's cache.
+        # The GPU kernel and the sharded path take one layer's cache.
         cache = jax.lax.dynamic_index_in_dim(cache, layer, axis=0, keepdims=False)
     if backend == "pallas" and mesh is not None:
         from jax.sharding import PartitionSpec as P

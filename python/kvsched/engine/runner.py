@@ -28,19 +28,23 @@ import jax.numpy as jnp
 import numpy as np
 
 import kvsched
+from kvsched.engine import kv_eval as kv_eval_mod
 from kvsched.engine.attention import AttentionInputs
-from kvsched.engine.kv_cache import KVCacheSpec, init_caches
+from kvsched.engine.kv_cache import (
+    KVCacheSpec,
+    UnsupportedKVDtype,
+    init_caches,
+    kv_bytes_per_token,
+)
 from kvsched.engine.model import LlamaConfig, Params, forward_paged, weights_checksum
 from kvsched.engine.sampling import MAX_LOGPROBS, SamplingBatch, SamplingParams, mix_seed, sample
 from kvsched.engine.text import IncrementalDetokenizer, StopStringMatcher
 
 
 def kv_bytes_per_block(model: LlamaConfig, block_size: int, kv_dtype: str) -> int:
-    """All layers' K and V for one page."""
-    return (
-        model.n_layers * block_size * 2 * model.n_kv_heads * model.head_dim
-        * jnp.dtype(kv_dtype).itemsize
-    )  # fmt: skip
+    """All layers' K and V for one page (int8: with its per-token-per-head scales)."""
+    return block_size * kv_bytes_per_token(model.n_layers, model.n_kv_heads, model.head_dim,
+                                           kv_dtype)  # fmt: skip
 
 
 def measured_free_bytes(device: Any) -> int | None:
@@ -144,6 +148,12 @@ class Engine:
     tokenizer: Any = None  # a tokenizers.Tokenizer: text in outputs, stop strings
     eos_token_ids: tuple[int, ...] = ()  # stop tokens of every request (unless ignore_eos)
     max_logprobs: int = 0  # top-n logprobs computed each step (static; 0 = none)
+    # The int8 KV gate (kvsched.engine.kv_eval): a passing KVEvalReport for these
+    # weights, or None to look for the one `kvsched eval-kv` saved. "unchecked" is
+    # for the evaluation itself only.
+    kv_eval: Any = None
+    kv_min_agreement: float = kv_eval_mod.MIN_AGREEMENT
+    kv_max_logprob_diff: float = kv_eval_mod.MAX_MEAN_ABS_LOGPROB_DIFF
 
     def __post_init__(self) -> None:
         cfg = self.scheduler.config
@@ -153,6 +163,19 @@ class Engine:
         )  # fmt: skip
         self.spec = spec
         self.checksum = weights_checksum(self.params)
+        if spec.quantized:
+            if self.backend != "reference":
+                raise UnsupportedKVDtype(
+                    f"kv_dtype={self.kv_dtype!r} is read by the reference backend only, "
+                    f"not {self.backend!r}"
+                )
+            if self.kv_eval != "unchecked":
+                report = self.kv_eval or kv_eval_mod.load_report(self.checksum, self.kv_dtype)
+                self.kv_eval = kv_eval_mod.check_gate(
+                    report, kv_dtype=self.kv_dtype, checksum=self.checksum,
+                    min_agreement=self.kv_min_agreement,
+                    max_mean_abs_logprob_diff=self.kv_max_logprob_diff,
+                )  # fmt: skip
         self.caches = init_caches(spec, self.model.n_layers)
         jit_kw: dict[str, Any] = {}
         if self.mesh is not None:

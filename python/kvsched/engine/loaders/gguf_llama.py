@@ -38,16 +38,23 @@ _LAYER_TENSORS = {
     "w_down": "ffn_down",
 }
 
-# Metadata keys that change what the model computes, and what this engine
-# accepts for each (None: must be absent).
-_REFUSED_IF_PRESENT = (
-    "llama.rope.scaling.type",
-    "llama.rope.scaling.factor",
-    "llama.attention.sliding_window",
-    "llama.expert_count",
-    "llama.attention.layer_norm_epsilon",  # LayerNorm, not RMSNorm
-    "llama.attention.clamp_kqv",
-)
+# The llama.* metadata this engine implements; any other llama.* key (RoPE
+# scaling, sliding windows, experts, LayerNorm, clamping, ...) changes what the
+# model computes and is refused by name rather than ignored.
+_KNOWN_LLAMA_KEYS = {
+    "llama.block_count",
+    "llama.context_length",
+    "llama.embedding_length",
+    "llama.feed_forward_length",
+    "llama.attention.head_count",
+    "llama.attention.head_count_kv",
+    "llama.attention.layer_norm_rms_epsilon",
+    "llama.attention.key_length",  # must equal head_dim (checked)
+    "llama.attention.value_length",
+    "llama.rope.freq_base",
+    "llama.rope.dimension_count",  # must equal head_dim (checked)
+    "llama.vocab_size",
+}
 
 
 @dataclass
@@ -106,8 +113,8 @@ def config_from_gguf(
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise UnsupportedConfig(f"general.architecture={arch!r}: only 'llama' is implemented")
-    for key in _REFUSED_IF_PRESENT:
-        if key in reader.fields:
+    for key in reader.fields:
+        if key.startswith("llama.") and key not in _KNOWN_LLAMA_KEYS:
             raise UnsupportedConfig(f"{key}={_field(reader, key)!r} is not implemented")
 
     def need(key: str) -> Any:
@@ -120,12 +127,14 @@ def config_from_gguf(
     heads = int(need("llama.attention.head_count"))
     kv_heads = int(_field(reader, "llama.attention.head_count_kv") or heads)
     head_dim = dim // heads
-    rope_dims = _field(reader, "llama.rope.dimension_count")
-    if rope_dims is not None and int(rope_dims) != head_dim:
-        raise UnsupportedConfig(
-            f"llama.rope.dimension_count={rope_dims}: partial rotary (head_dim {head_dim}) "
-            "is not implemented"
-        )
+    for key in ("llama.rope.dimension_count", "llama.attention.key_length",
+                "llama.attention.value_length"):  # fmt: skip
+        v = _field(reader, key)
+        if v is not None and int(v) != head_dim:
+            raise UnsupportedConfig(
+                f"{key}={v}: only head_dim = embedding_length / head_count = {head_dim} "
+                "is implemented"
+            )
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = _field(reader, "llama.vocab_size") or (len(tokens.data) if tokens else None)
     if vocab is None:
