@@ -149,14 +149,15 @@ def run_engine(ours, prompts, want_out, backend: str, admission: str, tokens: in
     from kvsched.engine.sampling import SamplingParams
 
     eos = ours.eos_token_id
-    longest = max(len(p) for p in prompts) + tokens
     cfg = dict(block_size=16, max_num_seqs=8, max_batched_tokens=64, max_seq_len=256,
                long_prefill_chunk=32, max_waiting=32, num_blocks=257)  # fmt: skip
     if admission == "overcommit":
-        # Room for about three sequences at their final length: the rest are
-        # preempted and recomputed when pages run out.
-        cfg.update(admission="overcommit", watermark_blocks=0,
-                   num_blocks=3 * -(-longest // 16) + 1, overhead_reserve=0.0)  # fmt: skip
+        # A pool that holds every prompt and little more: as the answers grow,
+        # pages run out and requests are preempted and recomputed.
+        prompt_blocks = sum(-(-len(p) // 16) for p in prompts)
+        longest = max(-(-(len(p) + len(w)) // 16) for p, w in zip(prompts, want_out, strict=True))
+        cfg.update(admission="overcommit", watermark_blocks=0, overhead_reserve=0.0,
+                   num_blocks=max(longest, prompt_blocks) + 2)  # fmt: skip
     eng = Engine.create(ours.config, ours.params, kvsched.SchedulerConfig(**cfg),
                         backend=backend, tokenizer=ours.tokenizer,
                         eos_token_ids=(eos,))  # fmt: skip
@@ -165,7 +166,10 @@ def run_engine(ours, prompts, want_out, backend: str, admission: str, tokens: in
     sched.add_tenant(kvsched.TenantConfig("peer"))
     got_out: dict[int, list[int]] = {}
     order = []
-    first, second = prompts[: (len(prompts) + 1) // 2], prompts[(len(prompts) + 1) // 2 :]
+    # Two waves, so the second finds the system prompt cached (over-commit: one
+    # wave, so the pool is short from the start).
+    half = len(prompts) if admission == "overcommit" else (len(prompts) + 1) // 2
+    first, second = prompts[:half], prompts[half:]
     t0 = time.perf_counter()
     steps = 0
 

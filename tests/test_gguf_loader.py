@@ -121,7 +121,8 @@ def test_a_llama_cpp_layout_file_loads_back_to_the_same_model(tmp_path):
     np.testing.assert_allclose(
         np.asarray(forward_dense(got.params, got.config, tokens)),
         np.asarray(forward_dense(params, MODEL, tokens)),
-        rtol=0, atol=1e-5,
+        rtol=0,
+        atol=1e-5,
     )
 
 

@@ -1,0 +1,28 @@
+"""The real model for tests: SmolLM2-135M-Instruct's GGUF from the per-user cache,
+fetched once; tests skip with the reason when it cannot be fetched."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+
+@functools.cache
+def _load():
+    from kvsched import model_files
+    from kvsched.engine.loaders.gguf_llama import load_gguf
+
+    try:
+        path = model_files.fetch(quiet=True)
+    except model_files.ModelFetchError as e:
+        return None, str(e)
+    return load_gguf(path), None
+
+
+def smollm2():
+    """The loaded GGUFModel (config, params, tokenizer, chat template)."""
+    model, why = _load()
+    if model is None:
+        pytest.skip(f"SmolLM2-135M-Instruct cannot be fetched: {why}")
+    return model
