@@ -299,10 +299,12 @@ def test_no_recompile_across_parameter_values():
     assert jitted._cache_size() == 1
 
 
-def test_all_greedy_skips_the_sort():
-    """The vocabulary sort lives only inside the cond's branches, never at top level."""
+def test_all_greedy_skips_the_filtering():
+    """The top-k / top-p threshold search (a loop over the vocabulary) lives only
+    inside the cond's branches, never at top level; nothing sorts the vocabulary."""
     b = _batch([SamplingParams(temperature=1.0, top_k=3, seed=1)])
     jaxpr = jax.make_jaxpr(partial(sample, num_logprobs=0))(jnp.asarray(_logits(1)), *b.arrays())
     top = {e.primitive.name for e in jaxpr.jaxpr.eqns}
-    assert "cond" in top and "sort" not in top
-    assert "sort" in str(jaxpr)
+    assert "cond" in top and "scan" not in top
+    assert "scan" in str(jaxpr)
+    assert "sort[" not in str(jaxpr) and " sort " not in str(jaxpr)

@@ -222,22 +222,58 @@ def row_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
     return jax.vmap(one)(seeds.astype(jnp.uint32), positions.astype(jnp.int32))
 
 
+def _ordered_bits(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 with the same order (the IEEE sign-magnitude trick), so a
+    threshold can be searched bit by bit instead of sorting."""
+    i = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    return jnp.where(i >> 31 == 1, ~i, i | jnp.uint32(0x80000000))
+
+
+def _largest_threshold(pred, rows: int) -> jax.Array:
+    """Per row, the largest uint32 t with pred(t) true, for a pred that is true at
+    0 and monotonically turns false: 32 halvings, exact."""
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2
+        ok = pred(mid)
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+    lo = jnp.zeros(rows, jnp.uint32)
+    hi = jnp.full(rows, 0xFFFFFFFF, jnp.uint32)
+    lo, _ = jax.lax.fori_loop(0, 32, halve, (lo, hi))
+    return lo
+
+
 def filter_logits(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """Top-k, then top-p on the renormalized top-k distribution; dropped entries
     become -inf. The top token always survives. Filtering is by value threshold, so
-    entries tied with the last kept one are kept too."""
+    entries tied with the last kept one are kept too.
+
+    No sort: each threshold is found by bisection over the values' ordered bit
+    patterns (32 masked passes over the vocabulary), several times cheaper than
+    sorting 49k logits per row on a CPU and exact: the top-k threshold is the k-th
+    largest value, the top-p one the largest value whose at-or-above mass
+    reaches top_p."""
     v = scaled.shape[-1]
-    sorted_desc = -jnp.sort(-scaled, axis=-1)
+    bits = _ordered_bits(scaled)
     k_eff = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
-    in_k = jnp.arange(v)[None, :] < k_eff[:, None]
-    masked = jnp.where(in_k, sorted_desc, -jnp.inf)
-    probs = jax.nn.softmax(masked, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs  # exactly 0 for the top token
-    p = top_p[:, None]
-    keep = in_k & ((p >= 1.0) | (mass_before < p))
-    n_keep = jnp.maximum(jnp.sum(keep, axis=-1), 1)
-    thresh = jnp.take_along_axis(sorted_desc, (n_keep - 1)[:, None], axis=-1)
-    return jnp.where(scaled >= thresh, scaled, -jnp.inf)
+
+    def at_least_k(t):
+        return jnp.sum(bits >= t[:, None], axis=-1) >= k_eff
+
+    rows = scaled.shape[0]
+    k_thresh = _largest_threshold(at_least_k, rows)
+    in_k = bits >= k_thresh[:, None]
+    probs = jax.nn.softmax(jnp.where(in_k, scaled, -jnp.inf), axis=-1)
+
+    def mass_reaches_p(t):
+        return jnp.sum(jnp.where(bits >= t[:, None], probs, 0.0), axis=-1) >= top_p
+
+    p_thresh = _largest_threshold(mass_reaches_p, rows)
+    # top_p >= 1 keeps the whole top-k set (no rounding of the mass can drop one).
+    thresh = jnp.where(top_p >= 1.0, k_thresh, jnp.maximum(k_thresh, p_thresh))
+    return jnp.where(bits >= thresh[:, None], scaled, -jnp.inf)
 
 
 def sample(
