@@ -31,12 +31,37 @@ def test_the_example_engine_accounts_for_every_request_and_never_recompiles():
     import pytest
 
     pytest.importorskip("jax")
-    table = load("engine").main(["--requests", "40", "--seconds", "1.5", "--quiet"])
+    table = load("engine").main(["--model", "tiny", "--requests", "40", "--seconds", "1.5",
+                                 "--quiet"])  # fmt: skip
     run = table.pop("_run")
     ended = sum(row["finished"] + sum(row["rejected"].values()) for row in table.values())
     assert ended == 40
     assert run["programs_after"] == run["programs"], "nothing compiled after warmup"
     assert table["chat"]["cached_share"] > 0.3, "chat's system prompt is served from the cache"
+
+
+def test_the_example_engine_serves_the_real_model_in_real_text():
+    import pytest
+
+    pytest.importorskip("jax")
+    pytest.importorskip("gguf")
+    from smollm2_helpers import smollm2
+
+    smollm2()  # skips with the reason when the model cannot be fetched
+    table = load("engine").main(["--requests", "10", "--seconds", "0.5", "--quiet"])
+    run = table.pop("_run")
+    ended = sum(row["finished"] + sum(row["rejected"].values()) for row in table.values())
+    assert ended == 10, "every request ends finished or refused with a reason"
+    assert run["programs_after"] == run["programs"]
+    texts, labels = run["texts"], run["labels"]
+    assert set(run["ended"]) == set(texts), "every admitted request's stream ended"
+    for rid, (tenant, question) in labels.items():
+        words = texts[rid].split()
+        assert len(words) >= 3, (tenant, question, texts[rid])
+        if "capital of France" in question:
+            assert "Paris" in texts[rid]
+    # digest's stop string ("\n") ends its summaries at the first line break.
+    assert all("\n" not in texts[r] for r, (t, _) in labels.items() if t == "digest")
 
 
 def test_the_gpu_check_script_runs_its_checks_in_the_interpreter():

@@ -1,0 +1,73 @@
+"""The README's code blocks run as written.
+
+Python blocks run in order in one namespace (as a reader pastes them into one
+session). Bash blocks: every `kvsched ...` command runs (through `python -m
+kvsched`, in a scratch directory); the install, test and example commands are
+what `.ci/run` and tests/test_examples.py run themselves, so they are checked
+to be exactly those. `text` blocks are printed output, not commands.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+BLOCK = re.compile(r"^```(\w+)\n(.*?)^```", re.S | re.M)
+# Commands .ci/run or the example tests already run; anything else in a bash
+# block must be a `kvsched` command.
+COVERED = (
+    'pip install -e ".[engine]" && python examples/engine.py',
+    "bash .ci/run",
+    'pip install -e ".[test]"',
+    "cargo test",
+    "python -m pytest",
+    "python -m mypy.stubtest kvsched._core",
+    "KVSCHED_HYPOTHESIS=long python -m pytest",
+)
+
+
+def blocks(lang: str) -> list[str]:
+    return [body for kind, body in BLOCK.findall(README.read_text()) if kind == lang]
+
+
+def commands(body: str) -> list[str]:
+    """Logical lines (continuations joined), comments dropped."""
+    out = []
+    for line in body.replace("\\\n", " ").splitlines():
+        line = re.sub(r"\s+#.*$", "", line).strip()
+        if line and not line.startswith("#"):
+            out.append(line)
+    return out
+
+
+def test_the_readme_has_python_and_bash_blocks():
+    assert len(blocks("python")) >= 2 and len(blocks("bash")) >= 3
+
+
+def test_python_blocks_run_as_written(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {"__name__": "readme"}
+    for body in blocks("python"):
+        exec(compile(body, str(README), "exec"), namespace)  # noqa: S102
+
+
+def test_bash_blocks_are_covered_or_run(tmp_path):
+    pytest.importorskip("matplotlib")
+    ran = 0
+    for body in blocks("bash"):
+        for cmd in commands(body):
+            if cmd.startswith(COVERED):
+                continue
+            assert cmd.startswith("kvsched "), f"a README command no test runs: {cmd!r}"
+            args = shlex.split(cmd)[1:]
+            done = subprocess.run([sys.executable, "-m", "kvsched", *args], cwd=tmp_path,
+                                  capture_output=True, text=True, timeout=600)  # fmt: skip
+            assert done.returncode == 0, f"{cmd}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+            ran += 1
+    assert ran >= 3
