@@ -203,3 +203,41 @@ def test_the_engine_names_its_model_in_the_metrics():
     assert len(eng.checksum) == 16
     other = init_params(MODEL, seed=2)
     assert Engine.create(MODEL, other, eng.scheduler.config).checksum != eng.checksum
+
+
+@pytest.mark.parametrize("backend", ["reference", "pallas"])
+def test_a_packed_cache_generates_like_dense_recompute(backend):
+    """The TPU kernel's layout for narrow heads ([.., kv_heads, 2*head_dim], one
+    [K | V] row per head) is written, read by both backends, and computes the same
+    tokens."""
+    cfg = kvsched.SchedulerConfig(num_blocks=96, block_size=4, max_num_seqs=4,
+                                  max_batched_tokens=32, max_seq_len=96, long_prefill_chunk=8,
+                                  overhead_reserve=0.0)  # fmt: skip
+    eng = Engine.create(MODEL, PARAMS, cfg, backend=backend, kv_layout="packed")
+    assert eng.caches.shape[-2:] == (MODEL.n_kv_heads, 2 * MODEL.head_dim)
+    eng.warmup(progress=False)
+    eng.scheduler.add_tenant(kvsched.TenantConfig("t"))
+    prompts = prompts_with_shared_prefix(seed=7)[:3]
+    assert run(eng, prompts, 6, sequential=True) == [greedy_dense(PARAMS, MODEL, p, 6)
+                                                     for p in prompts]  # fmt: skip
+
+
+def test_the_step_program_does_not_grow_with_depth():
+    """Layers run under lax.scan: a 6-layer model's step program holds the layer
+    body once, as a 2-layer model's does (so warmup does not grow with depth)."""
+    import jax
+
+    def matmuls(n_layers: int) -> int:
+        model = LlamaConfig(**{**MODEL.__dict__, "n_layers": n_layers})
+        cfg = kvsched.SchedulerConfig(num_blocks=32, block_size=4, max_num_seqs=4,
+                                      max_batched_tokens=16, max_seq_len=32)  # fmt: skip
+        eng = Engine.create(model, init_params(model, seed=0), cfg)
+        s = cfg.max_num_seqs
+        args = [np.zeros(16, np.int32)] * 3 + [np.zeros(s + 1, np.int32), np.zeros(s, np.int32),
+                np.zeros((s, 8), np.int32), np.zeros(1, np.int32), np.zeros(s, np.int32),
+                np.zeros(s, np.float32), np.ones(s, np.float32), np.zeros(s, np.int32),
+                np.zeros((s, 2), np.uint32), np.zeros(s, np.int32)]  # fmt: skip
+        text = jax.jit(eng._step.__wrapped__).lower(eng.params, eng.caches, *args).as_text()
+        return text.count("dot_general")
+
+    assert matmuls(6) == matmuls(2)

@@ -72,7 +72,9 @@ def reference_attention(
     rows' pages of values and of scales the same way and dequantizes them to
     float32 before the same math."""
     t, hq, d = q.shape
-    h2 = cache.shape[-2]
+    # K/V heads per token: 2*Hkv rows of D, or Hkv packed [K | V] rows of 2*D (the
+    # same bytes: row-major, the reshape below reads either).
+    h2 = cache.shape[-2] * cache.shape[-1] // d
     hkv = h2 // 2
     g = hq // hkv
     seq, valid = token_seq(inputs.cu_q_lens, inputs.num_seqs, t)

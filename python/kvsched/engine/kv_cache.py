@@ -94,9 +94,14 @@ class KVCacheSpec:
     kv_heads: int
     head_dim: int
     dtype: Any = jnp.float32  # a dtype or its name; "int8" is a QuantizedKV cache
+    # [.., kv_heads, 2*head_dim]: the same bytes, one [K_h | V_h] row per head, the
+    # layout the TPU kernel reads when head_dim is narrower than its 128 lanes.
+    packed: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", _check_dtype(self.dtype))
+        if self.packed and self.quantized:
+            raise UnsupportedKVDtype("an int8 KV cache is not stored packed")
 
     @property
     def quantized(self) -> bool:
@@ -104,6 +109,8 @@ class KVCacheSpec:
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
+        if self.packed:
+            return (self.num_blocks, self.block_size, self.kv_heads, 2 * self.head_dim)
         return (self.num_blocks, self.block_size, 2 * self.kv_heads, self.head_dim)
 
     @property
@@ -181,6 +188,7 @@ def write_kv(
         scales = scales.reshape(nb * bs, h2).at[slot_mapping].set(s, mode="drop")
         return QuantizedKV(values.reshape(nb, bs, h2, d), scales.reshape(nb, bs, h2))
     nb, bs, h2, d = cache.shape
+    kv = kv.reshape(kv.shape[0], h2, d)  # a packed cache: [K_h | V_h] rows, same bytes
     flat = cache.reshape(nb * bs, h2, d)
     flat = flat.at[slot_mapping].set(kv.astype(cache.dtype), mode="drop")
     return flat.reshape(nb, bs, h2, d)
@@ -205,6 +213,7 @@ def write_kv_layer(
         scales = scales.reshape(nl, nb * bs, h2).at[layer, slot_mapping].set(s, mode="drop")
         return QuantizedKV(values.reshape(nl, nb, bs, h2, d), scales.reshape(nl, nb, bs, h2))
     nl, nb, bs, h2, d = caches.shape
+    kv = kv.reshape(kv.shape[0], h2, d)  # a packed cache: [K_h | V_h] rows, same bytes
     flat = caches.reshape(nl, nb * bs, h2, d)
     flat = flat.at[layer, slot_mapping].set(kv.astype(caches.dtype), mode="drop")
     return flat.reshape(nl, nb, bs, h2, d)

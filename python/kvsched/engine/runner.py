@@ -152,14 +152,24 @@ class Engine:
     # weights, or None to look for the one `kvsched eval-kv` saved. "unchecked" is
     # for the evaluation itself only.
     kv_eval: Any = None
+    # "split" ([.., 2*kv_heads, head_dim]), "packed" ([.., kv_heads, 2*head_dim]: the
+    # TPU kernel's layout for heads narrower than 128 lanes) or "auto" (packed for
+    # the Pallas kernel on TPU when head_dim is not a multiple of 128).
+    kv_layout: str = "auto"
     kv_min_agreement: float = kv_eval_mod.MIN_AGREEMENT
     kv_max_logprob_diff: float = kv_eval_mod.MAX_MEAN_ABS_LOGPROB_DIFF
 
     def __post_init__(self) -> None:
         cfg = self.scheduler.config
+        if self.kv_layout not in ("auto", "split", "packed"):
+            raise ValueError(f"kv_layout must be auto, split or packed, not {self.kv_layout!r}")
+        packed = self.kv_layout == "packed" or (
+            self.kv_layout == "auto" and self.backend == "pallas"
+            and jax.default_backend() == "tpu" and self.model.head_dim % 128 != 0
+        )  # fmt: skip
         spec = KVCacheSpec(
             cfg.num_blocks, cfg.block_size, self.model.n_kv_heads, self.model.head_dim,
-            jnp.dtype(self.kv_dtype),
+            jnp.dtype(self.kv_dtype), packed=packed,
         )  # fmt: skip
         self.spec = spec
         self.checksum = weights_checksum(self.params)
