@@ -31,18 +31,6 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain photosynthesis in two sentences.",
-    "List three prime numbers greater than 10.",
-    "Who wrote the play Hamlet?",
-    "What is 17 times 23?",
-    "Give me one tip for sleeping well.",
-    "Translate 'good morning' into Spanish and German.",
-    "Why is the sky blue?",
-    "Write a Python function that reverses a string.",
-]
 AWKWARD = ["1234567890 apples", "naïve café — 你好 🙂", "  leading spaces\n\ttabs", "<|im_end|>"]
 
 
@@ -61,6 +49,7 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kvsched import model_files
+    from kvsched.engine.kv_eval import EVAL_PROMPTS as PROMPTS
     from kvsched.engine.loaders.gguf_llama import load_gguf
     from kvsched.engine.model import forward_dense
 

@@ -131,18 +131,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-EVAL_PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain photosynthesis in two sentences.",
-    "List three prime numbers greater than 10.",
-    "Who wrote the play Hamlet?",
-    "What is 17 times 23?",
-    "Give me one tip for sleeping well.",
-    "Why is the sky blue?",
-]
-
-
 def cmd_fetch_model(args: argparse.Namespace) -> int:
     from kvsched import model_files
 
@@ -161,7 +149,7 @@ def cmd_eval_kv(args: argparse.Namespace) -> int:
 
     gg = load_gguf(model_files.fetch())
     prompts = [gg.encode_chat([{"role": "user", "content": p}])
-               for p in EVAL_PROMPTS[: args.prompts]]  # fmt: skip
+               for p in kv_eval.EVAL_PROMPTS[: args.prompts]]  # fmt: skip
     report = kv_eval.evaluate_kv(
         gg.config, gg.params, prompts, kv_dtype=args.kv_dtype, tokens=args.tokens,
         min_agreement=args.min_agreement, max_mean_abs_logprob_diff=args.max_logprob_diff,

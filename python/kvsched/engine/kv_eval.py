@@ -37,6 +37,21 @@ MIN_AGREEMENT = 0.90
 MAX_MEAN_ABS_LOGPROB_DIFF = 0.05
 
 
+# Real chat prompts for evaluations and peer checks (chat-templated by the caller).
+EVAL_PROMPTS = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis in two sentences.",
+    "List three prime numbers greater than 10.",
+    "Who wrote the play Hamlet?",
+    "What is 17 times 23?",
+    "Give me one tip for sleeping well.",
+    "Translate 'good morning' into Spanish and German.",
+    "Why is the sky blue?",
+    "Write a Python function that reverses a string.",
+)
+
+
 class KVGateError(RuntimeError):
     """A quantized KV dtype was asked for without a passing evaluation."""
 
