@@ -221,6 +221,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     labels: dict[int, tuple[str, str]] = {}
     texts: dict[int, str] = {}
     ended: dict[int, tuple[str, str]] = {}  # request id -> (tenant, finish reason)
+    submitted_at: dict[int, float] = {}
+    first_at: dict[int, float] = {}
+    last_at: dict[int, float] = {}
+    n_tokens: dict[int, int] = {}
     finished = []
     progress = Progress(not args.quiet, n_requests)
     start = time.monotonic()
@@ -234,6 +238,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
                 rid = engine.submit(name, prompt, sp)
                 labels[rid] = (name, label)
                 texts[rid] = ""
+                submitted_at[rid], n_tokens[rid] = time.monotonic(), 0
             except kvsched.Rejected as e:
                 rejected[name][e.reason] = rejected[name].get(e.reason, 0) + 1
         res = engine.step()
@@ -243,8 +248,14 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         steps += 1
         tokens += len(res.events.tokens)
         finished.extend(res.events.finished)
+        stamp = time.monotonic()
         for out in res.outputs:
-            texts[out.request_id] += out.text
+            rid = out.request_id
+            texts[rid] += out.text
+            if out.token_ids:
+                first_at.setdefault(rid, stamp)
+                last_at[rid] = stamp
+                n_tokens[rid] += len(out.token_ids)
             if out.finished:
                 ended[out.request_id] = (labels[out.request_id][0], out.finish_reason)
         progress(sched, steps, len(ended) + sum(sum(r.values()) for r in rejected.values()),
@@ -262,25 +273,26 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
             say(f"[{name}] {label}\n  -> {texts[rid].strip()!r} ({ended[rid][1]})")
         say("")
 
+    # Latencies as a client sees them, from the engine's per-request outputs (a
+    # request a stop string ended has no FinishedRequest); prefix-cache shares
+    # from the core's FinishedRequest where there is one.
     table: dict[str, dict] = {}
-    by_id = {f.request_id: f for f in finished}
     for name in names:
-        mine = [f for f in finished if f.tenant == name]
-        # Requests a stop string ended were cancelled in the core: count them too.
-        stopped = [rid for rid, (t, why) in ended.items() if t == name and rid not in by_id]
-        itl = [(f.finished - f.first_token) / (len(f.output_ids) - 1)
-               for f in mine if len(f.output_ids) > 1]  # fmt: skip
+        mine = [rid for rid, (t, _) in labels.items() if t == name and rid in ended]
+        ttft = [first_at[r] - submitted_at[r] for r in mine if r in first_at]
+        itl = [(last_at[r] - first_at[r]) / (n_tokens[r] - 1) for r in mine if n_tokens[r] > 1]
+        cached = [f for f in finished if f.tenant == name]
         table[name] = {
             "tier": TENANTS[name][0],
-            "finished": len(mine) + len(stopped),
+            "finished": len(mine),
             "rejected": rejected[name],
-            "ttft_p50": percentile([f.ttft for f in mine], 50),
-            "ttft_p99": percentile([f.ttft for f in mine], 99),
+            "ttft_p50": percentile(ttft, 50),
+            "ttft_p99": percentile(ttft, 99),
             "itl_p50": percentile(itl, 50),
             "itl_p99": percentile(itl, 99),
-            "tokens_per_s": sum(len(f.output_ids) for f in mine) / elapsed,
-            "cached_share": sum(f.cached_tokens for f in mine)
-            / max(1, sum(f.prompt_len for f in mine)),
+            "tokens_per_s": sum(n_tokens[r] for r in mine) / elapsed,
+            "cached_share": sum(f.cached_tokens for f in cached)
+            / max(1, sum(f.prompt_len for f in cached)),
         }
     say(f"{n_requests} requests, {steps} steps, {tokens} tokens in {elapsed:.1f} s "
         f"({tokens / elapsed:.1f} tok/s)")  # fmt: skip

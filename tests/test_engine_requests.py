@@ -208,3 +208,34 @@ def test_int8_kv_generates_like_float_kv_on_the_tiny_model():
     want = [greedy_dense(PARAMS, MODEL, p, 10) for p in prompts]
     same = sum(a == b for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True))
     assert same >= 0.6 * 20
+
+
+def test_prompt_ids_outside_the_vocabulary_or_not_integers_are_refused():
+    eng = engine()
+    for bad in ([5, 17, 256], [5, -1], [5.7, 17.2], [[1, 2], [3, 4]]):
+        with pytest.raises(kvsched.InvalidRequest, match="prompt_ids"):
+            eng.submit("t", np.asarray(bad), SamplingParams(max_tokens=2))
+    assert eng.scheduler.live_requests == 0
+
+
+def test_requests_a_drain_hands_back_get_a_final_output():
+    eng = engine()
+    rids = [eng.submit("t", PROMPT, SamplingParams(max_tokens=40)) for _ in range(2)]
+    eng.step(now=1.0)
+    eng.scheduler.drain(1.5)
+    ended = {}
+    for now in (2.0, 2.5, 3.0):
+        res = eng.step(now=now)
+        for o in res.outputs if res else []:
+            if o.finished:
+                ended[o.request_id] = o.finish_reason
+    assert ended == {r: "drain_deadline" for r in rids}, "no stream waits forever"
+    assert eng.step(now=4.0) is None
+    with pytest.raises(kvsched.UnknownRequest):
+        eng.cancel(rids[0])  # already ended, and said so
+
+
+def test_the_int8_gate_refuses_a_report_with_nan_figures():
+    report = kv_eval.KVEvalReport("int8", "abc", "m", 1, 1, float("nan"), float("nan"), 0.0, 0)
+    with pytest.raises(kv_eval.KVGateError, match="fails the gate"):
+        kv_eval.check_gate(report, kv_dtype="int8", checksum="abc")

@@ -232,3 +232,11 @@ def test_a_bias_tensor_is_refused(tmp_path):
     w.close()
     with pytest.raises(UnsupportedConfig, match="attn_q.bias"):
         load_gguf(tmp_path / "bias2.gguf")
+
+
+def test_the_chat_template_has_what_hugging_face_templates_expect():
+    tpl = ("{{ bos_token }}{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}"
+           "{{ m | tojson }}{% endfor %}{{ eos_token }}")  # fmt: skip
+    msgs = [{"role": "user", "content": "café"}, {"role": "user", "content": "two"}]
+    out = render_chat_template(tpl, msgs, bos_token="<s>", eos_token="</s>")
+    assert out == '<s>{"role": "user", "content": "café"}</s>'

@@ -308,3 +308,9 @@ def test_all_greedy_skips_the_filtering():
     assert "cond" in top and "scan" not in top
     assert "scan" in str(jaxpr)
     assert "sort[" not in str(jaxpr) and " sort " not in str(jaxpr)
+
+
+def test_signed_zeros_are_one_value_for_the_thresholds():
+    logits = jnp.asarray([[-0.0, 0.0, -1.0]], jnp.float32)
+    kept = filter_logits(logits, jnp.asarray([1], jnp.int32), jnp.asarray([1.0], jnp.float32))
+    assert np.isfinite(np.asarray(kept)[0, :2]).all(), "a tie at the top is kept whole"

@@ -171,10 +171,12 @@ def paged_attention(
             "supported by the reference backend; the Pallas kernels read float caches "
             "(use backend='reference' or a float32/bfloat16 kv_dtype)"
         )
-    if backend == "pallas" and mesh is None and jax.default_backend() != "gpu":
+    if backend == "pallas" and mesh is None and jax.default_backend() == "tpu":
         from kvsched.engine.pallas_attention import ragged_paged_attention
 
-        # The TPU kernel reads the stacked cache at `layer`: no layer is copied out.
+        # On TPU the kernel reads the stacked cache at `layer`: no layer is copied
+        # out. (The CPU interpreter copies a kernel's whole operands per call, so
+        # there one layer's slice is much cheaper.)
         return ragged_paged_attention(q, cache, inputs, scale=scale, layer=layer, **kw)
     if layer is not None:
         # The GPU kernel and the sharded path take one layer's cache.

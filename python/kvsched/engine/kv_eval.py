@@ -131,9 +131,9 @@ def check_gate(
             f"the KV evaluation is for weights {report.checksum} / {report.kv_dtype}, not "
             f"{checksum} / {kv_dtype}: {how}"
         )
-    if report.greedy_agreement < min_agreement or (
-        report.mean_abs_logprob_diff > max_mean_abs_logprob_diff
-    ):
+    passes = (report.greedy_agreement >= min_agreement
+              and report.mean_abs_logprob_diff <= max_mean_abs_logprob_diff)  # fmt: skip
+    if not passes:  # written so that a NaN figure fails
         raise KVGateError(
             f"kv_dtype={kv_dtype!r} fails the gate: greedy agreement "
             f"{report.greedy_agreement:.3f} (needs >= {min_agreement}), mean |logprob diff| "

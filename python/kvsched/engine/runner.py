@@ -120,6 +120,19 @@ class StepResult:
     outputs: list[RequestOutput] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class _NoEvents:
+    """The events of a step that ran no plan."""
+
+    request_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    finished: tuple = ()
+    preempted: tuple = ()
+
+
+_NO_EVENTS = _NoEvents()
+
+
 @dataclass
 class _Live:
     """Engine-side state of a request submitted through `Engine.submit`."""
@@ -179,6 +192,9 @@ class Engine:
                     f"kv_dtype={self.kv_dtype!r} is read by the reference backend only, "
                     f"not {self.backend!r}"
                 )
+            if isinstance(self.kv_eval, str) and self.kv_eval != "unchecked":
+                raise ValueError(f"kv_eval: a KVEvalReport, None or 'unchecked', not "
+                                 f"{self.kv_eval!r}")  # fmt: skip
             if self.kv_eval != "unchecked":
                 report = self.kv_eval or kv_eval_mod.load_report(self.checksum, self.kv_dtype)
                 self.kv_eval = kv_eval_mod.check_gate(
@@ -265,7 +281,15 @@ class Engine:
             )
         if params.stop and self.tokenizer is None:
             raise kvsched.InvalidRequest("stop: stop strings need a tokenizer on the engine")
-        prompt = np.asarray(prompt_ids, np.int32)
+        prompt = np.asarray(prompt_ids)
+        if prompt.ndim != 1 or (prompt.size and not np.issubdtype(prompt.dtype, np.integer)):
+            raise kvsched.InvalidRequest("prompt_ids: a 1-D sequence of integer token ids")
+        if prompt.size and (prompt.min() < 0 or prompt.max() >= self.model.vocab_size):
+            raise kvsched.InvalidRequest(
+                f"prompt_ids: token ids must be in [0, {self.model.vocab_size}), got "
+                f"{int(prompt.min())}..{int(prompt.max())}"
+            )
+        prompt = prompt.astype(np.int32)
         stop_ids = list(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids += [t for t in self.eos_token_ids if t not in stop_ids]
@@ -281,13 +305,37 @@ class Engine:
 
     def cancel(self, request_id: int) -> RequestOutput | None:
         """Cancel a request; returns its final output (finish_reason "cancelled")
-        when it was submitted through `submit`."""
-        self.scheduler.cancel(request_id)
+        when it was submitted through `submit`. Cancelling one of those that has
+        already left the scheduler (finished this step, handed back by a drain) is
+        not an error: it still gets its one final output."""
         live = self._live.pop(request_id, None)
+        try:
+            self.scheduler.cancel(request_id)
+        except kvsched.UnknownRequest:
+            if live is None:
+                raise
         if live is None:
             return None
-        return RequestOutput(request_id, [], "", None, True, "cancelled", live.prompt_len,
-                             live.generated)  # fmt: skip
+        return self._final(request_id, live, "cancelled")
+
+    def _final(self, rid: int, live: _Live, reason: str) -> RequestOutput:
+        """A request's last output: what its stop-string matcher still held back
+        (nothing matched) and its ending."""
+        text = live.stops.flush() if live.stops is not None else ""
+        return RequestOutput(rid, [], text, None, True, reason, live.prompt_len, live.generated)
+
+    def _orphans(self) -> list[RequestOutput]:
+        """Requests of `submit` the scheduler no longer holds without having said
+        so (a drain's deadline hands them back; a direct `scheduler.cancel`): each
+        gets its final output, "drain_deadline" or "cancelled", so no stream
+        waits forever. Only checked when the scheduler holds nothing."""
+        if not self._live or self.scheduler.live_requests:
+            return []
+        reason = ("drain_deadline" if self.scheduler.lifecycle in ("draining", "drained")
+                  else "cancelled")  # fmt: skip
+        out = [self._final(rid, live, reason) for rid, live in self._live.items()]
+        self._live.clear()
+        return out
 
     def _sampling_batch(self, plan: Any) -> SamplingBatch:
         rids = plan.request_ids.tolist()
@@ -311,15 +359,20 @@ class Engine:
         return np.asarray(out[0])[: len(plan)]
 
     def step(self, now: float | None = None) -> StepResult | None:
-        """One scheduler step through the model; None when nothing can run."""
+        """One scheduler step through the model; None when nothing can run (and
+        no request has an ending to report: requests the scheduler dropped
+        without an event, at a drain deadline, come back once with plan None)."""
         t0 = time.perf_counter()
         plan = self.scheduler.step(now=now)
         if plan is None:
-            return None
+            orphans = self._orphans()
+            if not orphans:
+                return None
+            return StepResult(None, _NO_EVENTS, time.perf_counter() - t0, orphans)
         sampled = self.run_plan(plan)
         events = self.scheduler.commit(plan, sampled, now=now)
         outputs = self._outputs(plan, events, now) if self._live else []
-        return StepResult(plan, events, time.perf_counter() - t0, outputs)
+        return StepResult(plan, events, time.perf_counter() - t0, outputs + self._orphans())
 
     def _outputs(self, plan: Any, events: Any, now: float | None) -> list[RequestOutput]:
         """Per request of this step: new tokens, new text, logprobs, and its ending."""

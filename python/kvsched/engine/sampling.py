@@ -225,7 +225,8 @@ def row_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
 def _ordered_bits(x: jax.Array) -> jax.Array:
     """float32 -> uint32 with the same order (the IEEE sign-magnitude trick), so a
     threshold can be searched bit by bit instead of sorting."""
-    i = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    x = x.astype(jnp.float32) + 0.0  # -0.0 becomes +0.0: equal values, equal bits
+    i = jax.lax.bitcast_convert_type(x, jnp.uint32)
     return jnp.where(i >> 31 == 1, ~i, i | jnp.uint32(0x80000000))
 
 
@@ -293,8 +294,8 @@ def sample(
     sorted best first) with n = num_logprobs (static; 0 gives [S, 0] arrays).
 
     Greedy rows (temperature < GREEDY_EPS) take the exact argmax. When every row is
-    greedy the sampling branch, and the vocabulary sort inside it, never runs; the sort
-    also runs only when some sampled row sets top-k or top-p.
+    greedy the sampling branch never runs; the top-k / top-p threshold search runs
+    only when some sampled row sets top-k or top-p.
     """
     logits = logits.astype(jnp.float32)
     temperature = temperature.astype(jnp.float32)

@@ -76,9 +76,11 @@ class GGUFModel:
         """The conversation as the model was trained to read it."""
         if self.chat_template is None:
             raise UnsupportedConfig("this GGUF file has no tokenizer.chat_template")
+        names = {v: k for k, v in self.special_tokens.items()}
         return render_chat_template(
-            self.chat_template, messages, add_generation_prompt=add_generation_prompt
-        )
+            self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+            bos_token=names.get(self.bos_token_id, ""), eos_token=names.get(self.eos_token_id, ""),
+        )  # fmt: skip
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of the conversation, ready for the assistant's reply."""
@@ -271,10 +273,19 @@ def load_gguf_tokenizer(reader: Any) -> tuple[Any, dict[str, int]]:
 def render_chat_template(
     template: str, messages: list[dict[str, str]], *, add_generation_prompt: bool = True, **kw: Any
 ) -> str:
-    """Render a Hugging Face chat template (Jinja) in a sandbox."""
+    """Render a Hugging Face chat template (Jinja) in a sandbox, with what such
+    templates expect: `{% break %}`/`{% continue %}`, `raise_exception`, a
+    `tojson` that keeps non-ASCII text and key order, and the special tokens the
+    caller passes (`bos_token=`, `eos_token=`)."""
+    import json
+
+    from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols])  # fmt: skip
+    env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False,
+                                                              indent=indent)  # fmt: skip
 
     def raise_exception(msg: str) -> None:
         raise ValueError(f"chat template: {msg}")
