@@ -1,0 +1,278 @@
+"""`AsyncEngine`: an `Engine` behind one background thread, with one async stream
+per request.
+
+The step loop runs on its own thread: it steps while the scheduler holds work
+and sleeps on a condition when there is none (no polling), woken by the next
+submit. `await generate(...)` admits a request at once (a refusal raises
+`kvsched.Rejected` in the caller) and returns a `RequestStream`, an async
+iterator of the request's `RequestOutput`s (new token ids, new text, logprobs)
+ending in exactly one item with `finished=True` and its `finish_reason`.
+Submits come from any thread or event loop: a request is registered with its
+stream in the same critical section that submits it, so no output, not even a
+finish in the very next step, is lost. A consumer that goes away cancels its
+request, which frees its pages: read the stream inside `async with stream:`
+(leaving the block early cancels it), or call `await stream.cancel()`.
+
+`shutdown(deadline_s)` stops admission (the scheduler drains), lets running
+requests finish until the deadline, ends every stream (requests handed back at
+the deadline end with finish_reason "drain_deadline") and writes the checkpoint.
+
+`http_status(rejected)` maps a refusal to the HTTP status and headers a server
+answers with: 429 (rate_limited, tenant_budget, concurrency, pool_full, shed),
+503 (draining, not_ready), 400 (invalid, too_long), 404 (unknown_tenant), with
+`Retry-After` (whole seconds, rounded up) whenever the refusal carries one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import kvsched
+from kvsched.engine.runner import Engine, RequestOutput
+from kvsched.engine.sampling import SamplingParams
+
+_STATUS = {
+    "rate_limited": 429,
+    "tenant_budget": 429,
+    "concurrency": 429,
+    "pool_full": 429,
+    "shed": 429,
+    "draining": 503,
+    "not_ready": 503,
+    "invalid": 400,
+    "too_long": 400,
+    "unknown_tenant": 404,
+}
+
+
+def http_status(exc: kvsched.Rejected) -> tuple[int, dict[str, str]]:
+    """(status, headers) for a refusal; unknown reasons are a 503."""
+    status = _STATUS.get(exc.reason or "", 503)
+    headers = {}
+    if exc.retry_after is not None and math.isfinite(exc.retry_after):
+        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
+    return status, headers
+
+
+class RequestStream:
+    """One request's outputs, as an async iterator (see the module)."""
+
+    def __init__(self, owner: AsyncEngine, request_id: int, prompt_tokens: int,
+                 loop: asyncio.AbstractEventLoop) -> None:  # fmt: skip
+        self._owner = owner
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self._loop = loop
+        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.finished = False
+        self.finish_reason: str | None = None
+
+    def _deliver(self, out: RequestOutput) -> None:
+        """Called on the engine thread."""
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, out)
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            out = await self._queue.get()
+        except asyncio.CancelledError:
+            await self.cancel()  # the consumer went away: free the request
+            raise
+        if out.finished:
+            self.finished, self.finish_reason = True, out.finish_reason
+        return out
+
+    async def aclose(self) -> None:
+        await self.cancel()
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        """Leaving the block before the final output (an error, a cancelled task,
+        a client that disconnected) cancels the request."""
+        await self.cancel()
+
+    async def cancel(self) -> None:
+        """End the request now (its pages are freed); later iteration yields its
+        final output if it has not been read yet."""
+        if not self.finished:
+            self._owner._cancel(self.request_id)
+
+    async def collect(self) -> tuple[list[int], str, RequestOutput]:
+        """Drain the stream: (all token ids, all text, the final output)."""
+        ids: list[int] = []
+        text = []
+        last = None
+        async for out in self:
+            ids += out.token_ids
+            text.append(out.text)
+            last = out
+        assert last is not None
+        return ids, "".join(text), last
+
+
+class AsyncEngine:
+    """An Engine driven by one background thread (see the module)."""
+
+    def __init__(self, engine: Engine, *, checkpoint_path: str | None = None,
+                 idle_recheck_s: float = 0.05) -> None:  # fmt: skip
+        self.engine = engine
+        self.scheduler = engine.scheduler
+        self.tokenizer = engine.tokenizer
+        self.checkpoint_path = checkpoint_path
+        # While requests are live but none can run this instant (nothing today;
+        # kept for time-driven scheduler states), the loop rechecks this often.
+        self._idle_recheck_s = idle_recheck_s
+        self._lock = threading.Lock()  # the engine and the stream table
+        self._wake = threading.Condition(self._lock)
+        self._streams: dict[int, RequestStream] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._error: BaseException | None = None
+        self.steps = 0
+        self.busy_s = 0.0  # wall time spent in engine steps
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def start(self, *, warmup: bool = True) -> None:
+        """Warm the engine up if it is not ready, then start the step loop."""
+        if self._thread is not None:
+            return
+        if warmup and not self.scheduler.ready():
+            self.engine.warmup(progress=False)
+        self._thread = threading.Thread(target=self._run, name="kvsched-engine", daemon=True)
+        self._thread.start()
+
+    def ready(self) -> bool:
+        return self.scheduler.ready() and self._thread is not None and self._error is None
+
+    def live(self) -> bool:
+        return self._error is None and self.scheduler.live()
+
+    async def shutdown(self, deadline_s: float, *, now: float | None = None) -> dict[str, Any]:
+        """Drain: refuse new requests, let running ones finish for `deadline_s`,
+        end every stream, write the checkpoint (if a path was given), stop the
+        loop. Returns what happened."""
+        t0 = time.monotonic() if now is None else now
+        with self._wake:
+            if self.scheduler.lifecycle not in ("draining", "drained"):
+                self.scheduler.drain(t0 + deadline_s)
+            self._wake.notify()
+        while True:
+            with self._lock:
+                done = not self._streams and self.scheduler.live_requests == 0
+            if done or self._error is not None:
+                break
+            await asyncio.sleep(0.01)
+        summary: dict[str, Any] = {"lifecycle": self.scheduler.lifecycle}
+        if self.checkpoint_path is not None:
+            with self._lock:
+                summary["checkpoint"] = self.scheduler.checkpoint(self.checkpoint_path)
+        self.stop()
+        return summary
+
+    def stop(self) -> None:
+        """Stop the loop thread (streams still open are ended as cancelled)."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        with self._lock:
+            for rid in list(self._streams):
+                self._end(rid, "cancelled")
+
+    # -- requests -----------------------------------------------------------------------
+
+    async def generate(
+        self,
+        tenant: str,
+        prompt_ids: Any,
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | bytes | None = None,
+    ) -> RequestStream:
+        """Admit a request; its stream of outputs. Raises kvsched.Rejected (and
+        its subclasses) when it is refused; nothing is admitted then."""
+        if self._error is not None:
+            raise RuntimeError("the engine loop died") from self._error
+        loop = asyncio.get_running_loop()
+        with self._wake:
+            rid = self.engine.submit(tenant, prompt_ids, params, cache_salt=cache_salt)
+            stream = RequestStream(self, rid, len(prompt_ids), loop)
+            self._streams[rid] = stream
+            self._wake.notify()
+        return stream
+
+    def _cancel(self, rid: int) -> None:
+        with self._wake:
+            if rid not in self._streams:
+                return
+            try:
+                final = self.engine.cancel(rid)
+            except kvsched.UnknownRequest:
+                final = None
+            stream = self._streams.pop(rid)
+            stream._deliver(final or RequestOutput(rid, [], "", None, True, "cancelled"))
+
+    def _end(self, rid: int, reason: str) -> None:
+        """Under the lock: end a stream that never got its final output."""
+        stream = self._streams.pop(rid, None)
+        if stream is not None:
+            stream._deliver(RequestOutput(rid, [], "", None, True, reason))
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._wake:
+                    while not self._stopping and not self._has_work():
+                        self._wake.wait()
+                    if self._stopping:
+                        return
+                    t0 = time.perf_counter()
+                    res = self.engine.step()
+                    if res is not None:
+                        self.steps += 1
+                        self.busy_s += time.perf_counter() - t0
+                        for out in res.outputs:
+                            stream = self._streams.get(out.request_id)
+                            if stream is None:
+                                continue
+                            if out.finished:
+                                del self._streams[out.request_id]
+                            stream._deliver(out)
+                    elif self.scheduler.live_requests:
+                        # Live but nothing can run now: wait briefly, unlocked.
+                        self._wake.wait(self._idle_recheck_s)
+                    else:
+                        # Nothing live and no ending reported: a stream left
+                        # open now would wait forever, so end it.
+                        for rid in list(self._streams):
+                            self._end(rid, "cancelled")
+        except BaseException as e:  # noqa: BLE001 - every stream must hear of it
+            self._error = e
+            with self._lock:
+                for rid in list(self._streams):
+                    self._end(rid, "error")
+
+    def _has_work(self) -> bool:
+        return self.scheduler.live_requests > 0 or bool(self._streams)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            st = self.scheduler.stats()
+        st["engine_loop"] = {"steps": self.steps, "busy_s": self.busy_s,
+                             "open_streams": len(self._streams)}  # fmt: skip
+        return st

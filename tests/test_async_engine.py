@@ -1,0 +1,184 @@
+"""AsyncEngine: one step thread, one async stream per request. Streams end with
+exactly one final item, submits from other threads and loops are safe, a
+consumer that leaves frees its request, the loop sleeps when idle, refusals
+map to HTTP, and shutdown ends every stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("jax")
+
+import kvsched  # noqa: E402
+from kvsched.engine.model import LlamaConfig, greedy_dense, init_params  # noqa: E402
+from kvsched.engine.runner import Engine  # noqa: E402
+from kvsched.engine.sampling import SamplingParams  # noqa: E402
+from kvsched.serve import AsyncEngine, http_status  # noqa: E402
+
+MODEL = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                    ffn_dim=128)  # fmt: skip
+PARAMS = init_params(MODEL, seed=1)
+
+
+def make(checkpoint_path=None, **cfg) -> AsyncEngine:
+    base = dict(num_blocks=160, block_size=4, max_num_seqs=4, max_batched_tokens=32,
+                max_seq_len=128, long_prefill_chunk=8, overhead_reserve=0.0,
+                max_waiting=16)  # fmt: skip
+    eng = Engine.create(MODEL, PARAMS, kvsched.SchedulerConfig(**{**base, **cfg}))
+    ae = AsyncEngine(eng, checkpoint_path=checkpoint_path)
+    ae.start()
+    eng.scheduler.add_tenant(kvsched.TenantConfig("t"))
+    return ae
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, 256, int(rng.integers(3, 20))).tolist() for _ in range(n)]
+
+
+def test_concurrent_streams_each_end_once_with_the_models_tokens():
+    ae = make()
+
+    async def main():
+        ps = prompts(8)
+        streams = [await ae.generate("t", p, SamplingParams(max_tokens=6)) for p in ps]
+        results = await asyncio.gather(*(s.collect() for s in streams))
+        return ps, results
+
+    try:
+        ps, results = asyncio.run(main())
+    finally:
+        ae.stop()
+    for p, (ids, _text, last) in zip(ps, results, strict=True):
+        assert ids == greedy_dense(PARAMS, MODEL, p, 6)
+        assert last.finished and last.finish_reason == "length" and last.completion_tokens == 6
+    assert ae.scheduler.live_requests == 0
+
+
+def test_submits_from_other_threads_and_their_own_loops():
+    ae = make()
+    out: dict[int, list[int]] = {}
+
+    def client(i: int) -> None:
+        async def one():
+            s = await ae.generate("t", prompts(1, seed=i)[0], SamplingParams(max_tokens=4))
+            ids, _, _ = await s.collect()
+            out[i] = ids
+
+        asyncio.run(one())
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    ae.stop()
+    assert sorted(out) == list(range(6))
+    for i, ids in out.items():
+        assert ids == greedy_dense(PARAMS, MODEL, prompts(1, seed=i)[0], 4)
+
+
+def test_a_consumer_that_goes_away_frees_its_request():
+    ae = make()
+    free_before = ae.scheduler.stats()["pool"]["free"]
+
+    async def main():
+        s = await ae.generate("t", [1, 2, 3], SamplingParams(max_tokens=120))
+        first = asyncio.Event()
+
+        async def read():
+            async with s:  # leaving the block early cancels the request
+                async for _ in s:
+                    first.set()
+                    await asyncio.sleep(0.05)  # a slow client
+
+        task = asyncio.create_task(read())
+        await first.wait()
+        task.cancel()  # the client disconnected
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(200):
+            if ae.scheduler.live_requests == 0:
+                break
+            await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+    st = ae.scheduler.stats()
+    ae.stop()
+    assert st["running"] == 0 and st["waiting"] == 0
+    assert st["pool"]["free"] + st["pool"]["evictable"] >= free_before
+    assert st["tenants"]["t"]["cancelled"] == 1
+
+
+def test_the_loop_sleeps_when_idle_and_wakes_on_submit():
+    ae = make()
+    time.sleep(0.3)
+    steps = ae.steps
+    time.sleep(0.3)
+    assert ae.steps == steps, "no step runs while nothing is live"
+
+    async def main():
+        s = await ae.generate("t", [1, 2, 3], SamplingParams(max_tokens=3))
+        return await s.collect()
+
+    ids, _, _ = asyncio.run(main())
+    ae.stop()
+    assert len(ids) == 3 and ae.steps > steps
+
+
+def test_refusals_raise_rejected_and_map_to_http():
+    ae = make(max_waiting=0, max_num_seqs=1)
+
+    async def main():
+        first = await ae.generate("t", [1, 2, 3], SamplingParams(max_tokens=50))
+        with pytest.raises(kvsched.Rejected) as e:
+            await ae.generate("t", [4, 5, 6], SamplingParams(max_tokens=5))
+        await first.cancel()
+        return e.value
+
+    err = asyncio.run(main())
+    ae.stop()
+    assert err.reason == "concurrency"
+    status, _headers = http_status(err)
+    assert status == 429
+    cases = {"rate_limited": 429, "tenant_budget": 429, "pool_full": 429, "shed": 429,
+             "draining": 503, "not_ready": 503, "invalid": 400, "too_long": 400,
+             "unknown_tenant": 404}  # fmt: skip
+    for reason, code in cases.items():
+        exc = kvsched.Rejected("x")
+        exc.reason, exc.retry_after = reason, 2.2
+        assert http_status(exc) == (code, {"Retry-After": "3"})
+    exc = kvsched.Rejected("x")
+    exc.reason, exc.retry_after = "too_long", None
+    assert http_status(exc) == (400, {})
+
+
+def test_shutdown_ends_every_stream_and_writes_the_checkpoint(tmp_path):
+    path = tmp_path / "ckpt.jsonl"
+    ae = make(checkpoint_path=str(path))
+
+    async def main():
+        short = await ae.generate("t", [1, 2, 3], SamplingParams(max_tokens=2))
+        longs = [await ae.generate("t", p, SamplingParams(max_tokens=100)) for p in prompts(2)]
+        ids, _, _ = await short.collect()
+        assert len(ids) == 2
+        firsts = [await s.__anext__() for s in longs]  # both are running
+        summary = await ae.shutdown(0.0)  # the deadline is now: hand the rest back
+        with pytest.raises(kvsched.Rejected) as e:
+            await ae.generate("t", [1], SamplingParams(max_tokens=1))
+        finals = [(await s.collect())[2] for s in longs]
+        assert all(not f.finished for f in firsts)
+        return summary, finals, e.value
+
+    summary, finals, refused = asyncio.run(main())
+    assert refused.reason == "draining"
+    assert [f.finish_reason for f in finals] == ["drain_deadline"] * 2
+    assert summary["lifecycle"] == "drained"
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    assert records, "the checkpoint holds what was handed back"
