@@ -76,3 +76,38 @@ def test_the_gpu_check_script_runs_its_checks_in_the_interpreter():
     spec.loader.exec_module(module)
     out = module.main(["--interpret"])
     assert out["ran"] and out["ok"] and out["max_error"] < 1e-2
+
+
+def test_the_embedding_example_streams_real_answers_over_its_socket():
+    import asyncio
+
+    import pytest
+
+    pytest.importorskip("jax")
+    pytest.importorskip("gguf")
+    from smollm2_helpers import smollm2
+
+    smollm2()  # skips with the reason when the model cannot be fetched
+    example = load("embed_async")
+    ae, gg = example.build("smollm2")
+
+    async def talk() -> list[str]:
+        server = await example.serve(ae, gg, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        answers = []
+        for q in ("What is the capital of France?", "Name a colour."):
+            writer.write(q.encode() + b"\n")
+            answers.append((await asyncio.wait_for(reader.readuntil(b"\n\n"), 60)).decode())
+        writer.close()
+        server.close()
+        await server.wait_closed()
+        return answers
+
+    try:
+        answers = asyncio.run(talk())
+    finally:
+        ae.stop()
+    assert "Paris" in answers[0]
+    assert len(answers[1].split()) >= 1
+    assert ae.scheduler.live_requests == 0
