@@ -116,8 +116,9 @@ class RequestOutput:
 class StepResult:
     plan: Any
     events: Any
-    seconds: float
+    seconds: float  # the whole step: plan, model, commit, outputs
     outputs: list[RequestOutput] = field(default_factory=list)
+    model_seconds: float = 0.0  # of which the jitted model step and sampling
 
 
 @dataclass(frozen=True)
@@ -369,10 +370,13 @@ class Engine:
             if not orphans:
                 return None
             return StepResult(None, _NO_EVENTS, time.perf_counter() - t0, orphans)
+        t_model = time.perf_counter()
         sampled = self.run_plan(plan)
+        t_model = time.perf_counter() - t_model
         events = self.scheduler.commit(plan, sampled, now=now)
         outputs = self._outputs(plan, events, now) if self._live else []
-        return StepResult(plan, events, time.perf_counter() - t0, outputs + self._orphans())
+        return StepResult(plan, events, time.perf_counter() - t0, outputs + self._orphans(),
+                          t_model)  # fmt: skip
 
     def _outputs(self, plan: Any, events: Any, now: float | None) -> list[RequestOutput]:
         """Per request of this step: new tokens, new text, logprobs, and its ending."""

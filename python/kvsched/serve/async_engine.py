@@ -141,6 +141,7 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self.steps = 0
         self.busy_s = 0.0  # wall time spent in engine steps
+        self.model_s = 0.0  # of which in the model (the rest: scheduling, text, Python)
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -246,6 +247,7 @@ class AsyncEngine:
                     if res is not None:
                         self.steps += 1
                         self.busy_s += time.perf_counter() - t0
+                        self.model_s += res.model_seconds
                         for out in res.outputs:
                             stream = self._streams.get(out.request_id)
                             if stream is None:
@@ -273,6 +275,6 @@ class AsyncEngine:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             st = self.scheduler.stats()
-        st["engine_loop"] = {"steps": self.steps, "busy_s": self.busy_s,
+        st["engine_loop"] = {"steps": self.steps, "busy_s": self.busy_s, "model_s": self.model_s,
                              "open_streams": len(self._streams)}  # fmt: skip
         return st
