@@ -226,3 +226,26 @@ class SchedulerCollector(Collector):
             )  # fmt: skip
             info.add_metric([self.model[k] for k in sorted(self.model)], 1.0)
             yield info
+
+
+class EngineLoopCollector(Collector):
+    """The serving loop's own time (kvsched.serve.AsyncEngine), read at scrape:
+    steps, seconds inside engine steps, and of those seconds the model's. The
+    difference is what scheduling, detokenization and Python cost per step."""
+
+    def __init__(self, loop: Any) -> None:
+        self._loop = loop
+
+    def collect(self) -> Iterator[Metric]:
+        loop = self._loop
+        yield CounterMetricFamily(
+            "kvsched_engine_steps", "Engine steps run by the loop.", value=loop.steps
+        )
+        yield CounterMetricFamily(
+            "kvsched_engine_step_seconds", "Wall seconds inside engine steps.", value=loop.busy_s
+        )
+        yield CounterMetricFamily(
+            "kvsched_engine_model_seconds",
+            "Of the step seconds, those in the jitted model step and sampling.",
+            value=loop.model_s,
+        )
