@@ -182,3 +182,28 @@ def test_shutdown_ends_every_stream_and_writes_the_checkpoint(tmp_path):
     assert summary["lifecycle"] == "drained"
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     assert records, "the checkpoint holds what was handed back"
+
+
+def test_the_loop_reports_its_step_and_model_time_to_prometheus():
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvsched.metrics import EngineLoopCollector
+
+    ae = make()
+
+    async def main():
+        s = await ae.generate("t", [1, 2, 3], SamplingParams(max_tokens=5))
+        await s.collect()
+
+    asyncio.run(main())
+    ae.stop()
+    registry = CollectorRegistry()
+    registry.register(EngineLoopCollector(ae))
+    from prometheus_client import generate_latest
+
+    values = {s.name: s.value for f in text_string_to_metric_families(generate_latest(registry)
+              .decode()) for s in f.samples}  # fmt: skip
+    assert values["kvsched_engine_steps_total"] == ae.steps >= 5
+    assert 0 < values["kvsched_engine_model_seconds_total"] <= values[
+        "kvsched_engine_step_seconds_total"]  # fmt: skip
