@@ -40,6 +40,22 @@ pub struct Capacity {
     pub shed_retry_after: f64,
 }
 
+/// What must end before a request refused for capacity could pass. The
+/// scheduler turns it into a `retry_after` from what is running (see
+/// `Scheduler::room_wait`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Room {
+    /// The tenant's reservations must shrink by this many blocks (its cap).
+    TenantBlocks(usize),
+    /// The tenant's live requests must shrink by this many (its max_concurrent).
+    TenantRequests(usize),
+    /// The scheduler's live requests must shrink by this many.
+    Requests(usize),
+    /// The pool must make room for `blocks` more blocks of this tenant, of
+    /// which `shared` (its own pages already held, counted once) cost nothing.
+    Pool { blocks: usize, shared: usize },
+}
+
 /// A decision to admit: what to charge.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Admission {
@@ -120,6 +136,10 @@ pub fn check_request(
 /// of the request's prefix-cache hits are pages of the tenant's own namespace
 /// that another of its requests already holds: the tenant's cap counts those
 /// pages again, the pool does not.
+///
+/// `room_wait` is asked (at most once) for the `retry_after` of a refusal for
+/// capacity that can pass once something ends (tenant_budget, concurrency,
+/// pool_full); refusals that can never pass carry None.
 pub fn decide(
     tenant: &Tenant,
     cap: &Capacity,
@@ -127,6 +147,7 @@ pub fn decide(
     max_tokens: usize,
     now: f64,
     shared_hits: impl FnOnce() -> usize,
+    room_wait: impl FnOnce(Room) -> Option<f64>,
 ) -> Result<Admission, Rejection> {
     use RejectReason::*;
     let name = &tenant.config.name;
@@ -171,10 +192,15 @@ pub fn decide(
     };
     if held + blocks > tenant_cap {
         let never = blocks > tenant_cap;
+        let wait = if never {
+            None
+        } else {
+            room_wait(Room::TenantBlocks(held + blocks - tenant_cap))
+        };
         return Err(reject(
             tenant,
             TenantBudget,
-            None,
+            wait,
             if never {
                 format!("request needs {blocks} blocks, more than tenant {name:?}'s cap of {tenant_cap}")
             } else {
@@ -203,19 +229,21 @@ pub fn decide(
 
     if let Some(max) = tenant.config.max_concurrent {
         if tenant.live_requests >= max {
+            let excess = (tenant.live_requests - max) as usize + 1;
             return Err(reject(
                 tenant,
                 Concurrency,
-                None,
+                room_wait(Room::TenantRequests(excess)),
                 format!("tenant {name:?} has {max} live request(s), its limit"),
             ));
         }
     }
     if cap.live_requests >= cap.max_live_requests {
+        let excess = cap.live_requests - cap.max_live_requests + 1;
         return Err(reject(
             tenant,
             Concurrency,
-            None,
+            room_wait(Room::Requests(excess)),
             format!(
                 "the scheduler holds {} live requests, its limit",
                 cap.live_requests
@@ -236,7 +264,7 @@ pub fn decide(
         return Err(reject(
             tenant,
             PoolFull,
-            None,
+            room_wait(Room::Pool { blocks, shared }),
             format!(
                 "request needs {blocks} blocks; {free_now} of {} usable blocks are unpromised",
                 cap.usable_blocks

@@ -64,8 +64,12 @@ impl fmt::Display for RejectReason {
     }
 }
 
-/// A refused request: the reason, when it is worth retrying (seconds, where that
-/// is knowable), and a sentence for the log.
+/// A refused request: the reason, when it is worth retrying (seconds), and a
+/// sentence for the log. `retry_after` is None only where a retry cannot pass
+/// as things stand: unknown_tenant, invalid, too_long, a request over its
+/// tenant's cap or rate burst (or, over-committed, over the pool), and a
+/// capacity refusal whose room not even every running request ending would
+/// make (see `Scheduler::room_wait`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Rejection {
     pub reason: RejectReason,

@@ -9,10 +9,17 @@
 //! the reservation as the KV grows.
 //!
 //! One engine step is `step()` (plan) then `commit()` (the sampled tokens).
+//!
+//! Every admitted request ends exactly once, with one `FinishedRequest`: a
+//! commit finishes it (length, stop token), or the caller ends it (`cancel`,
+//! `stop`), or the drain's deadline hands it back. Those ended outside a
+//! commit are queued and delivered once, by the next commit's `finished` or
+//! by `take_finished`, whichever comes first.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 
+pub use crate::admission::Room;
 use crate::admission::{self, Capacity};
 use crate::buckets::TokenBuckets;
 use crate::error::{KvError, KvResult, RejectReason, Rejection};
@@ -74,6 +81,10 @@ pub struct SchedulerConfig {
     /// Start cold: refuse requests (`not_ready`) until the engine has warmed up
     /// and calls `mark_ready`. False: ready at once (no engine to wait for).
     pub require_warmup: bool,
+    /// Seconds of `retry_after` given where nothing better is known: to refusals
+    /// while not ready or draining, and to capacity refusals (pool_full,
+    /// tenant_budget, concurrency) before a step rate has been measured. Live.
+    pub retry_after_hint_s: f64,
 }
 
 /// A 128-bit secret that never shows in Debug output.
@@ -105,6 +116,7 @@ impl Default for SchedulerConfig {
             prefix_cache_key: None,
             ladder: LadderConfig::off(),
             require_warmup: false,
+            retry_after_hint_s: 1.0,
         }
     }
 }
@@ -134,6 +146,9 @@ impl SchedulerConfig {
         if self.long_prefill_chunk == 0 {
             return bad("long_prefill_chunk must be at least 1");
         }
+        if !(self.retry_after_hint_s.is_finite() && self.retry_after_hint_s >= 0.0) {
+            return bad("retry_after_hint_s must be a non-negative number");
+        }
         self.buckets()?;
         self.ladder.validate()?;
         Ok(())
@@ -162,12 +177,20 @@ impl SchedulerConfig {
     }
 }
 
+/// How a request ended. Every admitted request ends exactly once, with one
+/// `FinishedRequest` carrying one of these.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FinishReason {
     /// max_tokens reached.
     Length,
-    /// A stop token was sampled (it is part of the output).
+    /// A stop token was sampled (it is part of the output), or the host ended
+    /// it with `Scheduler::stop` (it matched a stop string in the text).
     Stop,
+    /// Cancelled by the caller (`cancel`); its output is what it had generated.
+    Cancelled,
+    /// Still unfinished when the drain's deadline came: handed back (see
+    /// `checkpoint`) with what it had generated.
+    DrainDeadline,
 }
 
 impl FinishReason {
@@ -175,7 +198,15 @@ impl FinishReason {
         match self {
             FinishReason::Length => "length",
             FinishReason::Stop => "stop",
+            FinishReason::Cancelled => "cancelled",
+            FinishReason::DrainDeadline => "drain_deadline",
         }
+    }
+
+    /// Counted as finished (per-tenant `finished`, the e2e histogram), not as
+    /// cancelled.
+    pub fn is_finished(self) -> bool {
+        matches!(self, FinishReason::Length | FinishReason::Stop)
     }
 }
 
@@ -389,7 +420,9 @@ fn lookup_prefix(
     }
 }
 
-/// A finished request, with its output and timings (seconds, from `now` values).
+/// A request's terminal event: how it ended, its output (the tokens generated
+/// until then) and timings (seconds, from `now` values). `first_scheduled` and
+/// `first_token` are `finished` for a request that ended before it got there.
 #[derive(Clone, Debug, PartialEq)]
 pub struct FinishedRequest {
     pub id: u64,
@@ -431,6 +464,10 @@ pub struct CommitEvents {
     /// Requests that got a new token, in plan order, and the token.
     pub request_ids: Vec<u64>,
     pub tokens: Vec<i32>,
+    /// Terminal events: first those of requests ended outside a commit since
+    /// the last delivery (cancel, stop, the drain deadline; see
+    /// `Scheduler::take_finished`), in the order they ended, then the requests
+    /// this commit finished, in plan order.
     pub finished: Vec<FinishedRequest>,
     /// Requests preempted by the step this commit closes.
     pub preempted: Vec<u64>,
@@ -521,6 +558,30 @@ pub struct SchedulerStats {
     pub preemptions: u64,
 }
 
+/// Gaps between productive steps kept for the step-rate estimate.
+const STEP_GAP_WINDOW: usize = 32;
+
+/// A growable set of request ids, one bit each (ids are dense from 1).
+#[derive(Clone, Debug, Default)]
+struct IdSet {
+    words: Vec<u64>,
+}
+
+impl IdSet {
+    fn insert(&mut self, id: u64) {
+        let (w, b) = ((id / 64) as usize, id % 64);
+        if w >= self.words.len() {
+            self.words.resize(w + 1, 0);
+        }
+        self.words[w] |= 1 << b;
+    }
+
+    fn contains(&self, id: u64) -> bool {
+        let (w, b) = ((id / 64) as usize, id % 64);
+        self.words.get(w).is_some_and(|x| x & (1 << b) != 0)
+    }
+}
+
 /// Hands each scheduler a distinct range of step ids, so a plan can only be
 /// committed to the scheduler that made it.
 static INSTANCES: AtomicU64 = AtomicU64::new(1);
@@ -569,6 +630,17 @@ pub struct Scheduler {
     handed_back: Vec<InFlight>,
     last_step_at: Option<f64>,
     step_gap: Histogram,
+    /// Terminal events of requests ended outside a commit (cancel, stop, the
+    /// drain deadline), each delivered once: by the next commit or `take_finished`.
+    ended: Vec<FinishedRequest>,
+    /// Requests the caller ended (cancel, stop): ending one again is an error.
+    caller_ended: IdSet,
+    /// The latest `now` any call passed (`cancel` takes none).
+    clock: f64,
+    /// Recent gaps between consecutive step() calls that both made a plan.
+    step_gaps: VecDeque<f64>,
+    /// When the last step() made a plan (None: it ran nothing).
+    last_plan_at: Option<f64>,
 }
 
 impl Scheduler {
@@ -623,6 +695,11 @@ impl Scheduler {
             handed_back: Vec::new(),
             last_step_at: None,
             step_gap: Histogram::default(),
+            ended: Vec::new(),
+            caller_ended: IdSet::default(),
+            clock: f64::NEG_INFINITY,
+            step_gaps: VecDeque::with_capacity(STEP_GAP_WINDOW),
+            last_plan_at: None,
             config,
         })
     }
@@ -798,8 +875,10 @@ impl Scheduler {
             .collect()
     }
 
-    /// At the drain deadline: hand back every unfinished request.
-    fn hand_back_all(&mut self) {
+    /// At the drain deadline (`now`): hand back every unfinished request, each
+    /// with a terminal event (reason `DrainDeadline`, the tokens so far) and a
+    /// record for the checkpoint. Counted as cancelled.
+    fn hand_back_all(&mut self, now: f64) {
         let mut ids: Vec<u64> = self.index.keys().copied().collect();
         ids.sort_unstable();
         for id in ids {
@@ -808,8 +887,27 @@ impl Scheduler {
             let req = self.release(slab);
             self.tenants.get_mut(req.tenant).counters.cancelled += 1;
             self.handed_back.push(record);
+            let ended = self.finished_record(&req, FinishReason::DrainDeadline, now);
+            self.ended.push(ended);
         }
         self.lifecycle = Lifecycle::Drained;
+    }
+
+    /// The terminal event of `req` (released) ending at `now` for `reason`.
+    fn finished_record(&self, req: &Request, reason: FinishReason, now: f64) -> FinishedRequest {
+        FinishedRequest {
+            id: req.id,
+            tenant: self.tenants.get(req.tenant).config.name.clone(),
+            reason,
+            prompt_len: req.prompt_len,
+            output: req.output().to_vec(),
+            arrival: req.arrival,
+            first_scheduled: req.first_scheduled.unwrap_or(now),
+            first_token: req.first_token.unwrap_or(now),
+            finished: now,
+            preemptions: req.preemptions,
+            cached_tokens: req.cached_tokens,
+        }
     }
 
     // -- live knobs ---------------------------------------------------------------
@@ -1019,7 +1117,7 @@ impl Scheduler {
             self.rejected[reason.index()] += 1;
             return Err(KvError::rejected(
                 reason,
-                None,
+                Some(self.config.retry_after_hint_s),
                 Some(tenant),
                 why.to_owned(),
             ));
@@ -1122,6 +1220,7 @@ impl Scheduler {
                         .count();
                     *newly_shared
                 },
+                |room| self.room_wait(tid, room),
             )
         };
         let admit = match decision {
@@ -1174,6 +1273,7 @@ impl Scheduler {
 
         let id = self.next_id;
         self.next_id += 1;
+        self.clock = self.clock.max(now);
         let mut tokens = Vec::with_capacity(prompt.len() + max_tokens);
         tokens.extend_from_slice(prompt);
         tokens.extend_from_slice(restored);
@@ -1225,17 +1325,91 @@ impl Scheduler {
         Ok(id)
     }
 
-    /// Drop a request wherever it is; pages and reservation go back at once.
-    /// A plan already handed out may still list it: its commit skips it.
+    /// Drop a live request wherever it is; pages and reservation go back at
+    /// once. A plan already handed out may still list it: its commit skips it.
+    /// Its terminal event (`Cancelled`, the tokens so far, ended at the latest
+    /// `now` this scheduler was given) is queued (see `take_finished`).
+    /// UnknownRequest for any id that is not live: the strict form of
+    /// `cancel_at`, which tells a request that already ended apart.
     pub fn cancel(&mut self, id: u64) -> KvResult<Request> {
-        let &slab = self.index.get(&id).ok_or(KvError::UnknownRequest(id))?;
+        let now = self.clock.max(self.request(id)?.arrival);
+        self.end_by_caller(id, FinishReason::Cancelled, now)?
+            .ok_or(KvError::UnknownRequest(id))
+    }
+
+    /// Cancel request `id` at `now` (see `cancel`): Ok(true) when it was live
+    /// and is now cancelled, with a terminal event `Cancelled` queued;
+    /// Ok(false) when it already ended on its own (finished in a commit, or
+    /// handed back at the drain deadline): its terminal event exists, nothing
+    /// changes, so a cancel racing the end of a request is not an error.
+    /// UnknownRequest for an id never issued, or one the caller already ended
+    /// (cancel or stop twice is a bug in the caller).
+    pub fn cancel_at(&mut self, id: u64, now: f64) -> KvResult<bool> {
+        Ok(self
+            .end_by_caller(id, FinishReason::Cancelled, now)?
+            .is_some())
+    }
+
+    /// End request `id` at `now` as finished, reason `Stop`: the host matched a
+    /// stop string in its detokenized text. Counted as finished (not
+    /// cancelled), its e2e latency observed; its terminal event (the tokens so
+    /// far) is queued like a cancel's. Returns as `cancel_at` does: true when
+    /// it was live, false when it already ended on its own; UnknownRequest for
+    /// an id never issued or one the caller already ended.
+    pub fn stop(&mut self, id: u64, now: f64) -> KvResult<bool> {
+        Ok(self.end_by_caller(id, FinishReason::Stop, now)?.is_some())
+    }
+
+    /// End live request `id` for `reason` (Cancelled or Stop) at `now`:
+    /// release it, count it, queue its terminal event. Ok(None) for an id
+    /// issued and already ended on its own; nothing changes then.
+    fn end_by_caller(
+        &mut self,
+        id: u64,
+        reason: FinishReason,
+        now: f64,
+    ) -> KvResult<Option<Request>> {
+        let Some(&slab) = self.index.get(&id) else {
+            if id == 0 || id >= self.next_id || self.caller_ended.contains(id) {
+                return Err(KvError::UnknownRequest(id));
+            }
+            return Ok(None);
+        };
+        self.clock = self.clock.max(now);
         let req = self.release(slab);
-        self.tenants.get_mut(req.tenant).counters.cancelled += 1;
-        if self.lifecycle == Lifecycle::Draining && self.index.is_empty() && self.pending.is_none()
-        {
-            self.lifecycle = Lifecycle::Drained;
+        let record = self.finished_record(&req, reason, now);
+        let t = self.tenants.get_mut(req.tenant);
+        if reason.is_finished() {
+            t.counters.finished += 1;
+            t.metrics.e2e.observe(now - req.arrival);
+        } else {
+            t.counters.cancelled += 1;
         }
-        Ok(req)
+        self.caller_ended.insert(id);
+        if self.lifecycle == Lifecycle::Draining {
+            if reason.is_finished() {
+                self.drain_finished.push(record.clone());
+            }
+            if self.index.is_empty() && self.pending.is_none() {
+                self.lifecycle = Lifecycle::Drained;
+            }
+        }
+        self.ended.push(record);
+        Ok(Some(req))
+    }
+
+    /// Terminal events of requests ended outside a commit (cancel, stop, the
+    /// drain deadline) not yet delivered, in the order they ended. Each
+    /// terminal event is delivered exactly once: by whichever comes first of
+    /// this call and the next successful `commit` (in its `finished`). A loop
+    /// whose `step` returned None (nothing to run) calls this.
+    pub fn take_finished(&mut self) -> Vec<FinishedRequest> {
+        std::mem::take(&mut self.ended)
+    }
+
+    /// Terminal events waiting for delivery (see `take_finished`).
+    pub fn pending_finished(&self) -> usize {
+        self.ended.len()
     }
 
     // -- the ladder and events ----------------------------------------------------
@@ -1498,6 +1672,98 @@ impl Scheduler {
         preempted.push(id);
     }
 
+    /// Steps until running request `r` ends by itself, no stop token assumed:
+    /// each step gives it one token, or one prefill chunk.
+    fn steps_left(&self, r: &Request) -> usize {
+        r.max_tokens.saturating_sub(r.generated())
+            + r.need().saturating_sub(1) / self.config.long_prefill_chunk
+    }
+
+    /// The measured step period: the median gap (in `now` seconds) between
+    /// the last 32 pairs of consecutive `step()` calls that both made a plan.
+    /// None until one is measured.
+    pub fn step_period(&self) -> Option<f64> {
+        if self.step_gaps.is_empty() {
+            return None;
+        }
+        let mut gaps: Vec<f64> = self.step_gaps.iter().copied().collect();
+        gaps.sort_unstable_by(f64::total_cmp);
+        Some(gaps[gaps.len() / 2])
+    }
+
+    /// `retry_after` of a request of tenant `tid` refused for capacity: an
+    /// estimate of when enough of what runs now ends for `room` to be made.
+    ///
+    /// A running request r ends in
+    ///   steps(r) = (max_tokens - generated) + (uncomputed prompt tokens - 1) / long_prefill_chunk
+    /// steps (every running sequence gets one token, or one prefill chunk, a
+    /// step; stop tokens are not foreseen). The running requests that hold
+    /// the room (the tenant's own for tenant_budget and a tenant's
+    /// max_concurrent, all for the pool and the scheduler's concurrency) are
+    /// taken in order of steps(r), releasing their reservations (the pool's
+    /// count recomputed with floors) or their slot, until the request would
+    /// fit; with k the steps(r) of the last one taken,
+    ///   retry_after = k * step_period
+    /// (`step_period`), or `retry_after_hint_s` when no step period is
+    /// measured yet. None when all the running requests ending would still
+    /// not make room (it is held by requests that have not started running):
+    /// nothing measured says when it frees.
+    pub fn room_wait(&self, tid: TenantId, room: Room) -> Option<f64> {
+        let own = matches!(room, Room::TenantBlocks(_) | Room::TenantRequests(_));
+        let mut ends: Vec<(usize, u64, TenantId, usize)> = self
+            .running
+            .iter()
+            .map(|&s| self.req(s))
+            .filter(|r| !own || r.tenant == tid)
+            .map(|r| (self.steps_left(r), r.id, r.tenant, r.reserved_blocks))
+            .collect();
+        ends.sort_unstable();
+        let steps = match room {
+            Room::TenantRequests(n) | Room::Requests(n) => ends.get(n.checked_sub(1)?)?.0,
+            Room::TenantBlocks(blocks) => {
+                let mut freed = 0;
+                ends.iter()
+                    .find(|e| {
+                        freed += e.3;
+                        freed >= blocks
+                    })?
+                    .0
+            }
+            Room::Pool { blocks, shared } => {
+                // Each tenant's footprint as admission counts it, less `released`
+                // of its reservations; the asking tenant's with this request added.
+                let footprint = |u: TenantId, released: usize| {
+                    let t = self.tenants.get(u);
+                    let reserved = t.reserved_blocks - released;
+                    let held = if u == tid {
+                        (reserved + blocks).saturating_sub(shared)
+                    } else {
+                        reserved.saturating_sub(t.shared_blocks)
+                    };
+                    held.max(t.config.kv_floor_blocks)
+                };
+                let usable = self.usable_blocks();
+                let mut released = vec![0usize; self.tenants.slots_len()];
+                let mut committed: usize = self.tenants.iter().map(|(u, _)| footprint(u, 0)).sum();
+                let mut fits_at = None;
+                for &(steps, _, u, r) in &ends {
+                    let before = footprint(u, released[u]);
+                    released[u] += r;
+                    committed = committed - before + footprint(u, released[u]);
+                    if committed <= usable {
+                        fits_at = Some(steps);
+                        break;
+                    }
+                }
+                fits_at?
+            }
+        };
+        Some(match self.step_period() {
+            Some(period) => steps as f64 * period,
+            None => self.config.retry_after_hint_s,
+        })
+    }
+
     /// The running sequence to preempt: lowest tier, most recently admitted;
     /// only of a tier strictly below `below_tier` when given.
     fn victim(&self, below_tier: Option<u32>) -> Option<usize> {
@@ -1683,8 +1949,9 @@ impl Scheduler {
             self.step_gap.observe((now - last).max(0.0));
         }
         self.last_step_at = Some(now);
+        self.clock = self.clock.max(now);
         if self.lifecycle == Lifecycle::Draining && now >= self.drain_deadline {
-            self.hand_back_all();
+            self.hand_back_all(now);
         }
         if self.lifecycle == Lifecycle::Draining && self.index.is_empty() {
             self.lifecycle = Lifecycle::Drained;
@@ -1779,6 +2046,7 @@ impl Scheduler {
         if q_lens.is_empty() {
             // Preemptions of a step that runs nothing are reported with the next plan.
             self.unreported_preempted.extend(preempted);
+            self.last_plan_at = None;
             return Ok(None);
         }
         if !self.unreported_preempted.is_empty() {
@@ -1846,6 +2114,17 @@ impl Scheduler {
             }
         }
 
+        // The step rate: gaps between consecutive steps that both ran something.
+        if let Some(prev) = self.last_plan_at {
+            let gap = now - prev;
+            if gap > 0.0 {
+                if self.step_gaps.len() == STEP_GAP_WINDOW {
+                    self.step_gaps.pop_front();
+                }
+                self.step_gaps.push_back(gap);
+            }
+        }
+        self.last_plan_at = Some(now);
         let step_id = (self.instance << STEP_ID_BITS) | (self.steps % (1 << STEP_ID_BITS));
         self.steps += 1;
         self.pending = Some(Pending {
@@ -1926,7 +2205,9 @@ impl Scheduler {
     }
 
     /// Close step `step_id` with one sampled token per sequence, in plan order.
-    /// Checks everything first: on an error nothing changes.
+    /// Checks everything first: on an error nothing changes. Its `finished`
+    /// also delivers the terminal events queued since the last delivery (see
+    /// `take_finished`).
     pub fn commit(&mut self, step_id: u64, sampled: &[i32], now: f64) -> KvResult<CommitEvents> {
         let pending = self.pending.as_ref().ok_or_else(|| {
             KvError::StalePlan(format!(
@@ -2026,25 +2307,21 @@ impl Scheduler {
             let t = self.tenants.get_mut(req.tenant);
             t.counters.finished += 1;
             t.metrics.e2e.observe(now - req.arrival);
-            events.finished.push(FinishedRequest {
-                id: req.id,
-                tenant: t.config.name.clone(),
-                reason,
-                prompt_len: req.prompt_len,
-                output: req.output().to_vec(),
-                arrival: req.arrival,
-                first_scheduled: req.first_scheduled.unwrap_or(now),
-                first_token: req.first_token.unwrap_or(now),
-                finished: now,
-                preemptions: req.preemptions,
-                cached_tokens: req.cached_tokens,
-            });
+            let record = self.finished_record(&req, reason, now);
+            events.finished.push(record);
         }
         if self.lifecycle == Lifecycle::Draining {
             self.drain_finished.extend(events.finished.iter().cloned());
             if self.index.is_empty() {
                 self.lifecycle = Lifecycle::Drained;
             }
+        }
+        self.clock = self.clock.max(now);
+        // Terminal events of requests ended since the last delivery go first.
+        if !self.ended.is_empty() {
+            let mut all = std::mem::take(&mut self.ended);
+            all.append(&mut events.finished);
+            events.finished = all;
         }
         Ok(events)
     }

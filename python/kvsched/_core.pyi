@@ -1,7 +1,7 @@
 """Type stubs for kvsched's native core (checked against the module by mypy.stubtest)."""
 
 import os
-from typing import Any, Final, final
+from typing import Any, Final, Literal, final
 
 import numpy as np
 import numpy.typing as npt
@@ -43,6 +43,19 @@ LATENCY_BUCKETS: Final[tuple[float, ...]]
 class KvSchedError(Exception): ...
 
 class Rejected(KvSchedError):
+    """A refused request. `retry_after` (seconds): rate_limited, the exact
+    wait for the tenant's bucket; shed, ladder_retry_after_s; draining and
+    not_ready, retry_after_hint_s; pool_full, tenant_budget and concurrency,
+    an estimate: the running requests holding the room, taken in order of
+    steps left ((max_tokens - generated) + (uncomputed prompt - 1) //
+    long_prefill_chunk) until enough would end for the request to fit, k the
+    steps of the last one taken, gives k * step period (median gap between
+    the last 32 pairs of consecutive steps that both ran something), or
+    retry_after_hint_s before a step period is measured; None when even every
+    running request ending would not make room. None for refusals that can
+    never pass (too_long, invalid, unknown_tenant, over the tenant's cap or
+    burst, over the pool when over-committed)."""
+
     reason: str | None
     retry_after: float | None
     tenant: str | None
@@ -104,6 +117,7 @@ class SchedulerConfig:
         ladder: str | list[dict[str, Any]] | None = None,
         ladder_retry_after_s: float | None = None,
         require_warmup: bool | None = None,
+        retry_after_hint_s: float | None = None,
     ) -> SchedulerConfig: ...
     @property
     def num_blocks(self) -> int: ...
@@ -139,6 +153,11 @@ class SchedulerConfig:
     def ladder_retry_after_s(self) -> float: ...
     @property
     def require_warmup(self) -> bool: ...
+    @property
+    def retry_after_hint_s(self) -> float:
+        """Seconds of `retry_after` where nothing better is known (default 1.0,
+        live): refusals while not ready or draining, and pool_full /
+        tenant_budget / concurrency refusals before a step period is measured."""
     def replace(self, **changes: Any) -> SchedulerConfig: ...
 
 @final
@@ -204,7 +223,22 @@ class Scheduler:
         cache_salt: str | bytes | None = None,
         now: float | None = None,
     ) -> int: ...
-    def cancel(self, request_id: int, /) -> None: ...
+    def cancel(self, request_id: int, /, *, now: float | None = None) -> bool:
+        """Cancel a request; its terminal event (FinishedRequest, reason
+        "cancelled", the tokens so far) comes with the next commit() or
+        take_finished(). True: it was live. False: it had already ended on its
+        own (finished, or handed back at a drain deadline; nothing changes).
+        Raises UnknownRequest for an id never issued, or one already ended by
+        cancel() or stop()."""
+    def stop(self, request_id: int, /, *, now: float | None = None) -> bool:
+        """End a live request as finished, reason "stop" (the host matched a
+        stop string): counted as finished, not cancelled. Returns and raises
+        as cancel() does; its FinishedRequest comes like a cancel's."""
+    def take_finished(self) -> list[FinishedRequest]:
+        """Terminal events of requests ended outside a commit (cancel, stop, a
+        drain deadline) not delivered yet. Each is delivered exactly once, by
+        whichever comes first: this call or the next commit() (first in its
+        `finished`)."""
     def step(self, *, now: float | None = None) -> StepPlan | None: ...
     def commit(
         self,
@@ -273,7 +307,10 @@ class FinishedRequest:
     @property
     def tenant(self) -> str: ...
     @property
-    def reason(self) -> str: ...
+    def reason(self) -> Literal["length", "stop", "cancelled", "drain_deadline"]:
+        """How it ended: "length" (max_tokens), "stop" (a stop token, or
+        Scheduler.stop), "cancelled" (Scheduler.cancel) or "drain_deadline"
+        (unfinished at the drain's deadline, handed back)."""
     @property
     def prompt_len(self) -> int: ...
     @property

@@ -34,7 +34,8 @@ impl PySchedulerConfig {
         max_batched_tokens=None, max_seq_len=None, overhead_reserve=None, max_waiting=None,
         long_prefill_chunk=None, token_buckets=None, admission=None, watermark_blocks=None,
         preempt_lower_tiers=None, full_validation=None, prefix_caching=None,
-        prefix_cache_key=None, ladder=None, ladder_retry_after_s=None, require_warmup=None))]
+        prefix_cache_key=None, ladder=None, ladder_retry_after_s=None, require_warmup=None,
+        retry_after_hint_s=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: Option<usize>,
@@ -55,6 +56,7 @@ impl PySchedulerConfig {
         ladder: Option<&Bound<'_, PyAny>>,
         ladder_retry_after_s: Option<f64>,
         require_warmup: Option<bool>,
+        retry_after_hint_s: Option<f64>,
     ) -> PyResult<Self> {
         let prefix_cache_key = match prefix_cache_key {
             None => None,
@@ -103,6 +105,7 @@ impl PySchedulerConfig {
             prefix_cache_key,
             ladder: scheduler::SchedulerConfig::default().ladder,
             require_warmup: require_warmup.unwrap_or(d.require_warmup),
+            retry_after_hint_s: retry_after_hint_s.unwrap_or(d.retry_after_hint_s),
         };
         let mut inner = inner;
         inner.ladder = super::ops::ladder_arg(
@@ -210,6 +213,13 @@ impl PySchedulerConfig {
     fn require_warmup(&self) -> bool {
         self.inner.require_warmup
     }
+    /// Seconds of retry_after where nothing better is known: refusals while not
+    /// ready or draining, and pool_full / tenant_budget / concurrency refusals
+    /// before a step rate is measured. Live.
+    #[getter]
+    fn retry_after_hint_s(&self) -> f64 {
+        self.inner.retry_after_hint_s
+    }
 
     fn __repr__(&self) -> String {
         let c = &self.inner;
@@ -217,7 +227,7 @@ impl PySchedulerConfig {
             "SchedulerConfig(num_blocks={}, block_size={}, max_num_seqs={}, \
              max_batched_tokens={}, max_seq_len={}, overhead_reserve={:?}, max_waiting={}, \
              long_prefill_chunk={}, admission={:?}, watermark_blocks={}, \
-             preempt_lower_tiers={}, prefix_caching={})",
+             preempt_lower_tiers={}, prefix_caching={}, retry_after_hint_s={:?})",
             c.num_blocks,
             c.block_size,
             c.max_num_seqs,
@@ -230,6 +240,7 @@ impl PySchedulerConfig {
             py_opt(self.watermark_blocks()),
             py_bool(c.preempt_lower_tiers),
             py_bool(c.prefix_caching),
+            c.retry_after_hint_s,
         )
     }
 
@@ -300,6 +311,7 @@ impl PySchedulerConfig {
         d.set_item("ladder", super::ops::ladder_list(py, &c.ladder)?)?;
         d.set_item("ladder_retry_after_s", c.ladder.retry_after_s)?;
         d.set_item("require_warmup", c.require_warmup)?;
+        d.set_item("retry_after_hint_s", c.retry_after_hint_s)?;
         Ok(d)
     }
 }

@@ -20,8 +20,10 @@ create_exception!(
     Rejected,
     KvSchedError,
     "A request was refused and nothing changed. `reason` says why (one of \
-     kvsched.REJECT_REASONS), `retry_after` when a retry makes sense (seconds, or None), \
-     `tenant` whose request it was."
+     kvsched.REJECT_REASONS), `retry_after` when a retry makes sense (seconds: exact for \
+     rate_limited, the ladder's for shed, the configured hint for draining and not_ready, \
+     an estimate from the running requests for pool_full, tenant_budget and concurrency; \
+     None where the request cannot pass as things stand), `tenant` whose request it was."
 );
 create_exception!(
     kvsched,

@@ -205,6 +205,20 @@ impl PyScheduler {
     /// request's namespace (its tenant's, or the shared one the tenant names,
     /// mixed with `cache_salt` when given: str or bytes) and shares those pages
     /// at once; prefill starts after them.
+    ///
+    /// `retry_after` (seconds) of a refusal: rate_limited, the exact wait for
+    /// the tenant's bucket; shed, the ladder's ladder_retry_after_s; draining
+    /// and not_ready, retry_after_hint_s; pool_full, tenant_budget and
+    /// concurrency, an estimate from what runs: the running requests holding
+    /// the room, taken in order of the steps they have left ((max_tokens -
+    /// generated) + (uncomputed prompt - 1) // long_prefill_chunk) until
+    /// enough would end for this request to fit, k the steps of the last one
+    /// taken, gives k * step period (the median gap between the last 32 pairs
+    /// of consecutive steps that both ran something), or retry_after_hint_s
+    /// before a step period is measured; None when even all running requests
+    /// ending would not make room. None for refusals that can never pass
+    /// (too_long, invalid, unknown_tenant, a request over its tenant's cap or
+    /// burst, or, over-committed, over the pool).
     #[pyo3(signature = (tenant, prompt_ids, max_tokens, *, stop_token_ids=None,
         cache_salt=None, now=None))]
     #[allow(clippy::too_many_arguments)]
@@ -233,12 +247,43 @@ impl PyScheduler {
         })??)
     }
 
-    /// Cancel a live request: its pages and reservation are released at once.
-    /// Raises UnknownRequest for an id that is not live.
-    #[pyo3(signature = (request_id, /))]
-    fn cancel(&self, request_id: u64) -> PyResult<()> {
-        locked(&self.inner, |s| s.cancel(request_id))??;
-        Ok(())
+    /// Cancel a request: its pages and reservation are released at once, and
+    /// its terminal event (a FinishedRequest, reason "cancelled", the tokens
+    /// generated so far) is delivered by the next commit() or take_finished().
+    /// Returns True when it was live; False when it had already ended on its
+    /// own (finished, or handed back at a drain deadline: its terminal event
+    /// exists and nothing changes), so a cancel racing the end of a request is
+    /// not an error. Raises UnknownRequest for an id never issued, or one
+    /// already ended by cancel() or stop() (ending it twice is a caller bug).
+    #[pyo3(signature = (request_id, /, *, now=None))]
+    fn cancel(&self, py: Python<'_>, request_id: u64, now: Option<f64>) -> PyResult<bool> {
+        let now = now_or_monotonic(py, now)?;
+        Ok(locked(&self.inner, |s| s.cancel_at(request_id, now))??)
+    }
+
+    /// End a live request as finished, reason "stop": the host matched a stop
+    /// string in its detokenized text. Counted as finished (not cancelled) in
+    /// stats and the e2e histogram; its pages are released at once and its
+    /// FinishedRequest (the tokens generated so far) is delivered by the next
+    /// commit() or take_finished(). Returns and raises as cancel() does.
+    #[pyo3(signature = (request_id, /, *, now=None))]
+    fn stop(&self, py: Python<'_>, request_id: u64, now: Option<f64>) -> PyResult<bool> {
+        let now = now_or_monotonic(py, now)?;
+        Ok(locked(&self.inner, |s| s.stop(request_id, now))??)
+    }
+
+    /// Terminal events of requests ended outside a commit (cancel, stop, a
+    /// drain deadline) not delivered yet, in the order they ended. Each
+    /// terminal event is delivered exactly once, by whichever comes first: this
+    /// call or the next commit() (first in its `finished`). A loop whose step()
+    /// returned None calls this to see them.
+    fn take_finished<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let ended = locked(&self.inner, |s| s.take_finished())?;
+        let out = PyList::empty(py);
+        for f in ended {
+            out.append(Py::new(py, PyFinishedRequest::new(py, f))?)?;
+        }
+        Ok(out)
     }
 
     /// Plan the next step: a StepPlan, or None when nothing can run.
@@ -323,6 +368,8 @@ impl PyScheduler {
     /// Close a step: `sampled_ids` (1-D int32) holds one token per sequence in
     /// plan order (ignored where `plan.samples` is False). Appends tokens,
     /// finishes requests (max_tokens or a stop token) and frees their pages.
+    /// Its `finished` also delivers, first, the terminal events of requests
+    /// ended since the last delivery (cancel, stop, a drain deadline).
     /// Raises StalePlan for a plan that is not the pending one and InvalidRequest
     /// for malformed ids; then nothing changes.
     #[pyo3(signature = (plan, sampled_ids, /, *, now=None))]
@@ -450,7 +497,9 @@ impl PyScheduler {
 
     /// Stop admitting (submit raises Rejected "draining") and keep stepping the
     /// in-flight requests; the first step at or after `deadline` (seconds, the
-    /// clock of `now`) hands back whatever is unfinished. Then `checkpoint`.
+    /// clock of `now`) hands back whatever is unfinished, each with a terminal
+    /// event (reason "drain_deadline", the tokens so far) for take_finished()
+    /// (that step returns None). Then `checkpoint`.
     #[pyo3(signature = (deadline, /))]
     fn drain(&self, deadline: f64) -> PyResult<()> {
         Ok(locked(&self.inner, |s| s.drain(deadline))??)
@@ -605,20 +654,25 @@ impl PyStepPlan {
     }
 }
 
-/// A request that finished in a commit, with its output and timings (seconds,
-/// on the clock of the `now` values).
+/// A request's terminal event (exactly one per admitted request): how it
+/// ended, its output and timings (seconds, on the clock of the `now` values;
+/// first_scheduled and first_token equal `finished` for a request that ended
+/// before it got there).
 #[pyclass(name = "FinishedRequest", module = "kvsched", frozen)]
 pub struct PyFinishedRequest {
     #[pyo3(get)]
     request_id: u64,
     #[pyo3(get)]
     tenant: String,
-    /// "length" (max_tokens reached) or "stop" (a stop token was sampled).
+    /// "length" (max_tokens reached), "stop" (a stop token was sampled, or
+    /// Scheduler.stop), "cancelled" (Scheduler.cancel) or "drain_deadline"
+    /// (unfinished at the drain's deadline, handed back).
     #[pyo3(get)]
     reason: &'static str,
     #[pyo3(get)]
     prompt_len: usize,
-    /// int32: the generated tokens (a stop token included).
+    /// int32: the generated tokens (a stop token included); for a request
+    /// cancelled, stopped or handed back, those generated until then.
     #[pyo3(get)]
     output_ids: Py<PyArray1<i32>>,
     #[pyo3(get)]

@@ -1,7 +1,7 @@
 use super::*;
 use crate::planner::OwnedPlanBuffers;
 use proptest::prelude::*;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 // ---------------------------------------------------------------------------
 // A fake engine that runs plans the way a real one does: it writes each token
@@ -684,6 +684,8 @@ proptest! {
         let mut live: BTreeMap<u64, (usize, usize)> = BTreeMap::new();
         let mut admitted = 0usize;
         let mut ended = 0usize;
+        // Cancelled, their terminal event not delivered yet.
+        let mut cancel_events: BTreeSet<u64> = BTreeSet::new();
         for op in ops {
             let reserved = |live: &BTreeMap<u64, (usize, usize)>, t: usize| -> usize {
                 live.values().filter(|r| r.0 == t).map(|r| r.1).sum()
@@ -717,6 +719,11 @@ proptest! {
                 Op::Step => {
                     if let Some(ev) = h.step() {
                         for f in &ev.finished {
+                            if f.reason == FinishReason::Cancelled {
+                                // A cancel's terminal event, delivered once.
+                                prop_assert!(cancel_events.remove(&f.id));
+                                continue;
+                            }
                             prop_assert!(live.remove(&f.id).is_some());
                             ended += 1;
                         }
@@ -726,6 +733,7 @@ proptest! {
                     let id = *live.keys().nth(pick % live.len()).unwrap();
                     let (_, blocks) = live.remove(&id).unwrap();
                     prop_assert_eq!(h.s.cancel(id).unwrap().reserved_blocks, blocks);
+                    cancel_events.insert(id);
                     ended += 1;
                 }
                 Op::SetFloor { tenant: t, floor } => {
@@ -749,10 +757,19 @@ proptest! {
         while !live.is_empty() {
             let ev = h.step().expect("live requests make progress");
             for f in &ev.finished {
+                if f.reason == FinishReason::Cancelled {
+                    prop_assert!(cancel_events.remove(&f.id));
+                    continue;
+                }
                 prop_assert!(live.remove(&f.id).is_some());
                 ended += 1;
             }
         }
+        for f in h.s.take_finished() {
+            prop_assert_eq!(f.reason, FinishReason::Cancelled);
+            prop_assert!(cancel_events.remove(&f.id));
+        }
+        prop_assert!(cancel_events.is_empty(), "every cancel's event is delivered");
         prop_assert_eq!(ended, admitted);
         prop_assert_eq!(h.s.pool().used(), 0);
     }
@@ -1196,3 +1213,4 @@ mod ops;
 mod ops_fuzz;
 mod prefix;
 mod prefix_fuzz;
+mod terminal;

@@ -98,6 +98,9 @@ proptest! {
         let mut admitted = BTreeSet::new();
         let mut finished = BTreeSet::new();
         let mut cancelled = BTreeSet::new();
+        // Terminal events of cancelled and handed-back requests, as delivered.
+        let mut cancel_events = BTreeSet::new();
+        let mut deadline_events = BTreeSet::new();
         let mut k = 0i32;
         for op in ops {
             match op {
@@ -111,7 +114,13 @@ proptest! {
                 }
                 Op::Step => {
                     if let Some(ev) = h.step() {
-                        for f in ev.finished { prop_assert!(finished.insert(f.id)); }
+                        for f in ev.finished {
+                            match f.reason {
+                                FinishReason::Cancelled => prop_assert!(cancel_events.insert(f.id)),
+                                FinishReason::DrainDeadline => prop_assert!(deadline_events.insert(f.id)),
+                                _ => prop_assert!(finished.insert(f.id)),
+                            }
+                        }
                     } else { h.now += 0.01; }
                 }
                 Op::Cancel { pick } => {
@@ -152,11 +161,24 @@ proptest! {
         let mut n = 0;
         while h.s.lifecycle() != Lifecycle::Drained {
             match h.step() {
-                Some(ev) => for f in ev.finished { prop_assert!(finished.insert(f.id)); },
+                Some(ev) => for f in ev.finished {
+                    match f.reason {
+                        FinishReason::Cancelled => prop_assert!(cancel_events.insert(f.id)),
+                        FinishReason::DrainDeadline => prop_assert!(deadline_events.insert(f.id)),
+                        _ => prop_assert!(finished.insert(f.id)),
+                    }
+                },
                 None => h.now += 0.01,
             }
             n += 1;
             prop_assert!(n < 20000, "drain never ends; live {}", h.s.live_requests());
+        }
+        for f in h.s.take_finished() {
+            match f.reason {
+                FinishReason::Cancelled => prop_assert!(cancel_events.insert(f.id)),
+                FinishReason::DrainDeadline => prop_assert!(deadline_events.insert(f.id)),
+                r => prop_assert!(false, "{:?} outside a commit", r),
+            }
         }
         let (_, back) = h.s.checkpoint();
         let back: BTreeSet<u64> = back.iter().map(|r| r.id).collect();
@@ -164,6 +186,9 @@ proptest! {
             let c = finished.contains(id) as u8 + cancelled.contains(id) as u8 + back.contains(id) as u8;
             prop_assert_eq!(c, 1, "request {} accounted {} times", id, c);
         }
+        // Exactly one terminal event each, with the reason it ended for.
+        prop_assert_eq!(&cancel_events, &cancelled);
+        prop_assert_eq!(&deadline_events, &back);
         prop_assert_eq!(h.s.pool().used(), 0);
     }
 }
