@@ -76,7 +76,11 @@ def test_streamed_text_is_the_decoded_tokens(served):
 def test_a_stop_string_ends_the_request_and_frees_its_pages(served):
     gg, eng = served
     free_before = eng.scheduler.stats()["pool"]["free"]
+    counts = eng.scheduler.stats()["tenants"]["t"]
     outs = ask(served, "What is the capital of France?", max_tokens=40, stop=("Paris",))
+    after = eng.scheduler.stats()["tenants"]["t"]
+    assert after["finished"] == counts["finished"] + 1, "a stop string finishes the request"
+    assert after["cancelled"] == counts["cancelled"]
     text = "".join(o.text for o in outs)
     assert "Paris" not in text and text.strip().startswith("The capital")
     assert outs[-1].finish_reason == "stop"

@@ -306,15 +306,12 @@ class Engine:
 
     def cancel(self, request_id: int) -> RequestOutput | None:
         """Cancel a request; returns its final output (finish_reason "cancelled")
-        when it was submitted through `submit`. Cancelling one of those that has
-        already left the scheduler (finished this step, handed back by a drain) is
-        not an error: it still gets its one final output."""
-        live = self._live.pop(request_id, None)
-        try:
-            self.scheduler.cancel(request_id)
-        except kvsched.UnknownRequest:
-            if live is None:
-                raise
+        when it was submitted through `submit` and was still running. Cancelling a
+        request that has already ended (finished this step, handed back by a
+        drain) is not an error: it returns None, and its ending was or will be
+        reported by `step`. An id never issued raises kvsched.UnknownRequest."""
+        ended_here = self.scheduler.cancel(request_id)
+        live = self._live.pop(request_id, None) if ended_here else None
         if live is None:
             return None
         return self._final(request_id, live, "cancelled")
@@ -325,17 +322,15 @@ class Engine:
         text = live.stops.flush() if live.stops is not None else ""
         return RequestOutput(rid, [], text, None, True, reason, live.prompt_len, live.generated)
 
-    def _orphans(self) -> list[RequestOutput]:
-        """Requests of `submit` the scheduler no longer holds without having said
-        so (a drain's deadline hands them back; a direct `scheduler.cancel`): each
-        gets its final output, "drain_deadline" or "cancelled", so no stream
-        waits forever. Only checked when the scheduler holds nothing."""
-        if not self._live or self.scheduler.live_requests:
-            return []
-        reason = ("drain_deadline" if self.scheduler.lifecycle in ("draining", "drained")
-                  else "cancelled")  # fmt: skip
-        out = [self._final(rid, live, reason) for rid, live in self._live.items()]
-        self._live.clear()
+    def _endings(self, finished: Any) -> list[RequestOutput]:
+        """Final outputs of requests that ended without a token this step: the
+        core's terminal events for cancels (also `scheduler.cancel` called
+        directly) and for requests a drain's deadline handed back."""
+        out = []
+        for f in finished:
+            live = self._live.pop(f.request_id, None)
+            if live is not None:
+                out.append(self._final(f.request_id, live, f.reason))
         return out
 
     def _sampling_batch(self, plan: Any) -> SamplingBatch:
@@ -366,17 +361,18 @@ class Engine:
         t0 = time.perf_counter()
         plan = self.scheduler.step(now=now)
         if plan is None:
-            orphans = self._orphans()
-            if not orphans:
+            endings = self._endings(self.scheduler.take_finished())
+            if not endings:
                 return None
-            return StepResult(None, _NO_EVENTS, time.perf_counter() - t0, orphans)
+            return StepResult(None, _NO_EVENTS, time.perf_counter() - t0, endings)
         t_model = time.perf_counter()
         sampled = self.run_plan(plan)
         t_model = time.perf_counter() - t_model
         events = self.scheduler.commit(plan, sampled, now=now)
         outputs = self._outputs(plan, events, now) if self._live else []
-        return StepResult(plan, events, time.perf_counter() - t0, outputs + self._orphans(),
-                          t_model)  # fmt: skip
+        if self._live:  # requests that ended with no token this step (cancel, drain)
+            outputs += self._endings(events.finished)
+        return StepResult(plan, events, time.perf_counter() - t0, outputs, t_model)
 
     def _outputs(self, plan: Any, events: Any, now: float | None) -> list[RequestOutput]:
         """Per request of this step: new tokens, new text, logprobs, and its ending."""
@@ -411,7 +407,9 @@ class Engine:
             out = RequestOutput(rid, [tok], text, logprobs, prompt_tokens=live.prompt_len,
                                 completion_tokens=live.generated)  # fmt: skip
             if stopped and fin is None:
-                self.scheduler.cancel(rid)  # a stop string: the request ends here
+                # A stop string: the request ends here, finished with reason "stop"
+                # (the core's event for it arrives later and is skipped).
+                self.scheduler.stop(rid, now=now)
             if stopped or fin is not None:
                 out.finished = True
                 out.finish_reason = "stop" if stopped else fin.reason
