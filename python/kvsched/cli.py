@@ -169,6 +169,41 @@ def cmd_eval_kv(args: argparse.Namespace) -> int:
     return 0 if report.passed else 1
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """The OpenAI-compatible server (kvsched.serve.server) until SIGTERM drains it."""
+    import logging
+    import time
+
+    from kvsched.model_files import cache_dir
+    from kvsched.serve import AsyncEngine
+    from kvsched.serve.server import OpenAIServer, load_model, parse_end_at
+    from kvsched.serve.tenants import TenantRegistry
+
+    tenants = TenantRegistry.from_file(args.tenants)  # a bad file fails before the model loads
+    end_at = parse_end_at(args.end_at) if args.end_at else None
+    if end_at is not None and end_at <= time.time():
+        raise ValueError(f"--end-at {args.end_at} is in the past")
+    if args.drain_seconds < 0:
+        raise ValueError("--drain-seconds must be >= 0")
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    m = load_model(args.model, max_seq_len=args.max_seq_len, max_num_seqs=args.max_num_seqs,
+                   num_blocks=args.num_blocks, max_batched_tokens=args.max_batched_tokens,
+                   max_logprobs=args.max_logprobs, backend=args.backend,
+                   seed=args.seed)  # fmt: skip
+    checkpoint = (
+        Path(args.checkpoint) if args.checkpoint else cache_dir() / "serve-checkpoint.jsonl"
+    )
+    checkpoint.parent.mkdir(parents=True, exist_ok=True)
+    engine = AsyncEngine(m.engine, checkpoint_path=str(checkpoint))
+    server = OpenAIServer(engine, tenants, model_name=m.model_name, encode_chat=m.encode_chat,
+                          aliases=m.aliases, max_body_bytes=args.max_body_bytes,
+                          drain_seconds=args.drain_seconds, end_at=end_at)  # fmt: skip
+    print(f"serving {m.model_name} to {len(tenants.names)} tenant(s) on "
+          f"http://{args.host}:{args.port}/v1 (checkpoint {checkpoint})", flush=True)  # fmt: skip
+    return server.run(args.host, args.port, log_level=args.log_level)
+
+
 def main(argv: list[str] | None = None) -> int:
     from kvsched.capacity import ACCELERATORS, MODELS
 
@@ -223,6 +258,41 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--prompts", type=int, default=8, choices=range(1, 11), metavar="1..10")
     e.add_argument("--tokens", type=int, default=32)
     e.set_defaults(func=cmd_eval_kv)
+
+    v = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    v.add_argument(
+        "--model",
+        choices=["smollm2", "tiny"],
+        default="smollm2",
+        help="SmolLM2-135M-Instruct, or a random tiny model without a tokenizer",
+    )
+    v.add_argument("--tenants", required=True, help="the tenants TOML file (names, API keys)")
+    v.add_argument("--host", default="127.0.0.1")
+    v.add_argument("--port", type=int, default=8000)
+    v.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, how long running requests may go on",
+    )
+    v.add_argument("--end-at", help="drain and exit by this time (ISO 8601 or Unix seconds)")
+    v.add_argument(
+        "--checkpoint",
+        help="where the drain writes the scheduler checkpoint (default: the kvsched cache folder)",
+    )
+    v.add_argument("--max-seq-len", type=int, default=1024)
+    v.add_argument("--max-num-seqs", type=int, default=16)
+    v.add_argument("--max-batched-tokens", type=int, default=256)
+    v.add_argument(
+        "--num-blocks", type=int, help="KV pages (default: every sequence at full length)"
+    )
+    v.add_argument("--max-logprobs", type=int, default=5, help="top logprobs a request may ask")
+    v.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    v.add_argument("--backend", choices=["reference", "pallas"], default="reference")
+    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])  # fmt: skip
+    v.set_defaults(func=cmd_serve)
 
     args = ap.parse_args(argv)
     if args.command == "capacity" and args.kv_dtype and args.kv_bytes is not None:

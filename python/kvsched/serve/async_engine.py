@@ -7,9 +7,11 @@ submit. `await generate(...)` admits a request at once (a refusal raises
 `kvsched.Rejected` in the caller) and returns a `RequestStream`, an async
 iterator of the request's `RequestOutput`s (new token ids, new text, logprobs)
 ending in exactly one item with `finished=True` and its `finish_reason`.
-Submits come from any thread or event loop: a request is registered with its
-stream in the same critical section that submits it, so no output, not even a
-finish in the very next step, is lost. A consumer that goes away cancels its
+Submits and cancels come from any thread or event loop and never block it: they
+are queued, and the step thread applies them between two steps (so a submit
+waits at most one step, without holding up the caller's event loop). The step
+thread registers a request's stream in the same place it submits it, so no
+output, not even a finish in the very next step, is lost. A consumer that goes away cancels its
 request, which frees its pages: read the stream inside `async with stream:`
 (leaving the block early cancels it), or call `await stream.cancel()`.
 
@@ -26,6 +28,7 @@ answers with: 429 (rate_limited, tenant_budget, concurrency, pool_full, shed),
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import math
 import threading
 import time
@@ -73,8 +76,12 @@ class RequestStream:
         self.finish_reason: str | None = None
 
     def _deliver(self, out: RequestOutput) -> None:
-        """Called on the engine thread."""
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, out)
+        """Called on the engine thread. A consumer whose event loop has closed is
+        gone: its output is dropped (it must never stop the engine)."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, out)
+        except RuntimeError:  # the loop is closed
+            pass
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self
@@ -133,8 +140,10 @@ class AsyncEngine:
         # While requests are live but none can run this instant (nothing today;
         # kept for time-driven scheduler states), the loop rechecks this often.
         self._idle_recheck_s = idle_recheck_s
-        self._lock = threading.Lock()  # the engine and the stream table
-        self._wake = threading.Condition(self._lock)
+        self._lock = threading.Lock()  # the engine and the stream table (the step thread's)
+        self._qlock = threading.Lock()  # the command queue: held for microseconds
+        self._wake = threading.Condition(self._qlock)
+        self._commands: list[tuple[str, Any, concurrent.futures.Future | None]] = []
         self._streams: dict[int, RequestStream] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -165,13 +174,12 @@ class AsyncEngine:
         end every stream, write the checkpoint (if a path was given), stop the
         loop. Returns what happened."""
         t0 = time.monotonic() if now is None else now
+        if self.scheduler.lifecycle not in ("draining", "drained"):
+            self.scheduler.drain(t0 + deadline_s)  # the Scheduler is thread-safe
         with self._wake:
-            if self.scheduler.lifecycle not in ("draining", "drained"):
-                self.scheduler.drain(t0 + deadline_s)
             self._wake.notify()
         while True:
-            with self._lock:
-                done = not self._streams and self.scheduler.live_requests == 0
+            done = not self._streams and self.scheduler.live_requests == 0
             if done or self._error is not None:
                 break
             await asyncio.sleep(0.01)
@@ -183,15 +191,21 @@ class AsyncEngine:
         return summary
 
     def stop(self) -> None:
-        """Stop the loop thread (streams still open are ended as cancelled)."""
+        """Stop the loop thread (streams still open are ended as cancelled, and
+        submits still queued are refused)."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
         if self._thread is not None:
-            self._thread.join(timeout=10)
+            self._thread.join(timeout=60)
         with self._lock:
             for rid in list(self._streams):
                 self._end(rid, "cancelled")
+            with self._qlock:
+                pending, self._commands = self._commands, []
+            for kind, _args, done in pending:
+                if kind == "submit" and not done.done():
+                    done.set_exception(kvsched.Rejected("the engine has stopped"))
 
     # -- requests -----------------------------------------------------------------------
 
@@ -207,24 +221,53 @@ class AsyncEngine:
         its subclasses) when it is refused; nothing is admitted then."""
         if self._error is not None:
             raise RuntimeError("the engine loop died") from self._error
-        loop = asyncio.get_running_loop()
-        with self._wake:
-            rid = self.engine.submit(tenant, prompt_ids, params, cache_salt=cache_salt)
-            stream = RequestStream(self, rid, len(prompt_ids), loop)
-            self._streams[rid] = stream
-            self._wake.notify()
+        if self._thread is None:
+            raise RuntimeError("AsyncEngine.start() first")
+        if self._stopping:
+            # No loop to apply it: the scheduler answers directly (after a
+            # shutdown it refuses with "draining"); anything it admitted anyway
+            # is taken back at once.
+            with self._lock:
+                rid = self.engine.submit(tenant, prompt_ids, params, cache_salt=cache_salt)
+                self.engine.cancel(rid)
+            exc = kvsched.Rejected("the engine has stopped")
+            exc.reason, exc.retry_after = "draining", None
+            raise exc
+        stream = RequestStream(self, -1, len(prompt_ids), asyncio.get_running_loop())
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._command("submit", (tenant, prompt_ids, params, cache_salt, stream), done)
+        stream.request_id = await asyncio.wrap_future(done)  # raises Rejected
         return stream
 
-    def _cancel(self, rid: int) -> None:
+    def _command(self, kind: str, args: Any, done: concurrent.futures.Future | None) -> None:
         with self._wake:
-            if rid not in self._streams:
-                return
-            try:
-                final = self.engine.cancel(rid)
-            except kvsched.UnknownRequest:
-                final = None
-            stream = self._streams.pop(rid)
-            stream._deliver(final or RequestOutput(rid, [], "", None, True, "cancelled"))
+            self._commands.append((kind, args, done))
+            self._wake.notify()
+
+    def _cancel(self, rid: int) -> None:
+        self._command("cancel", rid, None)
+
+    def _apply(self, commands: list) -> None:
+        """On the step thread, between steps, under the engine lock."""
+        for kind, args, done in commands:
+            if kind == "submit":
+                tenant, prompt_ids, params, cache_salt, stream = args
+                try:
+                    rid = self.engine.submit(tenant, prompt_ids, params, cache_salt=cache_salt)
+                except BaseException as e:  # noqa: BLE001 - the caller gets it
+                    done.set_exception(e)
+                    continue
+                stream.request_id = rid
+                self._streams[rid] = stream
+                done.set_result(rid)
+            elif kind == "cancel" and args in self._streams:
+                try:
+                    final = self.engine.cancel(args)
+                except kvsched.UnknownRequest:
+                    final = None
+                self._streams.pop(args)._deliver(
+                    final or RequestOutput(args, [], "", None, True, "cancelled")
+                )
 
     def _end(self, rid: int, reason: str) -> None:
         """Under the lock: end a stream that never got its final output."""
@@ -238,10 +281,13 @@ class AsyncEngine:
         try:
             while True:
                 with self._wake:
-                    while not self._stopping and not self._has_work():
+                    while not (self._stopping or self._commands or self._has_work()):
                         self._wake.wait()
                     if self._stopping:
                         return
+                    commands, self._commands = self._commands, []
+                with self._lock:
+                    self._apply(commands)
                     t0 = time.perf_counter()
                     res = self.engine.step()
                     if res is not None:
@@ -255,26 +301,36 @@ class AsyncEngine:
                             if out.finished:
                                 del self._streams[out.request_id]
                             stream._deliver(out)
-                    elif self.scheduler.live_requests:
-                        # Live but nothing can run now: wait briefly, unlocked.
-                        self._wake.wait(self._idle_recheck_s)
-                    else:
+                        continue
+                    idle_but_live = self.scheduler.live_requests > 0
+                    if not idle_but_live:
                         # Nothing live and no ending reported: a stream left
                         # open now would wait forever, so end it.
                         for rid in list(self._streams):
                             self._end(rid, "cancelled")
+                if idle_but_live:
+                    # Live but nothing can run this instant: recheck shortly.
+                    with self._wake:
+                        if not self._commands and not self._stopping:
+                            self._wake.wait(self._idle_recheck_s)
         except BaseException as e:  # noqa: BLE001 - every stream must hear of it
             self._error = e
             with self._lock:
                 for rid in list(self._streams):
                     self._end(rid, "error")
+                with self._qlock:
+                    pending, self._commands = self._commands, []
+                for _kind, _args, done in pending:
+                    if done is not None and not done.done():
+                        done.set_exception(RuntimeError("the engine loop died"))
 
     def _has_work(self) -> bool:
+        # Read without the engine lock: the scheduler's count is thread-safe, and
+        # the stream table only changes on this thread.
         return self.scheduler.live_requests > 0 or bool(self._streams)
 
     def stats(self) -> dict[str, Any]:
-        with self._lock:
-            st = self.scheduler.stats()
+        st = self.scheduler.stats()
         st["engine_loop"] = {"steps": self.steps, "busy_s": self.busy_s, "model_s": self.model_s,
                              "open_streams": len(self._streams)}  # fmt: skip
         return st

@@ -1,0 +1,964 @@
+"""`kvsched serve`: an OpenAI-compatible HTTP server over an `AsyncEngine`.
+
+Endpoints
+  GET  /v1/models, /v1/models/{id}   the served model (and its aliases by id)
+  POST /v1/completions                prompt: a string, or token ids (no tokenizer needed)
+  POST /v1/chat/completions           messages through the model's chat template
+  GET  /health                        200 while the engine loop lives (no key needed)
+  GET  /ready                         200 only when warm and not draining, else 503
+  GET  /metrics                       Prometheus: kvsched.metrics.SchedulerCollector on the
+                                      engine's scheduler, EngineLoopCollector on its step
+                                      loop, plus kvsched_http_requests_total
+                                      and kvsched_http_request_duration_seconds by route,
+                                      method and status
+
+Every /v1 request names its tenant by `Authorization: Bearer <api key>` (see
+`kvsched.serve.tenants`); a missing or unknown key is a 401. Streams are
+server-sent events (`data: {json}` then `data: [DONE]`), usage in the last chunk
+when `stream_options.include_usage` is set. Errors are OpenAI's JSON
+(`{"error": {"message", "type", "param", "code"}}`): 400 for bad input (malformed
+JSON, wrong types, unsupported parameters, a prompt or max_tokens beyond the
+context), 401, 404 (unknown model: code model_not_found; unknown route), 413 for
+a body over `max_body_bytes`, and kvsched's refusals through
+`kvsched.serve.http_status` (429 / 503 with Retry-After, code = the refusal's
+reason). A refused or malformed request changes nothing in the scheduler.
+
+Finish reasons: kvsched's "stop" and "length" are OpenAI's. A request the server
+ended early ("drain_deadline": cut at the end of a drain; "cancelled") reports
+OpenAI's "length" (the answer is truncated, and OpenAI clients only know
+stop/length/...), with kvsched's own reason beside it in the choice's extra field
+`kvsched_finish_reason`. A request whose engine loop failed gets an error event in
+its stream (a 500 when not streamed).
+
+A client that disconnects, mid-stream or while waiting for a non-streamed
+answer, cancels its request at once (its KV pages are freed).
+
+Draining (SIGTERM or SIGINT, `OpenAIServer.begin_drain()`, or `end_at`): /ready
+turns 503 and new requests get 503 (code "draining", Retry-After); running
+requests go on until `drain_seconds`, then every stream ends with a final chunk
+(finish_reason "length", kvsched_finish_reason "drain_deadline") and [DONE]; the
+engine writes its checkpoint and the process exits 0. A second signal during the
+drain exits at once (status 1). SIGHUP rereads the tenants file
+(`OpenAIServer.reload()`).
+
+With `end_at` (a wall-clock time) the drain starts by itself, as late as the
+running requests allow: when what they still have to generate (their remaining
+max_tokens at the measured inter-token time, plus a second) no longer fits
+before `end_at`, or `drain_seconds` before it at the latest; the drain's deadline
+is `end_at`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import signal
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+import kvsched
+from kvsched.engine.runner import RequestOutput, TokenLogprob
+from kvsched.engine.sampling import SamplingParams
+from kvsched.metrics import EngineLoopCollector, SchedulerCollector
+from kvsched.serve.async_engine import AsyncEngine, RequestStream, http_status
+from kvsched.serve.openai_schema import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    bad_request,
+    check_unsupported,
+    message_text,
+    validate_body,
+)
+from kvsched.serve.tenants import TenantRegistry, TenantsError
+
+log = logging.getLogger("kvsched.serve")
+
+MAX_BODY_BYTES = 1 << 20
+OPENAI_FINISH = {"stop": "stop", "length": "length"}
+HTTP_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+ROUTES = ("/v1/models", "/v1/models/{model_id}", "/v1/completions", "/v1/chat/completions",
+          "/health", "/ready", "/metrics")  # fmt: skip
+
+
+def openai_finish_reason(reason: str | None) -> str:
+    """OpenAI's finish_reason for kvsched's (see the module)."""
+    return OPENAI_FINISH.get(reason or "", "length")
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+# -- token strings for logprobs ---------------------------------------------------------
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+
+
+_BYTES = _byte_decoder()
+
+
+class TokenText:
+    """A token id's text and bytes, as OpenAI's logprobs show them."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int] | None]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int] | None]:
+        hit = self._cache.get(token_id)
+        if hit is not None:
+            return hit
+        if self.tokenizer is None:
+            out: tuple[str, list[int] | None] = (f"token_id:{token_id}", None)
+        else:
+            piece = self.tokenizer.id_to_token(token_id) or ""
+            if piece and all(c in _BYTES for c in piece):
+                raw = bytes(_BYTES[c] for c in piece)  # byte-level BPE: the exact bytes
+            else:
+                raw = piece.encode("utf-8")  # a special token, or another tokenizer
+            out = (raw.decode("utf-8", errors="replace"), list(raw))
+        if len(self._cache) < 65536:
+            self._cache[token_id] = out
+        return out
+
+
+# -- per-request bookkeeping -----------------------------------------------------------------
+
+
+@dataclass
+class _Active:
+    max_tokens: int
+    produced: int = 0
+    last: float = 0.0
+
+
+@dataclass
+class _Job:
+    """One admitted request as the endpoints see it."""
+
+    kind: str  # "chat" or "completion"
+    tenant: str
+    stream: RequestStream
+    model: str
+    max_tokens: int
+    logprobs: int | None
+    include_usage: bool
+    id: str
+    created: int
+    token_ids: bool = False  # put each choice's token ids in the response (an extension)
+
+
+class _Collected:
+    """Everything a request produced."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.text: list[str] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.final: RequestOutput | None = None
+
+
+# -- ASGI pieces ---------------------------------------------------------------------------------
+
+
+class _HTTPMetrics:
+    """Pure ASGI middleware: request counts and latencies by route template,
+    method and status (unknown paths are one route, "other"). For a stream the
+    latency is the whole stream."""
+
+    def __init__(self, app: ASGIApp, requests: Counter, latency: Histogram) -> None:
+        self.app = app
+        self.requests = requests
+        self.latency = latency
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        status = [500]
+
+        async def send_wrapper(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route = scope.get("route")
+            path = getattr(route, "path", None) or scope.get("path", "")
+            label = path if path in ROUTES else "other"
+            labels = (label, scope.get("method", ""), str(status[0]))
+            self.requests.labels(*labels).inc()
+            self.latency.labels(*labels).observe(time.perf_counter() - t0)
+
+
+class _SSEResponse(StreamingResponse):
+    """Server-sent events from an async iterator of bytes. A client that goes away
+    (noticed at once, also while no event is due) ends the iteration; `on_close`
+    then runs whatever happened, shielded from cancellation."""
+
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], Any]) -> None:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+        self.events = events
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def watch() -> None:
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(watch)
+                try:
+                    await send({"type": "http.response.start", "status": self.status_code,
+                                "headers": self.raw_headers})  # fmt: skip
+                    async for chunk in self.events:
+                        await send({"type": "http.response.body", "body": chunk,
+                                    "more_body": True})  # fmt: skip
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                except OSError:
+                    pass  # the client is gone
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                with contextlib.suppress(Exception):
+                    await self.events.aclose()  # type: ignore[attr-defined]
+                await self.on_close()
+
+
+# -- the server ------------------------------------------------------------------------------------
+
+
+class OpenAIServer:
+    """The FastAPI app over one AsyncEngine and a tenant registry (see the module).
+
+    `encode_chat(messages) -> token ids` renders the chat template (None: the chat
+    endpoint is refused, "no tokenizer"). `aliases` are other names clients may
+    give as `model`. `end_at` is a Unix time.
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        tenants: TenantRegistry,
+        *,
+        model_name: str,
+        encode_chat: Callable[[list[dict[str, str]]], list[int]] | None = None,
+        aliases: Sequence[str] = (),
+        max_body_bytes: int = MAX_BODY_BYTES,
+        drain_seconds: float = 30.0,
+        end_at: float | None = None,
+        graceful_exit_s: float = 10.0,
+    ) -> None:
+        self.engine = engine
+        self.scheduler = engine.scheduler
+        self.tenants = tenants
+        self.model_name = model_name
+        self.model_ids = {model_name, *aliases}
+        self.encode_chat = encode_chat
+        self.tokenizer = engine.tokenizer
+        self.max_body_bytes = max_body_bytes
+        self.drain_seconds = float(drain_seconds)
+        self.end_at = end_at
+        self.graceful_exit_s = graceful_exit_s
+        self.created = int(time.time())
+        self.token_text = TokenText(self.tokenizer)
+        self.draining = False
+        self.drain_deadline: float | None = None  # time.monotonic()
+        self.drain_summary: dict[str, Any] | None = None
+        self.drained: asyncio.Event | None = None  # made on the loop (lifespan)
+        self.exit_code = 0
+        self._drain_task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._uvicorn: uvicorn.Server | None = None
+        self._active: dict[int, _Active] = {}
+        self._itl = 0.0  # a running estimate of the seconds between a stream's tokens
+        self._warm_error: BaseException | None = None
+        self._warm_thread: threading.Thread | None = None
+        self.registry = CollectorRegistry()
+        self.registry.register(SchedulerCollector(self.scheduler, model=engine.engine.model_info()))
+        self.registry.register(EngineLoopCollector(engine))
+        self.tenants.apply(self.scheduler)  # the file's tenants, before any request
+        self.app = self._build_app()
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        self._loop = asyncio.get_running_loop()
+        self.drained = asyncio.Event()
+        if not self.engine.ready():
+            # Warm up in the background: /health answers at once, /ready once warm.
+            self._warm_thread = threading.Thread(target=self._warm, name="kvsched-warmup",
+                                                 daemon=True)  # fmt: skip
+            self._warm_thread.start()
+        housekeeping = asyncio.ensure_future(self._housekeeping())
+        hup = False
+        if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGHUP"):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                self._loop.add_signal_handler(signal.SIGHUP, self._reload_logged)
+                hup = True
+        try:
+            yield
+        finally:
+            housekeeping.cancel()
+            if hup:
+                self._loop.remove_signal_handler(signal.SIGHUP)
+            if self._drain_task is None and self.engine.ready():
+                # Stopped without a drain (uvicorn saw every connection close).
+                with contextlib.suppress(Exception):
+                    self.drain_summary = await self.engine.shutdown(0.0)
+            elif self._drain_task is not None and not self._drain_task.done():
+                with contextlib.suppress(Exception):
+                    await self._drain_task
+
+    def _warm(self) -> None:
+        try:
+            t0 = time.perf_counter()
+            self.engine.start()
+            log.info("warm in %.1f s: ready", time.perf_counter() - t0)
+        except BaseException as e:  # noqa: BLE001 - /health reports it
+            self._warm_error = e
+            log.exception("warmup failed")
+
+    def live(self) -> bool:
+        return self._warm_error is None and self.engine.live()
+
+    def ready(self) -> bool:
+        return not self.draining and self.engine.ready()
+
+    def begin_drain(self, deadline_s: float | None = None, *, why: str = "") -> asyncio.Task:
+        """Start draining (idempotent; call on the server's event loop): refuse new
+        requests, let running ones go on for `deadline_s` (default drain_seconds),
+        end the rest, write the checkpoint, then stop the server."""
+        if self._drain_task is None:
+            d = self.drain_seconds if deadline_s is None else max(0.0, deadline_s)
+            self.draining = True
+            self.drain_deadline = time.monotonic() + d
+            log.info("draining%s: %d request(s) running, deadline in %.1f s",
+                     f" ({why})" if why else "", len(self._active), d)  # fmt: skip
+            self._drain_task = asyncio.ensure_future(self._drain(d))
+        return self._drain_task
+
+    def request_drain(self, deadline_s: float | None = None) -> None:
+        """`begin_drain` from any thread (the server must be running)."""
+        if self._loop is None:
+            raise RuntimeError("the server is not running")
+        self._loop.call_soon_threadsafe(lambda: self.begin_drain(deadline_s, why="requested"))
+
+    async def _drain(self, deadline_s: float) -> dict[str, Any]:
+        summary: dict[str, Any] = {}
+        try:
+            if self._warm_thread is not None and self._warm_thread.is_alive():
+                summary = {"lifecycle": "warming: nothing was admitted"}
+            else:
+                summary = await self.engine.shutdown(deadline_s)
+            log.info("drained: %s", summary)
+        except Exception:
+            log.exception("the drain failed")
+            self.exit_code = 1
+        self.drain_summary = summary
+        if self.drained is not None:
+            self.drained.set()
+        if self._uvicorn is not None:
+            self._uvicorn.should_exit = True  # uvicorn lets the last chunks go out
+        return summary
+
+    def reload(self) -> str:
+        """Reread the tenants file and apply it live; a summary of the changes.
+        Raises TenantsError (and changes nothing) when the file is not usable."""
+        report = self.tenants.reload(self.scheduler)
+        return report.summary()
+
+    def _reload_logged(self) -> None:
+        try:
+            log.info("tenants reloaded: %s", self.reload())
+        except TenantsError as e:
+            log.error("tenants not reloaded: %s", e)
+
+    async def _housekeeping(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            with contextlib.suppress(Exception):
+                self.tenants.retry_removals(self.scheduler)
+            if self.end_at is not None and self._drain_task is None:
+                left = self.end_at - time.time()
+                if left <= min(self.drain_seconds, self._needed_s()):
+                    self.begin_drain(max(0.0, left), why="end_at")
+
+    def _needed_s(self) -> float:
+        """Seconds the running requests still need at the measured pace, plus 1."""
+        if not self._active:
+            return 1.0
+        left = max(a.max_tokens - a.produced for a in self._active.values())
+        return 1.0 + max(0, left) * self._itl
+
+    # -- running under uvicorn -------------------------------------------------------------------
+
+    def uvicorn_server(self, host: str = "127.0.0.1", port: int = 8000,
+                       **config: Any) -> uvicorn.Server:  # fmt: skip
+        """A uvicorn server for this app whose SIGTERM / SIGINT drain (see the module)."""
+        config.setdefault("log_level", "info")
+        config.setdefault("timeout_graceful_shutdown", self.graceful_exit_s)
+        cfg = uvicorn.Config(self.app, host=host, port=port, lifespan="on", **config)
+        self._uvicorn = _DrainingUvicorn(cfg, self)
+        return self._uvicorn
+
+    def run(self, host: str = "127.0.0.1", port: int = 8000, **config: Any) -> int:
+        """Serve until drained; the exit status (0 after a clean drain)."""
+        server = self.uvicorn_server(host, port, **config)
+        server.run()
+        if not server.started:
+            return 1
+        return self.exit_code
+
+    def _on_signal(self, sig: int) -> None:
+        """On the loop: the first SIGTERM / SIGINT drains, a second exits now."""
+        if self._drain_task is None:
+            self.begin_drain(why=signal.Signals(sig).name)
+        else:
+            log.warning("%s during the drain: exiting now", signal.Signals(sig).name)
+            self.exit_code = 1
+            if self._uvicorn is not None:
+                self._uvicorn.should_exit = True
+                self._uvicorn.force_exit = True
+
+    # -- the app ---------------------------------------------------------------------------------
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="kvsched", lifespan=self._lifespan, docs_url=None, redoc_url=None,
+                      openapi_url=None)  # fmt: skip
+        app.state.server = self
+
+        @app.exception_handler(APIError)
+        async def api_error(request: Request, exc: APIError) -> JSONResponse:
+            return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+            err = APIError(exc.status_code, str(exc.detail),
+                           code="not_found" if exc.status_code == 404 else None)  # fmt: skip
+            return JSONResponse(err.body(), status_code=exc.status_code,
+                                headers=getattr(exc, "headers", None))  # fmt: skip
+
+        @app.exception_handler(RequestValidationError)
+        async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+            return JSONResponse(bad_request(str(exc.errors()[0].get("msg"))).body(), 400)
+
+        @app.exception_handler(Exception)
+        async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+            log.exception("internal error on %s", request.url.path)
+            return JSONResponse(APIError(500, "internal server error").body(), 500)
+
+        @app.get("/health")
+        async def health() -> JSONResponse:
+            if self.live():
+                return JSONResponse({"status": "ok"})
+            return JSONResponse({"status": "dead"}, status_code=503)
+
+        @app.get("/ready")
+        async def ready() -> JSONResponse:
+            if self.ready():
+                return JSONResponse({"status": "ready"})
+            state = "draining" if self.draining else self.scheduler.lifecycle
+            return JSONResponse({"status": state}, status_code=503)
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+        @app.get("/v1/models")
+        async def models(request: Request) -> JSONResponse:
+            self._authenticate(request)
+            return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+        @app.get("/v1/models/{model_id:path}")
+        async def model(request: Request, model_id: str) -> JSONResponse:
+            self._authenticate(request)
+            self._check_model(model_id, param=None)
+            return JSONResponse(self._model_card())
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Response:
+            return await self._handle(request, "completion")
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: Request) -> Response:
+            return await self._handle(request, "chat")
+
+        requests = Counter("kvsched_http_requests", "HTTP requests answered.",
+                           ["route", "method", "status"], registry=self.registry)  # fmt: skip
+        latency = Histogram(
+            "kvsched_http_request_duration_seconds", "Request start to response end.",
+            ["route", "method", "status"], registry=self.registry, buckets=HTTP_LATENCY_BUCKETS,
+        )  # fmt: skip
+        app.add_middleware(_HTTPMetrics, requests=requests, latency=latency)
+        return app
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created,
+                "owned_by": "kvsched",
+                "max_model_len": self.scheduler.config.max_seq_len}  # fmt: skip
+
+    def _check_model(self, name: str, param: str | None = "model") -> None:
+        if name not in self.model_ids:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                           f"{self.model_name!r}", param=param, code="model_not_found",
+                           type="invalid_request_error")  # fmt: skip
+
+    def _authenticate(self, request: Request) -> str:
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        tenant = self.tenants.authenticate(key.strip()) if scheme.lower() == "bearer" else None
+        if tenant is None:
+            msg = ("no API key given: send Authorization: Bearer <key>" if not header
+                   else "incorrect API key provided")  # fmt: skip
+            raise APIError(401, msg, type="invalid_request_error", code="invalid_api_key")
+        return tenant
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.max_body_bytes
+        too_big = APIError(413, f"the request body is over {limit} bytes",
+                           code="request_too_large")  # fmt: skip
+        length = request.headers.get("content-length")
+        if length is not None:
+            try:
+                if int(length) > limit:
+                    raise too_big
+            except ValueError:
+                raise bad_request("Content-Length is not a number") from None
+        chunks, n = [], 0
+        async for chunk in request.stream():
+            n += len(chunk)
+            if n > limit:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _refuse_if_draining(self) -> None:
+        if self.draining:
+            raise APIError(503, "the server is draining and admits no new requests",
+                           code="draining", headers=self._drain_retry_after())  # fmt: skip
+
+    def _drain_retry_after(self) -> dict[str, str]:
+        left = (self.drain_deadline or time.monotonic()) - time.monotonic()
+        return {"Retry-After": str(max(1, math.ceil(left)))}
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def _prompt_ids(self, req: Any, kind: str) -> tuple[list[int], str]:
+        """Token ids of the prompt and the parameter they came from."""
+        if kind == "chat":
+            if self.encode_chat is None:
+                raise bad_request("this model has no tokenizer (no chat template): use "
+                                  "/v1/completions with token ids", param="messages",
+                                  code="no_tokenizer")  # fmt: skip
+            if not req.messages:
+                raise bad_request("messages: must not be empty", param="messages")
+            msgs = [
+                {"role": "system" if m.role == "developer" else m.role,
+                 "content": message_text(i, m)}
+                for i, m in enumerate(req.messages)
+            ]  # fmt: skip
+            try:
+                return list(self.encode_chat(msgs)), "messages"
+            except ValueError as e:
+                raise bad_request(f"messages: {e}", param="messages") from None
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise bad_request(f"prompt: {len(prompt)} prompts in one request; this server "
+                                  "takes one (send one request each)", param="prompt")  # fmt: skip
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise bad_request("prompt: this model has no tokenizer; give the prompt as "
+                                  "a list of token ids", param="prompt",
+                                  code="no_tokenizer")  # fmt: skip
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise bad_request("prompt: must not be empty", param="prompt")
+        return ids, "prompt"
+
+    def _sampling(self, req: Any, kind: str, n_prompt: int, prompt_param: str) -> SamplingParams:
+        ctx = self.scheduler.config.max_seq_len
+        if n_prompt >= ctx:
+            raise bad_request(f"{prompt_param}: {n_prompt} tokens; this model's context is "
+                              f"{ctx} tokens, with room for at least one more",
+                              param=prompt_param, code="context_length_exceeded")  # fmt: skip
+        param = "max_tokens"
+        max_tokens = req.max_tokens
+        if kind == "chat" and req.max_completion_tokens is not None:
+            param, max_tokens = "max_completion_tokens", req.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = ctx - n_prompt
+        elif max_tokens < 1:
+            raise bad_request(f"{param}: must be >= 1, got {max_tokens}", param=param)
+        elif n_prompt + max_tokens > ctx:
+            raise bad_request(
+                f"{param}: {max_tokens} tokens after a prompt of {n_prompt} is more than this "
+                f"model's context of {ctx} tokens (at most {ctx - n_prompt})",
+                param=param, code="context_length_exceeded",
+            )  # fmt: skip
+        if kind == "chat":
+            logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        else:
+            logprobs = req.logprobs
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=max(0, req.top_k or 0), seed=req.seed, stop=req.stop or (),
+                logprobs=logprobs, ignore_eos=req.ignore_eos,
+            )  # fmt: skip
+        except kvsched.InvalidRequest as e:
+            raise _invalid(e, kind) from None
+
+    async def _handle(self, request: Request, kind: str) -> Response:
+        tenant = self._authenticate(request)
+        body = await self._read_body(request)
+        model_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
+        req = validate_body(model_cls, body)
+        self._check_model(req.model)
+        check_unsupported(req)
+        self._refuse_if_draining()
+        ids, prompt_param = self._prompt_ids(req, kind)
+        params = self._sampling(req, kind, len(ids), prompt_param)
+        try:
+            stream = await self.engine.generate(tenant, ids, params)
+        except kvsched.Rejected as e:
+            raise self._rejected(e, kind) from None
+        except RuntimeError as e:  # the engine loop died
+            raise APIError(503, f"the engine is not running: {e}", code="engine_down") from None
+        now = time.monotonic()
+        self._active[stream.request_id] = _Active(params.max_tokens, last=now)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        job = _Job(kind, tenant, stream, req.model, params.max_tokens, params.logprobs,
+                   include_usage, f"{prefix}-{uuid.uuid4().hex}", int(time.time()),
+                   self.tokenizer is None or req.return_token_ids)  # fmt: skip
+        if req.stream:
+            return _SSEResponse(self._events(job), lambda: self._finish(job))
+        try:
+            got = await self._collect(request, job)
+        finally:
+            await self._finish(job)
+        if got is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        if got.final is not None and got.final.finish_reason == "error":
+            raise APIError(500, "the engine failed while generating", code="engine_error")
+        return JSONResponse(self._response(job, got))
+
+    def _rejected(self, e: kvsched.Rejected, kind: str) -> APIError:
+        if isinstance(e, kvsched.InvalidRequest) or e.reason in ("invalid", "too_long"):
+            err = _invalid(e, kind)
+            err.code = e.reason
+            return err
+        status, headers = http_status(e)
+        if status in (429, 503) and "Retry-After" not in headers:
+            headers = {**headers, **(self._drain_retry_after() if e.reason == "draining"
+                                     else {"Retry-After": "1"})}  # fmt: skip
+        return APIError(status, str(e), code=e.reason, headers=headers)
+
+    async def _finish(self, job: _Job) -> None:
+        """The request's end, however it came: cancel it if it is still running."""
+        self._active.pop(job.stream.request_id, None)
+        if not job.stream.finished:
+            await job.stream.cancel()
+
+    def _observe(self, rid: int, out: RequestOutput, got: _Collected) -> None:
+        got.token_ids += out.token_ids
+        got.text.append(out.text)
+        if out.logprobs:
+            got.logprobs += out.logprobs
+        if out.finished:
+            got.final = out
+        act = self._active.get(rid)
+        if act is not None and out.token_ids:
+            now = time.monotonic()
+            if act.produced:
+                dt = now - act.last
+                self._itl = 0.8 * self._itl + 0.2 * dt if self._itl else dt
+            act.produced += len(out.token_ids)
+            act.last = now
+
+    async def _collect(self, request: Request, job: _Job) -> _Collected | None:
+        """Read the whole stream; None when the client went away first (the request
+        is then cancelled by `_finish`)."""
+        got = _Collected()
+        gone = False
+        rid = job.stream.request_id
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                nonlocal gone
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass
+                gone = True
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch)
+            async for out in job.stream:
+                self._observe(rid, out, got)
+            tg.cancel_scope.cancel()
+        return None if gone else got
+
+    # -- response bodies ----------------------------------------------------------------------
+
+    def _usage(self, job: _Job, got: _Collected) -> dict[str, int]:
+        prompt = job.stream.prompt_tokens
+        done = len(got.token_ids)
+        if got.final is not None:
+            done = max(done, got.final.completion_tokens)
+        return {"prompt_tokens": prompt, "completion_tokens": done,
+                "total_tokens": prompt + done}  # fmt: skip
+
+    def _finish_fields(self, final: RequestOutput | None) -> dict[str, Any]:
+        reason = final.finish_reason if final is not None else "cancelled"
+        out: dict[str, Any] = {"finish_reason": openai_finish_reason(reason)}
+        if reason not in OPENAI_FINISH:
+            out["kvsched_finish_reason"] = reason
+        return out
+
+    def _chat_logprobs(self, lps: list[TokenLogprob]) -> dict[str, Any]:
+        content = []
+        for lp in lps:
+            text, raw = self.token_text(lp.token_id)
+            top = []
+            for tid, v in lp.top:
+                t, b = self.token_text(tid)
+                top.append({"token": t, "logprob": v, "bytes": b})
+            content.append({"token": text, "logprob": lp.logprob, "bytes": raw,
+                            "top_logprobs": top})  # fmt: skip
+        return {"content": content}
+
+    def _completion_logprobs(self, lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
+        tokens, values, tops, offsets = [], [], [], []
+        for lp in lps:
+            text, _ = self.token_text(lp.token_id)
+            tokens.append(text)
+            values.append(lp.logprob)
+            tops.append({self.token_text(tid)[0]: v for tid, v in lp.top})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+                "text_offset": offsets}  # fmt: skip
+
+    def _response(self, job: _Job, got: _Collected) -> dict[str, Any]:
+        text = "".join(got.text)
+        lp = None
+        if job.logprobs is not None:
+            lp = (self._chat_logprobs(got.logprobs) if job.kind == "chat"
+                  else self._completion_logprobs(got.logprobs, 0))  # fmt: skip
+        choice: dict[str, Any] = {"index": 0}
+        if job.kind == "chat":
+            choice["message"] = {"role": "assistant", "content": text}
+            obj = "chat.completion"
+        else:
+            choice["text"] = text
+            obj = "text_completion"
+        choice["logprobs"] = lp
+        if job.token_ids:
+            choice["token_ids"] = got.token_ids
+        choice.update(self._finish_fields(got.final))
+        return {"id": job.id, "object": obj, "created": job.created, "model": job.model,
+                "choices": [choice], "usage": self._usage(job, got)}  # fmt: skip
+
+    async def _events(self, job: _Job) -> AsyncIterator[bytes]:
+        """The SSE body of a streamed request."""
+        chat = job.kind == "chat"
+        base: dict[str, Any] = {"id": job.id,
+                                "object": "chat.completion.chunk" if chat else "text_completion",
+                                "created": job.created, "model": job.model}  # fmt: skip
+        if job.include_usage:
+            base["usage"] = None
+        got = _Collected()
+        rid = job.stream.request_id
+        offset = 0
+
+        def chunk(out: RequestOutput | None, extra: dict[str, Any]) -> bytes:
+            nonlocal offset
+            text = out.text if out is not None else ""
+            lps = (out.logprobs or []) if out is not None else []
+            choice: dict[str, Any] = {"index": 0}
+            lp = None
+            if job.logprobs is not None:
+                lp = (self._chat_logprobs(lps) if chat
+                      else self._completion_logprobs(lps, offset))  # fmt: skip
+            if chat:
+                choice["delta"] = {"content": text} if text or not extra else {}
+            else:
+                choice["text"] = text
+            offset += len(text)
+            choice["logprobs"] = lp
+            if job.token_ids:
+                choice["token_ids"] = out.token_ids if out is not None else []
+            choice["finish_reason"] = None
+            choice.update(extra)
+            return _sse({**base, "choices": [choice]})
+
+        if chat:
+            first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                     "finish_reason": None}  # fmt: skip
+            yield _sse({**base, "choices": [first]})
+        async for out in job.stream:
+            self._observe(rid, out, got)
+            if out.finished:
+                break
+            if out.text or (out.token_ids and (job.token_ids or job.logprobs is not None)):
+                yield chunk(out, {})
+        final = got.final
+        if final is not None and final.finish_reason == "error":
+            err = APIError(500, "the engine failed while generating", code="engine_error")
+            yield _sse(err.body())
+        else:
+            yield chunk(final, self._finish_fields(final))
+            if job.include_usage:
+                yield _sse({**base, "choices": [], "usage": self._usage(job, got)})
+        yield b"data: [DONE]\n\n"
+
+
+def _invalid(e: kvsched.Rejected, kind: str) -> APIError:
+    """kvsched.InvalidRequest ("field: why") as a 400 naming the parameter."""
+    msg = str(e)
+    head, sep, _ = msg.partition(":")
+    param = head.strip() if sep and head.strip().isidentifier() else None
+    if param == "prompt_ids":
+        param = "messages" if kind == "chat" else "prompt"
+    if param == "logprobs" and kind == "chat":
+        param = "top_logprobs"
+    return bad_request(msg, param=param)
+
+
+class _DrainingUvicorn(uvicorn.Server):
+    """uvicorn, except that SIGTERM / SIGINT start the server's drain instead of
+    stopping at once (and are not re-raised at exit, so a drained server exits 0)."""
+
+    def __init__(self, config: uvicorn.Config, owner: OpenAIServer) -> None:
+        super().__init__(config)
+        self.owner = owner
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        loop = self.owner._loop
+        if sig in (signal.SIGTERM, signal.SIGINT) and loop is not None and not self.should_exit:
+            loop.call_soon_threadsafe(self.owner._on_signal, sig)
+            return
+        if loop is None:  # before startup: nothing to drain
+            self.should_exit = True
+            return
+        self.force_exit = True
+
+
+# -- the engine behind `kvsched serve` -------------------------------------------------------------
+
+SMOLLM2_ID = "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class LoadedModel:
+    engine: Any  # kvsched.engine.runner.Engine (cold)
+    model_name: str
+    aliases: tuple[str, ...]
+    encode_chat: Callable[[list[dict[str, str]]], list[int]] | None
+
+
+def load_model(
+    which: str = "smollm2",
+    *,
+    max_seq_len: int = 1024,
+    max_num_seqs: int = 16,
+    num_blocks: int | None = None,
+    max_batched_tokens: int = 256,
+    max_logprobs: int = 5,
+    backend: str = "reference",
+    seed: int = 0,
+    max_waiting: int = 64,
+) -> LoadedModel:
+    """A cold Engine for `kvsched serve`: SmolLM2-135M-Instruct from its GGUF file
+    (tokenizer and chat template included), or `tiny`, a random-weight model with
+    no tokenizer (completions by token ids only)."""
+    from kvsched.engine.model import LlamaConfig, init_params
+    from kvsched.engine.runner import Engine
+
+    block = 16
+    if num_blocks is None:  # every sequence at full length, plus the null page
+        num_blocks = max_num_seqs * (-(-max_seq_len // block)) + 1
+    cfg = kvsched.SchedulerConfig(
+        num_blocks=num_blocks, block_size=block, max_num_seqs=max_num_seqs,
+        max_batched_tokens=max_batched_tokens, max_seq_len=max_seq_len,
+        long_prefill_chunk=min(max_batched_tokens, 256), max_waiting=max_waiting,
+        overhead_reserve=0.0, ladder="default",
+    )  # fmt: skip
+    if which == "tiny":
+        model = LlamaConfig()
+        engine = Engine.create(model, init_params(model, seed=seed), cfg, backend=backend,
+                               max_logprobs=max_logprobs, seed=seed)  # fmt: skip
+        return LoadedModel(engine, model.name, ("tiny",), None)
+    if which != "smollm2":
+        raise ValueError(f"--model: smollm2 or tiny, not {which!r}")
+    from kvsched import model_files
+    from kvsched.engine.loaders.gguf_llama import load_gguf
+
+    gg = load_gguf(model_files.fetch())
+    eos = () if gg.eos_token_id is None else (gg.eos_token_id,)
+    engine = Engine.create(gg.config, gg.params, cfg, backend=backend, tokenizer=gg.tokenizer,
+                           eos_token_ids=eos, max_logprobs=max_logprobs, seed=seed)  # fmt: skip
+    return LoadedModel(engine, SMOLLM2_ID, ("smollm2", gg.config.name), gg.encode_chat)
+
+
+def parse_end_at(value: str) -> float:
+    """`--end-at`: Unix seconds, or an ISO 8601 time (local time when it has no zone)."""
+    from datetime import datetime
+
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    try:
+        return datetime.fromisoformat(value).timestamp()
+    except ValueError:
+        raise ValueError(f"--end-at: Unix seconds or an ISO 8601 time, not {value!r}") from None

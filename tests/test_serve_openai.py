@@ -1,0 +1,479 @@
+"""`kvsched serve` through the official openai client, on localhost.
+
+A random tiny model (no tokenizer: prompts as token ids) covers the protocol:
+streaming and not, usage, seeds, every error shape and status, the tenants'
+keys, a client that disconnects, /ready and /metrics, a drain on SIGTERM in a
+real `kvsched serve` process, and `end_at`. SmolLM2-135M-Instruct covers real
+text: chat and completions through its tokenizer and chat template, stop
+strings, logprobs, usage as its tokenizer counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("jax")
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+import httpx  # noqa: E402
+
+import kvsched  # noqa: E402
+from kvsched.serve import AsyncEngine  # noqa: E402
+from kvsched.serve.server import OpenAIServer, load_model, parse_end_at  # noqa: E402
+from kvsched.serve.tenants import TenantRegistry, parse_tenants  # noqa: E402
+
+from smollm2_helpers import smollm2  # noqa: E402
+
+KEY = "sk-test-gold"
+TENANTS = {"tenant": [
+    {"name": "gold", "api_key": KEY, "tier": 0},
+    {"name": "solo", "api_key": "sk-test-solo", "tier": 1, "max_concurrent": 1},
+]}  # fmt: skip
+PROMPT = [5, 17, 99, 3, 42, 7]
+CONTEXT = 1024  # the tiny model's: about 2.5 ms a token on CPU, so long requests last seconds
+LONG = CONTEXT - len(PROMPT)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+class Running:
+    """An OpenAIServer under uvicorn on a background thread, on a free port."""
+
+    def __init__(self, server: OpenAIServer) -> None:
+        self.server = server
+        sock = free_socket()
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.uv = server.uvicorn_server("127.0.0.1", self.port, log_level="warning")
+        self.thread = threading.Thread(target=self.uv.run, kwargs={"sockets": [sock]},
+                                       daemon=True)  # fmt: skip
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.uv.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+
+    def client(self, key: str = KEY, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, **kw)
+
+    def async_client(self, key: str = KEY) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0)
+
+    def stop(self) -> None:
+        self.uv.should_exit = True
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+
+
+def tiny_server(**kw) -> Running:
+    m = load_model("tiny", max_seq_len=CONTEXT, max_num_seqs=4, max_batched_tokens=64)
+    eng = AsyncEngine(m.engine)
+    eng.start()
+    reg = TenantRegistry(parse_tenants(TENANTS))
+    return Running(OpenAIServer(eng, reg, model_name=m.model_name, aliases=m.aliases, **kw))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    running = tiny_server()
+    yield running
+    running.stop()
+
+
+def settled(sched: kvsched.Scheduler, timeout: float = 10.0) -> dict:
+    """stats() once nothing is live (the engine thread may still be finishing)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = sched.stats()
+        if st["live_requests"] == 0 and st["pool"]["reserved"] == 0:
+            return st
+        assert time.monotonic() < deadline, f"requests still live: {st['live_requests']}"
+        time.sleep(0.02)
+
+
+# -- the tiny model: protocol ---------------------------------------------------------------------
+
+
+def test_models_health_ready_and_metrics(tiny):
+    c = tiny.client()
+    models = c.models.list()
+    assert [m.id for m in models.data] == ["tiny-llama"]
+    assert httpx.get(f"{tiny.url}/health").status_code == 200
+    assert httpx.get(f"{tiny.url}/ready").json() == {"status": "ready"}
+    c.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=2)
+    text = httpx.get(f"{tiny.url}/metrics").text
+    assert 'kvsched_lifecycle{state="ready"} 1.0' in text
+    assert 'kvsched_requests_admitted_total{tenant="gold"}' in text
+    assert ('kvsched_http_requests_total{method="POST",route="/v1/completions",status="200"}'
+            in text)  # fmt: skip
+    assert "kvsched_http_request_duration_seconds_bucket" in text
+    assert "kvsched_engine_model_seconds_total" in text
+
+
+def test_completions_by_token_ids_with_usage(tiny):
+    c = tiny.client()
+    r = c.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=7, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "length"
+    assert len(choice.model_extra["token_ids"]) == 7, "no tokenizer: the ids come back"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (6, 7, 13)
+    assert r.id.startswith("cmpl-") and r.object == "text_completion"
+    # The same greedy request streamed: the same tokens, usage in the last chunk.
+    chunks = list(
+        c.completions.create(
+            model="tiny",
+            prompt=[PROMPT],
+            max_tokens=7,
+            stream=True,
+            temperature=0,
+            stream_options={"include_usage": True},
+        )
+    )
+    streamed = [t for ch in chunks if ch.choices for t in ch.choices[0].model_extra["token_ids"]]
+    assert streamed == choice.model_extra["token_ids"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 7
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+
+
+def test_a_seed_is_reproducible(tiny):
+    c = tiny.client()
+
+    def draw(seed):
+        r = c.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=12,
+                                 temperature=1.0, seed=seed)  # fmt: skip
+        return r.choices[0].model_extra["token_ids"]
+
+    assert draw(7) == draw(7)
+    assert draw(7) != draw(8)
+
+
+def test_completion_logprobs(tiny):
+    r = tiny.client().completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=3,
+                                         logprobs=2, temperature=0)  # fmt: skip
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3
+    assert all(v <= 0 for v in lp.token_logprobs)
+    assert all(len(top) == 2 for top in lp.top_logprobs)
+    assert lp.tokens[0] == f"token_id:{r.choices[0].model_extra['token_ids'][0]}"
+
+
+def test_errors_are_openai_shaped_and_change_nothing(tiny):
+    sched = tiny.server.scheduler
+    before = settled(sched)
+    c = tiny.client()
+    with pytest.raises(openai.AuthenticationError) as e:
+        tiny.client(key="sk-wrong").completions.create(model="tiny-llama", prompt=PROMPT)
+    assert e.value.code == "invalid_api_key"
+    r = httpx.post(f"{tiny.url}/v1/completions", json={"model": "tiny-llama", "prompt": PROMPT})
+    assert r.status_code == 401 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    with pytest.raises(openai.NotFoundError) as e:
+        c.completions.create(model="gpt-5", prompt=PROMPT)
+    assert e.value.code == "model_not_found"
+    cases = [
+        (dict(prompt=PROMPT, max_tokens=LONG + 1), "max_tokens"),  # beyond the context
+        (dict(prompt=[1] * CONTEXT), "prompt"),
+        (dict(prompt=PROMPT, n=2), "n"),
+        (dict(prompt=[]), "prompt"),
+        (dict(prompt="text"), "prompt"),  # no tokenizer
+        (dict(prompt=[1, 2, 100_000]), "prompt"),  # outside the vocabulary
+        (dict(prompt=PROMPT, temperature=-1), "temperature"),
+        (dict(prompt=PROMPT, top_p=0), "top_p"),
+        (dict(prompt=PROMPT, stop=["x"]), "stop"),  # stop strings need a tokenizer
+        (dict(prompt=PROMPT, logprobs=9), "logprobs"),  # more than the engine computes
+        (dict(prompt=["a", "b"]), "prompt"),
+    ]
+    for kw, param in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(model="tiny-llama", **kw)
+        assert e.value.param == param, (kw, e.value.body)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "hi"}])
+    assert "no tokenizer" in e.value.message
+    auth = {"Authorization": f"Bearer {KEY}"}
+    raw = [
+        (b'{"model": "tiny-llama", "prompt": [1, 2', 400),  # malformed JSON
+        (b'[1, 2]', 400),
+        (b'{"model": "tiny-llama", "prompt": [1], "max_tokens": "5"}', 400),
+        (b'{"model": "tiny-llama", "prompt": [1], "max_tokens": 5.5}', 400),
+        (b'{"model": "tiny-llama", "prompt": [1], "stream": "yes"}', 400),
+        (b'{"prompt": [1]}', 400),
+        (b'{"model": "tiny-llama", "prompt": [1], "pad": "' + b"x" * (1 << 20) + b'"}', 413),
+    ]  # fmt: skip
+    for body, status in raw:
+        r = httpx.post(f"{tiny.url}/v1/completions", content=body, headers=auth)
+        assert r.status_code == status, (body[:60], r.text)
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = httpx.post(f"{tiny.url}/v1/chat/completions", headers=auth,
+                   json={"model": "tiny-llama", "messages": []})  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert httpx.get(f"{tiny.url}/nope").json()["error"]["code"] == "not_found"
+    after = settled(sched)
+    for t in ("gold", "solo"):
+        assert after["tenants"][t]["admitted"] == before["tenants"][t]["admitted"]
+    assert after["pool"]["used"] == before["pool"]["used"]
+
+
+def test_a_refusal_is_a_429_with_retry_after(tiny):
+    """`solo` may run one request at a time: a second one is refused."""
+
+    async def go():
+        c = tiny.async_client("sk-test-solo")
+        first = await c.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=LONG,
+                                           stream=True)  # fmt: skip
+        async for _ in first:
+            break  # admitted and running
+        with pytest.raises(openai.RateLimitError) as e:
+            await c.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=2)
+        assert e.value.code == "concurrency"
+        assert int(e.value.response.headers["retry-after"]) >= 1
+        await first.close()
+
+    asyncio.run(go())
+    settled(tiny.server.scheduler)
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_request(tiny):
+    sched = tiny.server.scheduler
+    before = settled(sched)
+    body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": LONG, "stream": True}
+    with httpx.stream("POST", f"{tiny.url}/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:  # fmt: skip
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(3)]
+        assert all(line.startswith("data: {") or not line for line in got)
+        assert sched.stats()["live_requests"] == 1
+    after = settled(sched, timeout=5.0)  # closed early: cancelled, not run to the end
+    gold = after["tenants"]["gold"]
+    assert gold["cancelled"] == before["tenants"]["gold"]["cancelled"] + 1
+    assert gold["tokens_out"] - before["tenants"]["gold"]["tokens_out"] < LONG
+    assert after["pool"]["used"] == before["pool"]["used"]
+
+
+def test_a_client_that_stops_waiting_for_an_answer_frees_its_request(tiny):
+    sched = tiny.server.scheduler
+    before = settled(sched)
+    body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": LONG}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{tiny.url}/v1/completions", json=body, timeout=0.3,
+                   headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
+    after = settled(sched, timeout=5.0)
+    gold = after["tenants"]["gold"]
+    assert gold["cancelled"] == before["tenants"]["gold"]["cancelled"] + 1
+    assert gold["tokens_out"] - before["tenants"]["gold"]["tokens_out"] < LONG
+
+
+def test_reload_applies_tenant_changes_live(tiny, tmp_path):
+    srv = tiny.server
+    path = tmp_path / "tenants.toml"
+    path.write_text(f'[[tenant]]\nname = "gold"\napi_key = "{KEY}"\ntier = 2\n'
+                    '[[tenant]]\nname = "extra"\napi_key = "sk-extra"\n')  # fmt: skip
+    old_path, srv.tenants.path = srv.tenants.path, path
+    try:
+        assert "added extra" in srv.reload()
+        assert srv.scheduler.tenant("gold").tier == 2
+        r = tiny.client("sk-extra").completions.create(model="tiny", prompt=PROMPT, max_tokens=1)
+        assert r.usage.completion_tokens == 1
+        with pytest.raises(openai.AuthenticationError):
+            tiny.client("sk-test-solo").models.list()
+    finally:
+        srv.tenants.apply(srv.scheduler, parse_tenants(TENANTS))
+        srv.tenants.path = old_path
+    assert tiny.client("sk-test-solo").models.list().data
+
+
+def test_end_at_drains_on_schedule():
+    """With end_at the server drains by itself: a running stream ends with a final
+    chunk by end_at, new requests are refused, and the server stops."""
+    running = tiny_server(drain_seconds=3.0)
+    srv = running.server
+    try:
+        c = running.client()
+        stream = c.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=LONG,
+                                      stream=True)  # fmt: skip
+        chunks = iter(stream)
+        assert next(chunks).choices[0].finish_reason is None
+        # ~1000 tokens to go at the measured pace do not fit in 2 s: the drain starts
+        # now, with end_at as its deadline.
+        srv.end_at = time.time() + 2.0
+        deadline = time.monotonic() + 1.0
+        while not srv.draining:
+            next(chunks)
+            assert time.monotonic() < deadline, "the drain did not start"
+        assert httpx.get(f"{running.url}/ready").status_code == 503
+        with pytest.raises(openai.InternalServerError) as e:
+            c.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=2)
+        assert e.value.code == "draining"
+        last = list(chunks)[-1].choices[0]
+        assert time.time() < srv.end_at + 1.0, "the stream ended by end_at"
+        assert last.finish_reason == "length"
+        assert last.model_extra["kvsched_finish_reason"] == "drain_deadline"
+        running.thread.join(15)
+        assert not running.thread.is_alive(), "the server stopped after the drain"
+        assert srv.drain_summary["lifecycle"] == "drained"
+    finally:
+        if running.thread.is_alive():
+            running.stop()
+
+
+def test_end_at_parses_unix_seconds_and_iso_times():
+    assert parse_end_at("1700000000") == parse_end_at("2023-11-14T22:13:20+00:00") == 1.7e9
+    with pytest.raises(ValueError, match="--end-at"):
+        parse_end_at("soon")
+
+
+def test_sigterm_drains_and_exits_zero(tmp_path):
+    """A real `kvsched serve`: SIGHUP reloads the tenants; SIGTERM turns /ready 503,
+    refuses new requests with 503 and Retry-After, ends the running stream with a
+    final chunk at the drain deadline, writes the checkpoint and exits 0."""
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(f'[[tenant]]\nname = "gold"\napi_key = "{KEY}"\n')
+    ckpt = tmp_path / "ckpt.jsonl"
+    sock = free_socket()
+    port = sock.getsockname()[1]
+    sock.close()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT / "python")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvsched", "serve", "--model", "tiny", "--tenants", str(tenants),
+         "--port", str(port), "--drain-seconds", "1.5", "--checkpoint", str(ckpt),
+         "--max-seq-len", "2048", "--max-num-seqs", "2", "--max-batched-tokens", "64",
+         "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "not ready in 60 s"
+            try:
+                if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        # SIGHUP rereads the tenants file: a new key works.
+        tenants.write_text(tenants.read_text() + '[[tenant]]\nname = "new"\napi_key = "sk-new"\n')
+        proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer sk-new"}).is_error:
+            assert time.monotonic() < deadline, "SIGHUP did not reload the tenants"
+            time.sleep(0.1)
+        body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 2000, "stream": True}
+        auth = {"Authorization": f"Bearer {KEY}"}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=auth,
+                          timeout=30) as r:  # fmt: skip
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: {")
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            assert httpx.get(f"{url}/ready").status_code == 503
+            refused = httpx.post(f"{url}/v1/completions", headers=auth,
+                                 json={"model": "tiny-llama", "prompt": PROMPT})  # fmt: skip
+            assert refused.status_code == 503
+            assert refused.json()["error"]["code"] == "draining"
+            assert int(refused.headers["retry-after"]) >= 1
+            events = [line[6:] for line in lines if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        final = json.loads(events[-2])["choices"][0]
+        assert final["finish_reason"] == "length"
+        assert final["kvsched_finish_reason"] == "drain_deadline"
+        assert proc.wait(30) == 0
+        assert ckpt.exists() and ckpt.read_text().strip(), "the unfinished request is saved"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+# -- SmolLM2: real text --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smol():
+    from kvsched.engine.runner import Engine
+
+    gg = smollm2()
+    cfg = kvsched.SchedulerConfig(num_blocks=129, block_size=16, max_num_seqs=4,
+                                  max_batched_tokens=64, max_seq_len=512, long_prefill_chunk=64,
+                                  overhead_reserve=0.0)  # fmt: skip
+    engine = Engine.create(gg.config, gg.params, cfg, tokenizer=gg.tokenizer,
+                           eos_token_ids=(gg.eos_token_id,), max_logprobs=2)  # fmt: skip
+    eng = AsyncEngine(engine)
+    eng.start()
+    srv = OpenAIServer(eng, TenantRegistry(parse_tenants(TENANTS)), model_name="SmolLM2",
+                       encode_chat=gg.encode_chat)  # fmt: skip
+    running = Running(srv)
+    yield gg, running
+    running.stop()
+
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_smollm2_chat_answers_paris_with_usage_and_logprobs(smol):
+    gg, running = smol
+    r = running.client().chat.completions.create(
+        model="SmolLM2", messages=QUESTION, temperature=0, max_completion_tokens=24,
+        logprobs=True, top_logprobs=2,
+    )  # fmt: skip
+    choice = r.choices[0]
+    assert "Paris" in choice.message.content and choice.message.role == "assistant"
+    assert choice.finish_reason == "stop"
+    assert r.usage.prompt_tokens == len(gg.encode_chat(QUESTION))
+    content = choice.logprobs.content
+    assert r.usage.completion_tokens == len(content)  # the end-of-turn token included
+    assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.logprob - 1e-6
+               for t in content)  # fmt: skip
+    assert "".join(t.token for t in content[:-1]) == choice.message.content
+    assert bytes(b for t in content[:-1] for b in t.bytes).decode() == choice.message.content
+
+
+def test_smollm2_streams_stop_strings_and_completions(smol):
+    gg, running = smol
+
+    async def go():
+        c = running.async_client()
+        stream = await c.chat.completions.create(
+            model="SmolLM2", messages=QUESTION, temperature=0, max_tokens=24, stream=True,
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+        chunks = [ch async for ch in stream]
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        assert "Paris" in text
+        assert chunks[0].choices[0].delta.role == "assistant"
+        usage = chunks[-1].usage
+        assert usage.prompt_tokens == len(gg.encode_chat(QUESTION))
+        # A stop string: the text ends before it, and the finish is "stop".
+        stopped = await c.chat.completions.create(
+            model="SmolLM2", messages=QUESTION, temperature=0, max_tokens=24, stop=[" Paris"],
+        )  # fmt: skip
+        assert stopped.choices[0].finish_reason == "stop"
+        assert text.startswith(stopped.choices[0].message.content)
+        assert "Paris" not in stopped.choices[0].message.content
+        assert stopped.usage.completion_tokens < usage.completion_tokens
+        # Completions from text, through the tokenizer.
+        prompt = "The capital of France is"
+        done = await c.completions.create(model="SmolLM2", prompt=prompt, max_tokens=3,
+                                          temperature=0)  # fmt: skip
+        assert "Paris" in done.choices[0].text
+        n = len(gg.tokenizer.encode(prompt, add_special_tokens=False).ids)
+        assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (n, 3)
+
+    asyncio.run(go())
