@@ -198,14 +198,18 @@ class AsyncEngine:
             self._wake.notify()
         if self._thread is not None:
             self._thread.join(timeout=60)
+        self._close_all("cancelled", lambda: kvsched.Rejected("the engine has stopped"))
+
+    def _close_all(self, reason: str, refusal) -> None:
+        """End every open stream with `reason` and refuse every queued submit."""
         with self._lock:
             for rid in list(self._streams):
-                self._end(rid, "cancelled")
+                self._end(rid, reason)
             with self._qlock:
                 pending, self._commands = self._commands, []
-            for kind, _args, done in pending:
-                if kind == "submit" and not done.done():
-                    done.set_exception(kvsched.Rejected("the engine has stopped"))
+            for _kind, _args, done in pending:
+                if done is not None and not done.done():
+                    done.set_exception(refusal())
 
     # -- requests -----------------------------------------------------------------------
 
@@ -315,14 +319,7 @@ class AsyncEngine:
                             self._wake.wait(self._idle_recheck_s)
         except BaseException as e:  # noqa: BLE001 - every stream must hear of it
             self._error = e
-            with self._lock:
-                for rid in list(self._streams):
-                    self._end(rid, "error")
-                with self._qlock:
-                    pending, self._commands = self._commands, []
-                for _kind, _args, done in pending:
-                    if done is not None and not done.done():
-                        done.set_exception(RuntimeError("the engine loop died"))
+            self._close_all("error", lambda: RuntimeError("the engine loop died"))
 
     def _has_work(self) -> bool:
         # Read without the engine lock: the scheduler's count is thread-safe, and
