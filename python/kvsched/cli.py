@@ -7,6 +7,9 @@ kvsched capacity --model llama-3-8b --accelerator h100 [--devices N] [--context 
 kvsched simulate --trace azure|mooncake|prefill-vs-decode|burst [--trace-path F]
                  [--limit N] [--time-scale X] [--scenarios standard|a,b,...]
                  [--model M --accelerator A --devices N] [--plots DIR]
+kvsched serve --tenants tenants.toml [--model smollm2|tiny] [--host H] [--port P]
+              [--drain-seconds S] [--end-at TIME]
+                                    the OpenAI-compatible server (pip install kvsched[serve])
 kvsched fetch-model                 fetch SmolLM2-135M-Instruct's GGUF into the cache
 kvsched eval-kv [--kv-dtype int8] [--prompts N] [--tokens N]
                                     the int8 KV gate: measured on the real model, saved
