@@ -62,8 +62,8 @@ def test_python_blocks_run_as_written(tmp_path, monkeypatch):
         for body in blocks("python"):
             if "127.0.0.1:8000" in body:
                 if server is None:
-                    server, port = start_readme_server(tmp_path)
-                body = body.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+                    server, url = start_readme_server(tmp_path)
+                body = body.replace("http://127.0.0.1:8000", url)
             exec(compile(body, str(README), "exec"), namespace)  # noqa: S102
     finally:
         if server is not None:
@@ -73,35 +73,19 @@ def test_python_blocks_run_as_written(tmp_path, monkeypatch):
 
 def start_readme_server(tmp_path):
     """`kvsched serve` over the real model with the README's tenants file."""
-    import socket
-    import time
-    import urllib.request
-
     for name in ("fastapi", "uvicorn", "openai", "gguf"):
         pytest.importorskip(name)
+    from serve_helpers import start_serve
     from smollm2_helpers import smollm2
 
     smollm2()  # skips with the reason when the model cannot be fetched
     (toml,) = blocks("toml")
     (tmp_path / "tenants.toml").write_text(toml)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "kvsched", "serve", "--tenants",
-                             str(tmp_path / "tenants.toml"), "--port", str(port),
-                             "--max-seq-len", "256"], cwd=tmp_path,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as r:
-                if r.status == 200:
-                    return proc, port
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    raise AssertionError("kvsched serve was not ready in 300 s")
+    return start_serve(
+        ["--tenants", str(tmp_path / "tenants.toml"), "--max-seq-len", "256"],
+        cwd=tmp_path,
+        timeout=300,
+    )
 
 
 def test_bash_blocks_are_covered_or_run(tmp_path):

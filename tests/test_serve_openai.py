@@ -12,14 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -33,6 +29,7 @@ from kvsched.serve import AsyncEngine  # noqa: E402
 from kvsched.serve.server import OpenAIServer, load_model, parse_end_at  # noqa: E402
 from kvsched.serve.tenants import TenantRegistry, parse_tenants  # noqa: E402
 
+from serve_helpers import start_serve  # noqa: E402
 from smollm2_helpers import smollm2  # noqa: E402
 
 KEY = "sk-test-gold"
@@ -43,7 +40,6 @@ TENANTS = {"tenant": [
 PROMPT = [5, 17, 99, 3, 42, 7]
 CONTEXT = 1024  # the tiny model's: about 2.5 ms a token on CPU, so long requests last seconds
 LONG = CONTEXT - len(PROMPT)
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def free_socket() -> socket.socket:
@@ -345,29 +341,12 @@ def test_sigterm_drains_and_exits_zero(tmp_path):
     tenants = tmp_path / "tenants.toml"
     tenants.write_text(f'[[tenant]]\nname = "gold"\napi_key = "{KEY}"\n')
     ckpt = tmp_path / "ckpt.jsonl"
-    sock = free_socket()
-    port = sock.getsockname()[1]
-    sock.close()
-    url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT / "python")}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvsched", "serve", "--model", "tiny", "--tenants", str(tenants),
-         "--port", str(port), "--drain-seconds", "1.5", "--checkpoint", str(ckpt),
-         "--max-seq-len", "2048", "--max-num-seqs", "2", "--max-batched-tokens", "64",
-         "--log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    proc, url = start_serve(
+        ["--model", "tiny", "--tenants", str(tenants), "--drain-seconds", "1.5",
+         "--checkpoint", str(ckpt), "--max-seq-len", "2048", "--max-num-seqs", "2",
+         "--max-batched-tokens", "64", "--log-level", "warning"],
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "not ready in 60 s"
-            try:
-                if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
         # SIGHUP rereads the tenants file: a new key works.
         tenants.write_text(tenants.read_text() + '[[tenant]]\nname = "new"\napi_key = "sk-new"\n')
         proc.send_signal(signal.SIGHUP)

@@ -6,13 +6,9 @@ the tokens each stream received; the process exits 0."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -20,29 +16,20 @@ pytest.importorskip("jax")
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
-ROOT = Path(__file__).resolve().parents[1]
+from serve_helpers import start_serve  # noqa: E402
+
 KEY = "sk-load"
 DRAIN_S = 1.5
 
 
 def test_sigterm_mid_load_ends_every_stream_and_saves_exactly_the_handed_back(tmp_path):
-    import socket
-
     tenants = tmp_path / "tenants.toml"
     tenants.write_text(f'[[tenant]]\nname = "gold"\napi_key = "{KEY}"\n')
     ckpt = tmp_path / "ckpt.jsonl"
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT / "python")}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvsched", "serve", "--model", "tiny", "--tenants", str(tenants),
-         "--port", str(port), "--drain-seconds", str(DRAIN_S), "--checkpoint", str(ckpt),
-         "--max-seq-len", "2048", "--max-num-seqs", "4", "--max-batched-tokens", "64",
-         "--num-blocks", "1000",
-         "--log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    proc, url = start_serve(
+        ["--model", "tiny", "--tenants", str(tenants), "--drain-seconds", str(DRAIN_S),
+         "--checkpoint", str(ckpt), "--max-seq-len", "2048", "--max-num-seqs", "4",
+         "--max-batched-tokens", "64", "--num-blocks", "1000", "--log-level", "warning"],
     )  # fmt: skip
     streams: list[dict] = [{"tokens": [], "events": [], "ended_at": None} for _ in range(7)]
     started = [threading.Event() for _ in streams]
@@ -65,16 +52,6 @@ def test_sigterm_mid_load_ends_every_stream_and_saves_exactly_the_handed_back(tm
         streams[i]["ended_at"] = time.monotonic()
 
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "not ready in 90 s"
-            try:
-                if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
         threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(7)]
         for t in threads:
             t.start()
