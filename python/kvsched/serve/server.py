@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import signal
@@ -67,7 +66,7 @@ import anyio
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -76,13 +75,14 @@ from prometheus_client import (
     generate_latest,
 )
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import kvsched
 from kvsched.engine.runner import RequestOutput, TokenLogprob
 from kvsched.engine.sampling import SamplingParams
 from kvsched.metrics import EngineLoopCollector, SchedulerCollector
+from kvsched.serve.asgi import HTTP_LATENCY_BUCKETS, HTTPMetrics, SSEResponse, sse_event
 from kvsched.serve.async_engine import AsyncEngine, RequestStream, http_status
+from kvsched.serve.engine_setup import LoadedModel, load_model, parse_end_at
 from kvsched.serve.openai_schema import (
     APIError,
     ChatCompletionRequest,
@@ -93,68 +93,17 @@ from kvsched.serve.openai_schema import (
     validate_body,
 )
 from kvsched.serve.tenants import TenantRegistry, TenantsError
+from kvsched.serve.token_text import TokenText
 
 log = logging.getLogger("kvsched.serve")
 
 MAX_BODY_BYTES = 1 << 20
 OPENAI_FINISH = {"stop": "stop", "length": "length"}
-HTTP_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-ROUTES = ("/v1/models", "/v1/models/{model_id}", "/v1/completions", "/v1/chat/completions",
-          "/health", "/ready", "/metrics")  # fmt: skip
 
 
 def openai_finish_reason(reason: str | None) -> str:
     """OpenAI's finish_reason for kvsched's (see the module)."""
     return OPENAI_FINISH.get(reason or "", "length")
-
-
-def _sse(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
-
-
-# -- token strings for logprobs ---------------------------------------------------------
-
-
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, character -> byte."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    bs += list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
-
-
-_BYTES = _byte_decoder()
-
-
-class TokenText:
-    """A token id's text and bytes, as OpenAI's logprobs show them."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self._cache: dict[int, tuple[str, list[int] | None]] = {}
-
-    def __call__(self, token_id: int) -> tuple[str, list[int] | None]:
-        hit = self._cache.get(token_id)
-        if hit is not None:
-            return hit
-        if self.tokenizer is None:
-            out: tuple[str, list[int] | None] = (f"token_id:{token_id}", None)
-        else:
-            piece = self.tokenizer.id_to_token(token_id) or ""
-            if piece and all(c in _BYTES for c in piece):
-                raw = bytes(_BYTES[c] for c in piece)  # byte-level BPE: the exact bytes
-            else:
-                raw = piece.encode("utf-8")  # a special token, or another tokenizer
-            out = (raw.decode("utf-8", errors="replace"), list(raw))
-        if len(self._cache) < 65536:
-            self._cache[token_id] = out
-        return out
 
 
 # -- per-request bookkeeping -----------------------------------------------------------------
@@ -191,80 +140,6 @@ class _Collected:
         self.text: list[str] = []
         self.logprobs: list[TokenLogprob] = []
         self.final: RequestOutput | None = None
-
-
-# -- ASGI pieces ---------------------------------------------------------------------------------
-
-
-class _HTTPMetrics:
-    """Pure ASGI middleware: request counts and latencies by route template,
-    method and status (unknown paths are one route, "other"). For a stream the
-    latency is the whole stream."""
-
-    def __init__(self, app: ASGIApp, requests: Counter, latency: Histogram) -> None:
-        self.app = app
-        self.requests = requests
-        self.latency = latency
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        t0 = time.perf_counter()
-        status = [500]
-
-        async def send_wrapper(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_wrapper)
-        finally:
-            route = scope.get("route")
-            path = getattr(route, "path", None) or scope.get("path", "")
-            label = path if path in ROUTES else "other"
-            labels = (label, scope.get("method", ""), str(status[0]))
-            self.requests.labels(*labels).inc()
-            self.latency.labels(*labels).observe(time.perf_counter() - t0)
-
-
-class _SSEResponse(StreamingResponse):
-    """Server-sent events from an async iterator of bytes. A client that goes away
-    (noticed at once, also while no event is due) ends the iteration; `on_close`
-    then runs whatever happened, shielded from cancellation."""
-
-    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], Any]) -> None:
-        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        super().__init__(events, media_type="text/event-stream", headers=headers)
-        self.events = events
-        self.on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            async with anyio.create_task_group() as tg:
-
-                async def watch() -> None:
-                    while (await receive())["type"] != "http.disconnect":
-                        pass
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(watch)
-                try:
-                    await send({"type": "http.response.start", "status": self.status_code,
-                                "headers": self.raw_headers})  # fmt: skip
-                    async for chunk in self.events:
-                        await send({"type": "http.response.body", "body": chunk,
-                                    "more_body": True})  # fmt: skip
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
-                except OSError:
-                    pass  # the client is gone
-                tg.cancel_scope.cancel()
-        finally:
-            with anyio.CancelScope(shield=True):
-                with contextlib.suppress(Exception):
-                    await self.events.aclose()  # type: ignore[attr-defined]
-                await self.on_close()
 
 
 # -- the server ------------------------------------------------------------------------------------
@@ -533,7 +408,7 @@ class OpenAIServer:
             "kvsched_http_request_duration_seconds", "Request start to response end.",
             ["route", "method", "status"], registry=self.registry, buckets=HTTP_LATENCY_BUCKETS,
         )  # fmt: skip
-        app.add_middleware(_HTTPMetrics, requests=requests, latency=latency)
+        app.add_middleware(HTTPMetrics, requests=requests, latency=latency)
         return app
 
     def _model_card(self) -> dict[str, Any]:
@@ -682,7 +557,7 @@ class OpenAIServer:
                    include_usage, f"{prefix}-{uuid.uuid4().hex}", int(time.time()),
                    self.tokenizer is None or req.return_token_ids)  # fmt: skip
         if req.stream:
-            return _SSEResponse(self._events(job), lambda: self._finish(job))
+            return SSEResponse(self._events(job), lambda: self._finish(job))
         try:
             got = await self._collect(request, job)
         finally:
@@ -839,12 +714,12 @@ class OpenAIServer:
                 choice["token_ids"] = out.token_ids if out is not None else []
             choice["finish_reason"] = None
             choice.update(extra)
-            return _sse({**base, "choices": [choice]})
+            return sse_event({**base, "choices": [choice]})
 
         if chat:
             first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                      "finish_reason": None}  # fmt: skip
-            yield _sse({**base, "choices": [first]})
+            yield sse_event({**base, "choices": [first]})
         async for out in job.stream:
             self._observe(rid, out, got)
             if out.finished:
@@ -854,11 +729,11 @@ class OpenAIServer:
         final = got.final
         if final is not None and final.finish_reason == "error":
             err = APIError(500, "the engine failed while generating", code="engine_error")
-            yield _sse(err.body())
+            yield sse_event(err.body())
         else:
             yield chunk(final, self._finish_fields(final))
             if job.include_usage:
-                yield _sse({**base, "choices": [], "usage": self._usage(job, got)})
+                yield sse_event({**base, "choices": [], "usage": self._usage(job, got)})
         yield b"data: [DONE]\n\n"
 
 
@@ -893,72 +768,4 @@ class _DrainingUvicorn(uvicorn.Server):
         self.force_exit = True
 
 
-# -- the engine behind `kvsched serve` -------------------------------------------------------------
-
-SMOLLM2_ID = "SmolLM2-135M-Instruct"
-
-
-@dataclass
-class LoadedModel:
-    engine: Any  # kvsched.engine.runner.Engine (cold)
-    model_name: str
-    aliases: tuple[str, ...]
-    encode_chat: Callable[[list[dict[str, str]]], list[int]] | None
-
-
-def load_model(
-    which: str = "smollm2",
-    *,
-    max_seq_len: int = 1024,
-    max_num_seqs: int = 16,
-    num_blocks: int | None = None,
-    max_batched_tokens: int = 256,
-    max_logprobs: int = 5,
-    backend: str = "reference",
-    seed: int = 0,
-    max_waiting: int = 64,
-) -> LoadedModel:
-    """A cold Engine for `kvsched serve`: SmolLM2-135M-Instruct from its GGUF file
-    (tokenizer and chat template included), or `tiny`, a random-weight model with
-    no tokenizer (completions by token ids only)."""
-    from kvsched.engine.model import LlamaConfig, init_params
-    from kvsched.engine.runner import Engine
-
-    block = 16
-    if num_blocks is None:  # every sequence at full length, plus the null page
-        num_blocks = max_num_seqs * (-(-max_seq_len // block)) + 1
-    cfg = kvsched.SchedulerConfig(
-        num_blocks=num_blocks, block_size=block, max_num_seqs=max_num_seqs,
-        max_batched_tokens=max_batched_tokens, max_seq_len=max_seq_len,
-        long_prefill_chunk=min(max_batched_tokens, 256), max_waiting=max_waiting,
-        overhead_reserve=0.0, ladder="default",
-    )  # fmt: skip
-    if which == "tiny":
-        model = LlamaConfig()
-        engine = Engine.create(model, init_params(model, seed=seed), cfg, backend=backend,
-                               max_logprobs=max_logprobs, seed=seed)  # fmt: skip
-        return LoadedModel(engine, model.name, ("tiny",), None)
-    if which != "smollm2":
-        raise ValueError(f"--model: smollm2 or tiny, not {which!r}")
-    from kvsched import model_files
-    from kvsched.engine.loaders.gguf_llama import load_gguf
-
-    gg = load_gguf(model_files.fetch())
-    eos = () if gg.eos_token_id is None else (gg.eos_token_id,)
-    engine = Engine.create(gg.config, gg.params, cfg, backend=backend, tokenizer=gg.tokenizer,
-                           eos_token_ids=eos, max_logprobs=max_logprobs, seed=seed)  # fmt: skip
-    return LoadedModel(engine, SMOLLM2_ID, ("smollm2", gg.config.name), gg.encode_chat)
-
-
-def parse_end_at(value: str) -> float:
-    """`--end-at`: Unix seconds, or an ISO 8601 time (local time when it has no zone)."""
-    from datetime import datetime
-
-    try:
-        return float(value)
-    except ValueError:
-        pass
-    try:
-        return datetime.fromisoformat(value).timestamp()
-    except ValueError:
-        raise ValueError(f"--end-at: Unix seconds or an ISO 8601 time, not {value!r}") from None
+__all__ = ["LoadedModel", "OpenAIServer", "load_model", "openai_finish_reason", "parse_end_at"]
