@@ -1325,93 +1325,6 @@ impl Scheduler {
         Ok(id)
     }
 
-    /// Drop a live request wherever it is; pages and reservation go back at
-    /// once. A plan already handed out may still list it: its commit skips it.
-    /// Its terminal event (`Cancelled`, the tokens so far, ended at the latest
-    /// `now` this scheduler was given) is queued (see `take_finished`).
-    /// UnknownRequest for any id that is not live: the strict form of
-    /// `cancel_at`, which tells a request that already ended apart.
-    pub fn cancel(&mut self, id: u64) -> KvResult<Request> {
-        let now = self.clock.max(self.request(id)?.arrival);
-        self.end_by_caller(id, FinishReason::Cancelled, now)?
-            .ok_or(KvError::UnknownRequest(id))
-    }
-
-    /// Cancel request `id` at `now` (see `cancel`): Ok(true) when it was live
-    /// and is now cancelled, with a terminal event `Cancelled` queued;
-    /// Ok(false) when it already ended on its own (finished in a commit, or
-    /// handed back at the drain deadline): its terminal event exists, nothing
-    /// changes, so a cancel racing the end of a request is not an error.
-    /// UnknownRequest for an id never issued, or one the caller already ended
-    /// (cancel or stop twice is a bug in the caller).
-    pub fn cancel_at(&mut self, id: u64, now: f64) -> KvResult<bool> {
-        Ok(self
-            .end_by_caller(id, FinishReason::Cancelled, now)?
-            .is_some())
-    }
-
-    /// End request `id` at `now` as finished, reason `Stop`: the host matched a
-    /// stop string in its detokenized text. Counted as finished (not
-    /// cancelled), its e2e latency observed; its terminal event (the tokens so
-    /// far) is queued like a cancel's. Returns as `cancel_at` does: true when
-    /// it was live, false when it already ended on its own; UnknownRequest for
-    /// an id never issued or one the caller already ended.
-    pub fn stop(&mut self, id: u64, now: f64) -> KvResult<bool> {
-        Ok(self.end_by_caller(id, FinishReason::Stop, now)?.is_some())
-    }
-
-    /// End live request `id` for `reason` (Cancelled or Stop) at `now`:
-    /// release it, count it, queue its terminal event. Ok(None) for an id
-    /// issued and already ended on its own; nothing changes then.
-    fn end_by_caller(
-        &mut self,
-        id: u64,
-        reason: FinishReason,
-        now: f64,
-    ) -> KvResult<Option<Request>> {
-        let Some(&slab) = self.index.get(&id) else {
-            if id == 0 || id >= self.next_id || self.caller_ended.contains(id) {
-                return Err(KvError::UnknownRequest(id));
-            }
-            return Ok(None);
-        };
-        self.clock = self.clock.max(now);
-        let req = self.release(slab);
-        let record = self.finished_record(&req, reason, now);
-        let t = self.tenants.get_mut(req.tenant);
-        if reason.is_finished() {
-            t.counters.finished += 1;
-            t.metrics.e2e.observe(now - req.arrival);
-        } else {
-            t.counters.cancelled += 1;
-        }
-        self.caller_ended.insert(id);
-        if self.lifecycle == Lifecycle::Draining {
-            if reason.is_finished() {
-                self.drain_finished.push(record.clone());
-            }
-            if self.index.is_empty() && self.pending.is_none() {
-                self.lifecycle = Lifecycle::Drained;
-            }
-        }
-        self.ended.push(record);
-        Ok(Some(req))
-    }
-
-    /// Terminal events of requests ended outside a commit (cancel, stop, the
-    /// drain deadline) not yet delivered, in the order they ended. Each
-    /// terminal event is delivered exactly once: by whichever comes first of
-    /// this call and the next successful `commit` (in its `finished`). A loop
-    /// whose `step` returned None (nothing to run) calls this.
-    pub fn take_finished(&mut self) -> Vec<FinishedRequest> {
-        std::mem::take(&mut self.ended)
-    }
-
-    /// Terminal events waiting for delivery (see `take_finished`).
-    pub fn pending_finished(&self) -> usize {
-        self.ended.len()
-    }
-
     // -- the ladder and events ----------------------------------------------------
 
     /// The ladder's signals now.
@@ -1670,98 +1583,6 @@ impl Scheduler {
         let at = queue.partition_point(|&s| self.slab[s].as_ref().expect("live").id < id);
         queue.insert(at, slab);
         preempted.push(id);
-    }
-
-    /// Steps until running request `r` ends by itself, no stop token assumed:
-    /// each step gives it one token, or one prefill chunk.
-    fn steps_left(&self, r: &Request) -> usize {
-        r.max_tokens.saturating_sub(r.generated())
-            + r.need().saturating_sub(1) / self.config.long_prefill_chunk
-    }
-
-    /// The measured step period: the median gap (in `now` seconds) between
-    /// the last 32 pairs of consecutive `step()` calls that both made a plan.
-    /// None until one is measured.
-    pub fn step_period(&self) -> Option<f64> {
-        if self.step_gaps.is_empty() {
-            return None;
-        }
-        let mut gaps: Vec<f64> = self.step_gaps.iter().copied().collect();
-        gaps.sort_unstable_by(f64::total_cmp);
-        Some(gaps[gaps.len() / 2])
-    }
-
-    /// `retry_after` of a request of tenant `tid` refused for capacity: an
-    /// estimate of when enough of what runs now ends for `room` to be made.
-    ///
-    /// A running request r ends in
-    ///   steps(r) = (max_tokens - generated) + (uncomputed prompt tokens - 1) / long_prefill_chunk
-    /// steps (every running sequence gets one token, or one prefill chunk, a
-    /// step; stop tokens are not foreseen). The running requests that hold
-    /// the room (the tenant's own for tenant_budget and a tenant's
-    /// max_concurrent, all for the pool and the scheduler's concurrency) are
-    /// taken in order of steps(r), releasing their reservations (the pool's
-    /// count recomputed with floors) or their slot, until the request would
-    /// fit; with k the steps(r) of the last one taken,
-    ///   retry_after = k * step_period
-    /// (`step_period`), or `retry_after_hint_s` when no step period is
-    /// measured yet. None when all the running requests ending would still
-    /// not make room (it is held by requests that have not started running):
-    /// nothing measured says when it frees.
-    pub fn room_wait(&self, tid: TenantId, room: Room) -> Option<f64> {
-        let own = matches!(room, Room::TenantBlocks(_) | Room::TenantRequests(_));
-        let mut ends: Vec<(usize, u64, TenantId, usize)> = self
-            .running
-            .iter()
-            .map(|&s| self.req(s))
-            .filter(|r| !own || r.tenant == tid)
-            .map(|r| (self.steps_left(r), r.id, r.tenant, r.reserved_blocks))
-            .collect();
-        ends.sort_unstable();
-        let steps = match room {
-            Room::TenantRequests(n) | Room::Requests(n) => ends.get(n.checked_sub(1)?)?.0,
-            Room::TenantBlocks(blocks) => {
-                let mut freed = 0;
-                ends.iter()
-                    .find(|e| {
-                        freed += e.3;
-                        freed >= blocks
-                    })?
-                    .0
-            }
-            Room::Pool { blocks, shared } => {
-                // Each tenant's footprint as admission counts it, less `released`
-                // of its reservations; the asking tenant's with this request added.
-                let footprint = |u: TenantId, released: usize| {
-                    let t = self.tenants.get(u);
-                    let reserved = t.reserved_blocks - released;
-                    let held = if u == tid {
-                        (reserved + blocks).saturating_sub(shared)
-                    } else {
-                        reserved.saturating_sub(t.shared_blocks)
-                    };
-                    held.max(t.config.kv_floor_blocks)
-                };
-                let usable = self.usable_blocks();
-                let mut released = vec![0usize; self.tenants.slots_len()];
-                let mut committed: usize = self.tenants.iter().map(|(u, _)| footprint(u, 0)).sum();
-                let mut fits_at = None;
-                for &(steps, _, u, r) in &ends {
-                    let before = footprint(u, released[u]);
-                    released[u] += r;
-                    committed = committed - before + footprint(u, released[u]);
-                    if committed <= usable {
-                        fits_at = Some(steps);
-                        break;
-                    }
-                }
-                fits_at?
-            }
-        };
-        Some(match self.step_period() {
-            Some(period) => steps as f64 * period,
-            None => self.config.retry_after_hint_s,
-        })
     }
 
     /// The running sequence to preempt: lowest tier, most recently admitted;
@@ -2556,6 +2377,9 @@ impl Scheduler {
         Ok(())
     }
 }
+
+mod ending;
+mod retry;
 
 #[cfg(test)]
 mod tests;

@@ -1,0 +1,94 @@
+//! How a request ends outside a commit: cancelled, stopped by the host (a stop
+//! string), and the queue of terminal events those endings (and the drain
+//! deadline's hand-back) leave for the loop, each delivered exactly once.
+
+use super::*;
+
+impl Scheduler {
+    /// Drop a live request wherever it is; pages and reservation go back at
+    /// once. A plan already handed out may still list it: its commit skips it.
+    /// Its terminal event (`Cancelled`, the tokens so far, ended at the latest
+    /// `now` this scheduler was given) is queued (see `take_finished`).
+    /// UnknownRequest for any id that is not live: the strict form of
+    /// `cancel_at`, which tells a request that already ended apart.
+    pub fn cancel(&mut self, id: u64) -> KvResult<Request> {
+        let now = self.clock.max(self.request(id)?.arrival);
+        self.end_by_caller(id, FinishReason::Cancelled, now)?
+            .ok_or(KvError::UnknownRequest(id))
+    }
+
+    /// Cancel request `id` at `now` (see `cancel`): Ok(true) when it was live
+    /// and is now cancelled, with a terminal event `Cancelled` queued;
+    /// Ok(false) when it already ended on its own (finished in a commit, or
+    /// handed back at the drain deadline): its terminal event exists, nothing
+    /// changes, so a cancel racing the end of a request is not an error.
+    /// UnknownRequest for an id never issued, or one the caller already ended
+    /// (cancel or stop twice is a bug in the caller).
+    pub fn cancel_at(&mut self, id: u64, now: f64) -> KvResult<bool> {
+        Ok(self
+            .end_by_caller(id, FinishReason::Cancelled, now)?
+            .is_some())
+    }
+
+    /// End request `id` at `now` as finished, reason `Stop`: the host matched a
+    /// stop string in its detokenized text. Counted as finished (not
+    /// cancelled), its e2e latency observed; its terminal event (the tokens so
+    /// far) is queued like a cancel's. Returns as `cancel_at` does: true when
+    /// it was live, false when it already ended on its own; UnknownRequest for
+    /// an id never issued or one the caller already ended.
+    pub fn stop(&mut self, id: u64, now: f64) -> KvResult<bool> {
+        Ok(self.end_by_caller(id, FinishReason::Stop, now)?.is_some())
+    }
+
+    /// End live request `id` for `reason` (Cancelled or Stop) at `now`:
+    /// release it, count it, queue its terminal event. Ok(None) for an id
+    /// issued and already ended on its own; nothing changes then.
+    fn end_by_caller(
+        &mut self,
+        id: u64,
+        reason: FinishReason,
+        now: f64,
+    ) -> KvResult<Option<Request>> {
+        let Some(&slab) = self.index.get(&id) else {
+            if id == 0 || id >= self.next_id || self.caller_ended.contains(id) {
+                return Err(KvError::UnknownRequest(id));
+            }
+            return Ok(None);
+        };
+        self.clock = self.clock.max(now);
+        let req = self.release(slab);
+        let record = self.finished_record(&req, reason, now);
+        let t = self.tenants.get_mut(req.tenant);
+        if reason.is_finished() {
+            t.counters.finished += 1;
+            t.metrics.e2e.observe(now - req.arrival);
+        } else {
+            t.counters.cancelled += 1;
+        }
+        self.caller_ended.insert(id);
+        if self.lifecycle == Lifecycle::Draining {
+            if reason.is_finished() {
+                self.drain_finished.push(record.clone());
+            }
+            if self.index.is_empty() && self.pending.is_none() {
+                self.lifecycle = Lifecycle::Drained;
+            }
+        }
+        self.ended.push(record);
+        Ok(Some(req))
+    }
+
+    /// Terminal events of requests ended outside a commit (cancel, stop, the
+    /// drain deadline) not yet delivered, in the order they ended. Each
+    /// terminal event is delivered exactly once: by whichever comes first of
+    /// this call and the next successful `commit` (in its `finished`). A loop
+    /// whose `step` returned None (nothing to run) calls this.
+    pub fn take_finished(&mut self) -> Vec<FinishedRequest> {
+        std::mem::take(&mut self.ended)
+    }
+
+    /// Terminal events waiting for delivery (see `take_finished`).
+    pub fn pending_finished(&self) -> usize {
+        self.ended.len()
+    }
+}
