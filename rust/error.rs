@@ -108,6 +108,11 @@ pub enum KvError {
     /// `commit` got a plan that is not the one pending, or `step` was called
     /// while a plan is still waiting for its commit.
     StalePlan(String),
+    /// A call that is well-formed but wrong for the object's state: a lifecycle
+    /// transition from the wrong state, a commit whose sampled ids do not fit the
+    /// pending plan, a reconfigure that kept racing concurrent ones. Not a
+    /// rejection: no request was refused.
+    InvalidState(String),
     /// A knob that only takes effect at start-up was changed on a live object.
     RestartRequired(&'static str),
     /// An internal invariant broke: a bug in kvsched, never the caller's fault.
@@ -159,6 +164,7 @@ impl fmt::Display for KvError {
                 write!(f, "asked for {requested} page(s), {free} free")
             }
             KvError::StalePlan(m) => write!(f, "stale plan: {m}"),
+            KvError::InvalidState(m) => write!(f, "invalid state: {m}"),
             KvError::RestartRequired(knob) => write!(
                 f,
                 "{knob} cannot change on a live scheduler; build a new one with the new value"

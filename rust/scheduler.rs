@@ -769,7 +769,7 @@ impl Scheduler {
                 self.lifecycle = Lifecycle::Warming;
                 Ok(())
             }
-            s => Err(KvError::InvalidRequest(format!(
+            s => Err(KvError::InvalidState(format!(
                 "begin_warmup on a {} scheduler",
                 s.as_str()
             ))),
@@ -784,7 +784,7 @@ impl Scheduler {
                 self.lifecycle = Lifecycle::Ready;
                 Ok(())
             }
-            s => Err(KvError::InvalidRequest(format!(
+            s => Err(KvError::InvalidState(format!(
                 "mark_ready on a {} scheduler",
                 s.as_str()
             ))),
@@ -2042,7 +2042,7 @@ impl Scheduler {
             )));
         }
         if sampled.len() != pending.seqs.len() {
-            return Err(KvError::InvalidRequest(format!(
+            return Err(KvError::InvalidState(format!(
                 "{} sampled ids for a plan of {} sequences",
                 sampled.len(),
                 pending.seqs.len()
@@ -2054,7 +2054,7 @@ impl Scheduler {
             .zip(sampled)
             .position(|(s, &tok)| s.samples && tok < 0)
         {
-            return Err(KvError::InvalidRequest(format!(
+            return Err(KvError::InvalidState(format!(
                 "sampled id {} of sequence {k} is negative",
                 sampled[k]
             )));

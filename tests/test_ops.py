@@ -129,8 +129,11 @@ def test_lifecycle_states_and_refusals():
     with pytest.raises(kvsched.Rejected) as e:
         sched.submit("gold", ids(8), 4, now=0.0)
     assert e.value.reason == "draining"
-    with pytest.raises(kvsched.InvalidRequest):
+    with pytest.raises(kvsched.InvalidState, match="mark_ready on a draining"):
         sched.mark_ready()
+    with pytest.raises(kvsched.InvalidState, match="begin_warmup on a draining"):
+        sched.begin_warmup()
+    assert sched.lifecycle == "draining"
     eng = FakeEngine(sched, BASE["num_blocks"], BS)
     eng.truth[1] = ids(8).tolist()
     now = 0.0

@@ -182,11 +182,14 @@ def test_bad_commits_raise_and_change_nothing():
     eng.submit("a", ids(9), 4, now=0.0)
     plan = sched.step(now=0.0)
     before = sched.stats(now=0.0)
-    with pytest.raises(kvsched.InvalidRequest, match="2 sequences"):
+    # InvalidState, not a Rejected: a bad commit refuses no request.
+    assert not issubclass(kvsched.InvalidState, kvsched.Rejected)
+    assert issubclass(kvsched.InvalidState, kvsched.KvSchedError)
+    with pytest.raises(kvsched.InvalidState, match="2 sequences"):
         sched.commit(plan, np.zeros(1, np.int32), now=0.0)
-    with pytest.raises(kvsched.InvalidRequest, match="int32"):
+    with pytest.raises(kvsched.InvalidState, match="int32"):
         sched.commit(plan, np.zeros(2, np.int64), now=0.0)
-    with pytest.raises(kvsched.InvalidRequest, match="negative"):
+    with pytest.raises(kvsched.InvalidState, match="negative"):
         sched.commit(plan, np.array([1, -1], np.int32), now=0.0)
     other, _ = make()
     other.add_tenant(kvsched.TenantConfig("a"))

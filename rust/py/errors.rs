@@ -83,6 +83,15 @@ create_exception!(
 );
 create_exception!(
     kvsched,
+    InvalidState,
+    KvSchedError,
+    "A well-formed call that is wrong for the scheduler's state: a lifecycle transition \
+     from the wrong state (mark_ready while draining), sampled ids that do not fit the \
+     pending plan (count, dtype, a negative id), a reconfigure that kept racing concurrent \
+     ones. Not a Rejected: no request was refused. Nothing changed."
+);
+create_exception!(
+    kvsched,
     RestartRequired,
     KvSchedError,
     "A restart-only knob (block_size, num_blocks, ...) was changed on a live object."
@@ -137,6 +146,7 @@ impl From<KvError> for PyErr {
                 KvError::InvalidPage { .. } => PoolError::new_err(message),
                 KvError::OutOfPages { .. } => OutOfPages::new_err(message),
                 KvError::StalePlan(_) => StalePlan::new_err(message),
+                KvError::InvalidState(_) => InvalidState::new_err(message),
                 KvError::RestartRequired(_) => RestartRequired::new_err(message),
                 KvError::Internal(_) => InternalError::new_err(message),
             }
@@ -164,6 +174,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("PoolError", py.get_type::<PoolError>())?;
     m.add("OutOfPages", py.get_type::<OutOfPages>())?;
     m.add("StalePlan", py.get_type::<StalePlan>())?;
+    m.add("InvalidState", py.get_type::<InvalidState>())?;
     m.add("RestartRequired", py.get_type::<RestartRequired>())?;
     m.add("InternalError", py.get_type::<InternalError>())?;
 

@@ -370,8 +370,8 @@ impl PyScheduler {
     /// finishes requests (max_tokens or a stop token) and frees their pages.
     /// Its `finished` also delivers, first, the terminal events of requests
     /// ended since the last delivery (cancel, stop, a drain deadline).
-    /// Raises StalePlan for a plan that is not the pending one and InvalidRequest
-    /// for malformed ids; then nothing changes.
+    /// Raises StalePlan for a plan that is not the pending one and InvalidState
+    /// for sampled ids that do not fit it; then nothing changes.
     #[pyo3(signature = (plan, sampled_ids, /, *, now=None))]
     fn commit(
         &self,
@@ -380,7 +380,9 @@ impl PyScheduler {
         sampled_ids: &Bound<'_, PyAny>,
         now: Option<f64>,
     ) -> PyResult<PyStepEvents> {
-        let arr = int32_arg(sampled_ids, "sampled_ids")?;
+        // A malformed sampled array is a bad commit, not a refused request.
+        let arr = int32_arg(sampled_ids, "sampled_ids")
+            .map_err(|e| KvError::InvalidState(e.value(py).to_string()))?;
         let sampled = int32_slice(&arr);
         let now = now_or_monotonic(py, now)?;
         let step_id = plan.get().step_id;
@@ -442,7 +444,7 @@ impl PyScheduler {
                 return Ok(result?);
             }
         }
-        Err(KvError::InvalidRequest(
+        Err(KvError::InvalidState(
             "reconfigure: the configuration kept changing under concurrent calls; retry".into(),
         )
         .into())

@@ -390,11 +390,11 @@ fn commit_and_step_refuse_out_of_order_calls_and_change_nothing() {
     ));
     assert!(matches!(
         h.s.commit(out.step_id, &[1], 0.0),
-        Err(KvError::InvalidRequest(_))
+        Err(KvError::InvalidState(_))
     ));
     assert!(matches!(
         h.s.commit(out.step_id, &[1, -2], 0.0),
-        Err(KvError::InvalidRequest(_))
+        Err(KvError::InvalidState(_))
     ));
     assert_eq!(h.s.stats(0.0), before);
     h.s.commit(out.step_id, &[1, 2], 0.0).unwrap();
