@@ -135,7 +135,7 @@ knob_table! {
     /// The degradation ladder's rungs, in climbing order (empty: off). Each a
     /// dict: signal, engage, release, action and, for cap_max_tokens and
     /// max_running, value.
-    ladder: Py<PyList> = |c, py| super::ops::ladder_list(py, &c.ladder)?.unbind();
+    ladder: Py<PyList> = |c, py| super::ladder::ladder_list(py, &c.ladder)?.unbind();
     /// Seconds a request shed by the ladder is told to wait.
     ladder_retry_after_s: f64 = |c, py| c.ladder.retry_after_s;
     /// Whether the scheduler starts cold and admits only after mark_ready().
@@ -225,7 +225,7 @@ knob_table! {
                 retry_after_hint_s: retry_after_hint_s.unwrap_or(d.retry_after_hint_s),
             };
             let mut inner = inner;
-            inner.ladder = super::ops::ladder_arg(
+            inner.ladder = super::ladder::ladder_arg(
                 ladder,
                 inner.max_num_seqs,
                 inner.max_seq_len,

@@ -7,11 +7,15 @@
 //! short, and the core never calls back into Python while it holds a lock;
 //! errors become Python exceptions only after the lock is released.
 
+mod checkpoint;
 mod config;
 mod errors;
-mod ops;
+mod events;
+mod ladder;
+mod plan;
 mod pool;
 mod scheduler;
+mod stats;
 
 use std::borrow::Cow;
 use std::sync::Mutex;
@@ -121,9 +125,13 @@ mod core_module {
     #[pymodule_export]
     use super::config::{PySchedulerConfig, PyTenantConfig};
     #[pymodule_export]
+    use super::events::{PyFinishedRequest, PyStepEvents};
+    #[pymodule_export]
+    use super::plan::PyStepPlan;
+    #[pymodule_export]
     use super::pool::PyBlockPool;
     #[pymodule_export]
-    use super::scheduler::{PyFinishedRequest, PyScheduler, PyStepEvents, PyStepPlan};
+    use super::scheduler::PyScheduler;
 
     use pyo3::prelude::*;
 
