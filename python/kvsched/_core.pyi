@@ -1,6 +1,7 @@
 """Type stubs for kvsched's native core (checked against the module by mypy.stubtest)."""
 
 import os
+from collections.abc import Iterable
 from typing import Any, Final, Literal, final
 
 import numpy as np
@@ -264,6 +265,10 @@ class Scheduler:
     def checkpoint(self, path: str | os.PathLike[str], /) -> dict[str, int]: ...
     def restore(
         self, path: str | os.PathLike[str], /, *, now: float | None = None
+    ) -> dict[str, Any]: ...
+    def checkpoint_records(self) -> list[dict[str, Any]]: ...
+    def restore_records(
+        self, records: Iterable[dict[str, Any]], /, *, now: float | None = None
     ) -> dict[str, Any]: ...
 
 @final

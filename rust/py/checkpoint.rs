@@ -1,10 +1,13 @@
 //! Checkpoint records: the scheduler's finished and in-flight requests as
-//! JSON lines, and in-flight records read back.
-
-use std::io::Write;
+//! plain dicts, and in-flight records taken back.
+//!
+//! The bindings own the records (their fields, and reading an in-flight one
+//! back into the core's `InFlight`); the file they are kept in (JSON lines, the
+//! durable write) is kvsched/checkpoint.py's, which `Scheduler.checkpoint` and
+//! `Scheduler.restore` call.
 
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyList};
 
 use crate::error::KvError;
 use crate::scheduler::{FinishedRequest, InFlight};
@@ -42,61 +45,39 @@ fn in_flight_record<'py>(py: Python<'py>, r: &InFlight) -> PyResult<Bound<'py, P
     Ok(d)
 }
 
-/// Write the records as JSON lines to `path`, durably: a temporary file beside
-/// it, flushed to disk, then renamed over it.
-pub(super) fn write_checkpoint(
-    py: Python<'_>,
-    path: &str,
+/// The checkpoint as records: the requests finished since the drain began,
+/// then every unfinished one, each a dict whose "kind" says which.
+pub(super) fn records<'py>(
+    py: Python<'py>,
     finished: &[FinishedRequest],
     in_flight: &[InFlight],
-) -> PyResult<(usize, usize)> {
-    let dumps = py.import("json")?.getattr("dumps")?;
-    let mut text = String::new();
+) -> PyResult<Bound<'py, PyList>> {
+    let out = PyList::empty(py);
     for f in finished {
-        text.push_str(
-            &dumps
-                .call1((finished_record(py, f)?,))?
-                .extract::<String>()?,
-        );
-        text.push('\n');
+        out.append(finished_record(py, f)?)?;
     }
     for r in in_flight {
-        text.push_str(
-            &dumps
-                .call1((in_flight_record(py, r)?,))?
-                .extract::<String>()?,
-        );
-        text.push('\n');
+        out.append(in_flight_record(py, r)?)?;
     }
-    // A temporary name of its own (two checkpoints to one path do not mix),
-    // flushed, renamed over the target, and the directory flushed so the
-    // rename itself survives a crash.
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    let tmp = format!("{path}.{}.{nanos}.tmp", std::process::id());
-    let io =
-        |e: std::io::Error| pyo3::exceptions::PyOSError::new_err(format!("checkpoint {path}: {e}"));
-    let write = || -> std::io::Result<()> {
-        let mut file = std::fs::File::create(&tmp)?;
-        file.write_all(text.as_bytes())?;
-        file.sync_all()?;
-        std::fs::rename(&tmp, path)?;
-        let dir = std::path::Path::new(path)
-            .parent()
-            .filter(|d| !d.as_os_str().is_empty())
-            .unwrap_or(std::path::Path::new("."));
-        std::fs::File::open(dir)?.sync_all()
-    };
-    if let Err(e) = write() {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(io(e));
-    }
-    Ok((finished.len(), in_flight.len()))
+    Ok(out)
 }
 
-/// An in-flight record read back from a checkpoint line.
-pub(super) fn read_in_flight(d: &Bound<'_, PyDict>) -> PyResult<InFlight> {
+/// In-flight records handed back, each read as the core's InFlight; the first
+/// bad one is an InvalidRequest naming its field.
+pub(super) fn read_records(records: &Bound<'_, PyAny>) -> PyResult<Vec<InFlight>> {
+    let mut out = Vec::new();
+    for (i, item) in records.try_iter()?.enumerate() {
+        let item = item?;
+        let d = item
+            .cast::<PyDict>()
+            .map_err(|_| KvError::InvalidRequest(format!("checkpoint record {i}: not a dict")))?;
+        out.push(read_in_flight(d)?);
+    }
+    Ok(out)
+}
+
+/// An in-flight record read back from a checkpoint.
+fn read_in_flight(d: &Bound<'_, PyDict>) -> PyResult<InFlight> {
     let bad = |k: &str| KvError::InvalidRequest(format!("checkpoint record: bad or missing {k:?}"));
     fn get<'py, T: for<'a> pyo3::FromPyObject<'a, 'py>>(
         d: &Bound<'py, PyDict>,

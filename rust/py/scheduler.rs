@@ -6,6 +6,7 @@
 use std::sync::Mutex;
 
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyList};
 
 use super::checkpoint;
@@ -348,68 +349,56 @@ impl PyScheduler {
     /// Write, as JSON lines, the requests finished since the drain began and
     /// every unfinished one (tenant, prompt, tokens generated so far, options,
     /// reason), durably (a temporary file, fsync, rename). Returns the counts.
+    /// The file is kvsched.checkpoint's (this calls kvsched.checkpoint.save).
     #[pyo3(signature = (path, /))]
     fn checkpoint<'py>(
-        &self,
-        py: Python<'py>,
-        path: std::path::PathBuf,
-    ) -> PyResult<Bound<'py, PyDict>> {
-        let (finished, in_flight) = locked(&self.inner, |s| s.checkpoint())?;
-        let path = path.to_string_lossy().into_owned();
-        let (f, i) = checkpoint::write_checkpoint(py, &path, &finished, &in_flight)?;
-        let d = PyDict::new(py);
-        d.set_item("finished", f)?;
-        d.set_item("in_flight", i)?;
-        Ok(d)
+        slf: &Bound<'py, Self>,
+        path: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        checkpoint_module(slf.py())?.call_method1("save", (slf, path))
     }
 
     /// Submit again every in-flight request of a checkpoint: each continues
     /// after the tokens it had generated. Returns {"restored": {old id: new id},
     /// "refused": {old id: reason}, "finished": [the finished records]}.
+    /// The file is kvsched.checkpoint's (this calls kvsched.checkpoint.restore).
     #[pyo3(signature = (path, /, *, now=None))]
     fn restore<'py>(
+        slf: &Bound<'py, Self>,
+        path: &Bound<'py, PyAny>,
+        now: Option<f64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let kwargs = PyDict::new(slf.py());
+        kwargs.set_item("now", now)?;
+        checkpoint_module(slf.py())?.call_method("restore", (slf, path), Some(&kwargs))
+    }
+
+    /// The checkpoint as records (what checkpoint() writes, one a line): the
+    /// requests finished since the drain began (kind "finished"), then every
+    /// unfinished one (kind "in_flight": handed back at the drain deadline, or
+    /// still live).
+    fn checkpoint_records<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let (finished, in_flight) = locked(&self.inner, |s| s.checkpoint())?;
+        checkpoint::records(py, &finished, &in_flight)
+    }
+
+    /// Submit again in-flight checkpoint records: each continues after the
+    /// tokens it had generated. Every record is checked before any is
+    /// submitted (a bad one raises InvalidRequest and nothing changes); a
+    /// refusal for now (pool full, ...) is that record's outcome. Returns
+    /// {"restored": {old id: new id}, "refused": {old id: reason}}.
+    #[pyo3(signature = (records, /, *, now=None))]
+    fn restore_records<'py>(
         &self,
         py: Python<'py>,
-        path: std::path::PathBuf,
+        records: &Bound<'py, PyAny>,
         now: Option<f64>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let now = now_or_monotonic(py, now)?;
-        let text = std::fs::read_to_string(&path).map_err(|e| {
-            pyo3::exceptions::PyOSError::new_err(format!("restore {}: {e}", path.display()))
-        })?;
-        let loads = py.import("json")?.getattr("loads")?;
+        let records = checkpoint::read_records(records)?;
+        let outcomes = locked(&self.inner, |s| s.restore(&records, now))??;
         let restored = PyDict::new(py);
         let refused = PyDict::new(py);
-        let finished = PyList::empty(py);
-        let mut records = Vec::new();
-        for (n, line) in text
-            .lines()
-            .enumerate()
-            .filter(|(_, l)| !l.trim().is_empty())
-        {
-            let rec = loads.call1((line,))?;
-            let rec = rec.cast_into::<PyDict>().map_err(|_| {
-                KvError::InvalidRequest(format!("checkpoint line {}: not an object", n + 1))
-            })?;
-            let kind: String = rec
-                .get_item("kind")?
-                .map(|k| k.extract())
-                .transpose()?
-                .unwrap_or_default();
-            match kind.as_str() {
-                "finished" => finished.append(rec)?,
-                "in_flight" => records.push(checkpoint::read_in_flight(&rec)?),
-                other => {
-                    return Err(KvError::InvalidRequest(format!(
-                        "checkpoint line {}: unknown kind {other:?}",
-                        n + 1
-                    ))
-                    .into())
-                }
-            }
-        }
-        // Every record is checked before any is submitted: a bad file changes nothing.
-        let outcomes = locked(&self.inner, |s| s.restore(&records, now))??;
         for (rec, outcome) in records.iter().zip(outcomes) {
             match outcome {
                 Ok(id) => restored.set_item(rec.id, id)?,
@@ -419,7 +408,16 @@ impl PyScheduler {
         let d = PyDict::new(py);
         d.set_item("restored", restored)?;
         d.set_item("refused", refused)?;
-        d.set_item("finished", finished)?;
         Ok(d)
     }
+}
+
+/// `kvsched.checkpoint`, the module that owns the checkpoint file.
+fn checkpoint_module(py: Python<'_>) -> PyResult<&Bound<'_, PyModule>> {
+    static MODULE: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
+    MODULE
+        .get_or_try_init(py, || {
+            Ok::<_, PyErr>(py.import("kvsched.checkpoint")?.unbind())
+        })
+        .map(|m| m.bind(py))
 }
