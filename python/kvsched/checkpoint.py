@@ -46,11 +46,15 @@ from typing import TYPE_CHECKING, Any
 from kvsched._core import InvalidRequest
 
 if TYPE_CHECKING:
-    from kvsched._core import Scheduler
+    from kvsched._core import (
+        CheckpointCounts,
+        FinishedRecord,
+        InFlightRecord,
+        RestoreResult,
+        Scheduler,
+    )
 
-CheckpointCounts = dict[str, int]
-CheckpointRecord = dict[str, Any]
-RestoreResult = dict[str, Any]
+    CheckpointRecord = FinishedRecord | InFlightRecord
 
 __all__ = ["read_records", "restore", "save", "write_records"]
 
@@ -78,8 +82,13 @@ def restore(
     Returns {"restored": {old id: new id}, "refused": {old id: reason},
     "finished": [the finished records]}."""
     records = read_records(path)
-    finished = [r for r in records if r["kind"] == "finished"]
-    in_flight = [r for r in records if r["kind"] == "in_flight"]
+    finished: list[FinishedRecord] = []
+    in_flight: list[InFlightRecord] = []
+    for r in records:
+        if r["kind"] == "finished":
+            finished.append(r)
+        else:
+            in_flight.append(r)
     out = scheduler.restore_records(in_flight, now=now)
     return {"restored": out["restored"], "refused": out["refused"], "finished": finished}
 
