@@ -1,6 +1,13 @@
 //! PyO3 bindings: translation only. Arguments are checked for type and shape
 //! here; every decision is the core's.
 //!
+//! config.rs: SchedulerConfig and TenantConfig (each class's knobs in one
+//! table); ladder.rs: ladder rungs in and out; pool.rs: BlockPool;
+//! scheduler.rs: the Scheduler's methods; plan.rs: the plan buffers and
+//! StepPlan; events.rs: StepEvents, FinishedRequest, event dicts; stats.rs:
+//! the stats and pressure dicts; checkpoint.rs: checkpoint records (the file
+//! is kvsched/checkpoint.py's); errors.rs: the exceptions.
+//!
 //! Each class is `frozen` with a Mutex inside, so several Python threads can
 //! share one object and get correct answers instead of "already borrowed".
 //! The GIL is held throughout (the module declares `gil_used`): every call is
