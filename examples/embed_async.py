@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from typing import Any
 
 import kvsched
 from kvsched.engine.sampling import SamplingParams
@@ -42,7 +43,7 @@ def build(model: str) -> tuple[AsyncEngine, object]:
     return ae, gg
 
 
-async def serve(ae: AsyncEngine, gg, host: str, port: int) -> asyncio.Server:
+async def serve(ae: AsyncEngine, gg: Any, host: str, port: int) -> asyncio.Server:
     async def client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while line := (await reader.readline()).decode().strip():
             ids = (gg.encode_chat([{"role": "user", "content": line}]) if gg

@@ -16,6 +16,7 @@ rejected with a reason; the table says which.
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import numpy as np
 
@@ -39,7 +40,7 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-def main(seed: int = 0, n_requests: int = 300, quiet: bool = False) -> dict[str, dict]:
+def main(seed: int = 0, n_requests: int = 300, quiet: bool = False) -> dict[str, dict[str, Any]]:
     rng = np.random.default_rng(seed)
     sched = kvsched.Scheduler(
         kvsched.SchedulerConfig(
@@ -59,7 +60,7 @@ def main(seed: int = 0, n_requests: int = 300, quiet: bool = False) -> dict[str,
     names = list(MIX)
     shares = np.array([MIX[n][2] for n in names])
     arrivals = list(np.sort(rng.uniform(0.0, 3.0, n_requests)))
-    rejected: dict[str, dict[str, int]] = {n: {} for n in names}
+    rejected: dict[str, dict[str | None, int]] = {n: {} for n in names}
     finished: list[kvsched.FinishedRequest] = []
     owner: dict[int, str] = {}
     now, steps = 0.0, 0
@@ -87,7 +88,7 @@ def main(seed: int = 0, n_requests: int = 300, quiet: bool = False) -> dict[str,
         steps += 1
 
     stats = sched.stats(now=now)
-    table: dict[str, dict] = {}
+    table: dict[str, dict[str, Any]] = {}
     for name in names:
         mine = [f for f in finished if f.tenant == name]
         itl = [(f.finished - f.first_token) / (len(f.output_ids) - 1)

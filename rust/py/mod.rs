@@ -1,17 +1,28 @@
 //! PyO3 bindings: translation only. Arguments are checked for type and shape
 //! here; every decision is the core's.
 //!
+//! config.rs: SchedulerConfig and TenantConfig (each class's knobs in one
+//! table); ladder.rs: ladder rungs in and out; pool.rs: BlockPool;
+//! scheduler.rs: the Scheduler's methods; plan.rs: the plan buffers and
+//! StepPlan; events.rs: StepEvents, FinishedRequest, event dicts; stats.rs:
+//! the stats and pressure dicts; checkpoint.rs: checkpoint records (the file
+//! is kvsched/checkpoint.py's); errors.rs: the exceptions.
+//!
 //! Each class is `frozen` with a Mutex inside, so several Python threads can
 //! share one object and get correct answers instead of "already borrowed".
 //! The GIL is held throughout (the module declares `gil_used`): every call is
 //! short, and the core never calls back into Python while it holds a lock;
 //! errors become Python exceptions only after the lock is released.
 
+mod checkpoint;
 mod config;
 mod errors;
-mod ops;
+mod events;
+mod ladder;
+mod plan;
 mod pool;
 mod scheduler;
+mod stats;
 
 use std::borrow::Cow;
 use std::sync::Mutex;
@@ -121,9 +132,13 @@ mod core_module {
     #[pymodule_export]
     use super::config::{PySchedulerConfig, PyTenantConfig};
     #[pymodule_export]
+    use super::events::{PyFinishedRequest, PyStepEvents};
+    #[pymodule_export]
+    use super::plan::PyStepPlan;
+    #[pymodule_export]
     use super::pool::PyBlockPool;
     #[pymodule_export]
-    use super::scheduler::{PyFinishedRequest, PyScheduler, PyStepEvents, PyStepPlan};
+    use super::scheduler::PyScheduler;
 
     use pyo3::prelude::*;
 

@@ -1,104 +1,22 @@
-//! `kvsched.Scheduler`, `StepPlan`, `StepEvents` and `FinishedRequest`.
-//!
-//! The plan arrays are numpy arrays this object owns, two sets used in turn
-//! (double buffering). The core writes into them in place through raw slices;
-//! to Python they are read-only (the WRITEABLE flag is cleared on every one, and
-//! the per-bucket token arrays are views of them), so a step creates no arrays
-//! for the kernel inputs at all.
+//! `kvsched.Scheduler`: its methods, each translating arguments, calling the
+//! core under its lock and translating the result. The plan buffers are in
+//! plan.rs, the commit and terminal events in events.rs, the stats dicts in
+//! stats.rs, checkpoint records in checkpoint.rs.
 
 use std::sync::Mutex;
 
-use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PySlice};
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyList};
 
+use super::checkpoint;
 use super::config::{PySchedulerConfig, PyTenantConfig};
-use super::{count_arg, int32_arg, int32_slice, locked, now_or_monotonic, ops, salt_arg};
-use crate::error::{KvError, KvResult, RejectReason};
-use crate::metrics::{Histogram, LATENCY_BOUNDS};
-use crate::planner::{PlanBuffers, PlanShape};
-use crate::scheduler::{self, CommitEvents, FinishedRequest, StepOutcome, SubmitOptions};
-
-/// One buffer set: the arrays the core writes and the views handed out.
-struct PlanArrays {
-    token_ids: Py<PyArray1<i32>>,
-    positions: Py<PyArray1<i32>>,
-    slot_mapping: Py<PyArray1<i32>>,
-    cu_q_lens: Py<PyArray1<i32>>,
-    kv_lens: Py<PyArray1<i32>>,
-    page_indices: Py<PyArray2<i32>>,
-    num_seqs: Py<PyArray1<i32>>,
-    distribution: Py<PyArray1<i32>>,
-    logits_indices: Py<PyArray1<i32>>,
-    /// Per bucket (same order as the buckets): views [:T] of the token arrays.
-    token_views: Vec<[Py<PyAny>; 3]>,
-}
-
-/// Clear the WRITEABLE flag: Python cannot write the plan arrays (the core's
-/// page-table row cache trusts that rows hold what it wrote).
-fn freeze(arr: &Bound<'_, PyAny>) -> PyResult<()> {
-    arr.getattr("flags")?.setattr("writeable", false)
-}
-
-fn prefix_view(py: Python<'_>, base: &Bound<'_, PyAny>, len: usize) -> PyResult<Py<PyAny>> {
-    Ok(base
-        .get_item(PySlice::new(py, 0, len as isize, 1))?
-        .unbind())
-}
-
-impl PlanArrays {
-    fn new(py: Python<'_>, shape: &PlanShape, buckets: &[usize]) -> PyResult<Self> {
-        let (t, s, pps) = (shape.max_tokens, shape.max_seqs, shape.pages_per_seq);
-        let token_ids = PyArray1::<i32>::zeros(py, t, false);
-        let positions = PyArray1::<i32>::zeros(py, t, false);
-        let slot_mapping = PyArray1::from_vec(py, vec![shape.pad_slot; t]);
-        let cu_q_lens = PyArray1::<i32>::zeros(py, s + 1, false);
-        let kv_lens = PyArray1::<i32>::zeros(py, s, false);
-        let page_indices = PyArray2::<i32>::zeros(py, [s, pps], false);
-        let num_seqs = PyArray1::<i32>::zeros(py, 1, false);
-        let distribution = PyArray1::<i32>::zeros(py, 3, false);
-        let logits_indices = PyArray1::<i32>::zeros(py, s, false);
-        for arr in [
-            token_ids.as_any(),
-            positions.as_any(),
-            slot_mapping.as_any(),
-            cu_q_lens.as_any(),
-            kv_lens.as_any(),
-            page_indices.as_any(),
-            num_seqs.as_any(),
-            distribution.as_any(),
-            logits_indices.as_any(),
-        ] {
-            freeze(arr)?;
-        }
-        let token_views = buckets
-            .iter()
-            .map(|&b| {
-                Ok([
-                    prefix_view(py, token_ids.as_any(), b)?,
-                    prefix_view(py, positions.as_any(), b)?,
-                    prefix_view(py, slot_mapping.as_any(), b)?,
-                ])
-            })
-            .collect::<PyResult<Vec<_>>>()?;
-        Ok(PlanArrays {
-            token_ids: token_ids.unbind(),
-            positions: positions.unbind(),
-            slot_mapping: slot_mapping.unbind(),
-            cu_q_lens: cu_q_lens.unbind(),
-            kv_lens: kv_lens.unbind(),
-            page_indices: page_indices.unbind(),
-            num_seqs: num_seqs.unbind(),
-            distribution: distribution.unbind(),
-            logits_indices: logits_indices.unbind(),
-            token_views,
-        })
-    }
-}
-
-fn not_contiguous(_: numpy::AsSliceError) -> KvError {
-    KvError::Internal("a plan buffer is not contiguous".into())
-}
+use super::events::{event_dict, PyFinishedRequest, PyStepEvents};
+use super::plan::{PlanSet, PyStepPlan};
+use super::stats::{pressure_dict, Snapshot};
+use super::{count_arg, int32_arg, int32_slice, locked, now_or_monotonic, salt_arg};
+use crate::error::{KvError, KvResult};
+use crate::scheduler::{self, StepOutcome, SubmitOptions};
 
 /// The KV-cache manager and scheduler. Safe to share between threads.
 ///
@@ -107,8 +25,7 @@ fn not_contiguous(_: numpy::AsSliceError) -> KvError {
 #[pyclass(name = "Scheduler", module = "kvsched", frozen)]
 pub struct PyScheduler {
     inner: Mutex<scheduler::Scheduler>,
-    arrays: [PlanArrays; 2],
-    buckets: Vec<usize>,
+    plans: PlanSet,
 }
 
 #[pymethods]
@@ -119,13 +36,9 @@ impl PyScheduler {
         let config = config.map(|c| c.inner).unwrap_or_default();
         let core = scheduler::Scheduler::new(config)?;
         let shape = *core.plan_shape();
-        let buckets = core.buckets().sizes().to_vec();
+        let plans = PlanSet::new(py, &shape, core.buckets().sizes())?;
         Ok(PyScheduler {
-            arrays: [
-                PlanArrays::new(py, &shape, &buckets)?,
-                PlanArrays::new(py, &shape, &buckets)?,
-            ],
-            buckets,
+            plans,
             inner: Mutex::new(core),
         })
     }
@@ -141,7 +54,7 @@ impl PyScheduler {
     /// The token buckets a step is padded to: one compiled program each.
     #[getter]
     fn token_buckets(&self) -> Vec<usize> {
-        self.buckets.clone()
+        self.plans.buckets().to_vec()
     }
 
     /// Fixed plan dimensions: max_tokens (largest bucket), max_seqs (S),
@@ -297,72 +210,11 @@ impl PyScheduler {
     fn step(&self, py: Python<'_>, now: Option<f64>) -> PyResult<Option<PyStepPlan>> {
         let now = now_or_monotonic(py, now)?;
         let outcome = locked(&self.inner, |s| -> KvResult<Option<StepOutcome>> {
-            let a = &self.arrays[s.next_parity()];
-            let (t, p, sm) = (
-                a.token_ids.bind(py),
-                a.positions.bind(py),
-                a.slot_mapping.bind(py),
-            );
-            let (cu, kv, pi) = (
-                a.cu_q_lens.bind(py),
-                a.kv_lens.bind(py),
-                a.page_indices.bind(py),
-            );
-            let (ns, di, li) = (
-                a.num_seqs.bind(py),
-                a.distribution.bind(py),
-                a.logits_indices.bind(py),
-            );
-            // SAFETY: each array is its own contiguous allocation that this object
-            // created; Python sees it read-only (WRITEABLE cleared, and views of it
-            // inherit that); the module declares it needs the GIL, and the GIL plus
-            // the scheduler lock make this the only access while the core writes.
-            // Readers of an older plan see these bytes change, as documented.
-            let mut bufs = unsafe {
-                PlanBuffers {
-                    token_ids: t.as_slice_mut().map_err(not_contiguous)?,
-                    positions: p.as_slice_mut().map_err(not_contiguous)?,
-                    slot_mapping: sm.as_slice_mut().map_err(not_contiguous)?,
-                    cu_q_lens: cu.as_slice_mut().map_err(not_contiguous)?,
-                    kv_lens: kv.as_slice_mut().map_err(not_contiguous)?,
-                    page_indices: pi.as_slice_mut().map_err(not_contiguous)?,
-                    num_seqs: ns.as_slice_mut().map_err(not_contiguous)?,
-                    distribution: di.as_slice_mut().map_err(not_contiguous)?,
-                    logits_indices: li.as_slice_mut().map_err(not_contiguous)?,
-                }
-            };
+            // SAFETY: the scheduler's lock is held while the core writes.
+            let mut bufs = unsafe { self.plans.borrow(py, s.next_parity())? };
             s.step(now, &mut bufs)
         })??;
-        let Some(out) = outcome else {
-            return Ok(None);
-        };
-        let a = &self.arrays[out.parity];
-        let b = self
-            .buckets
-            .iter()
-            .position(|&b| b == out.bucket)
-            .ok_or_else(|| KvError::Internal(format!("bucket {} unknown", out.bucket)))?;
-        let [tv, pv, sv] = &a.token_views[b];
-        let ids: Vec<i64> = out.request_ids.iter().map(|&id| id as i64).collect();
-        Ok(Some(PyStepPlan {
-            token_ids: tv.clone_ref(py),
-            positions: pv.clone_ref(py),
-            slot_mapping: sv.clone_ref(py),
-            cu_q_lens: a.cu_q_lens.clone_ref(py).into_any(),
-            kv_lens: a.kv_lens.clone_ref(py).into_any(),
-            page_indices: a.page_indices.clone_ref(py).into_any(),
-            num_seqs: a.num_seqs.clone_ref(py).into_any(),
-            distribution: a.distribution.clone_ref(py).into_any(),
-            logits_indices: a.logits_indices.clone_ref(py).into_any(),
-            request_ids: ids.into_pyarray(py).unbind(),
-            samples: out.samples.into_pyarray(py).unbind(),
-            preempted: out.preempted,
-            step_id: out.step_id,
-            num_tokens: out.num_tokens,
-            bucket: out.bucket,
-            num_decode: out.num_decode,
-            n: out.num_seqs,
-        }))
+        outcome.map(|out| self.plans.plan(py, out)).transpose()
     }
 
     /// Close a step: `sampled_ids` (1-D int32) holds one token per sequence in
@@ -402,21 +254,8 @@ impl PyScheduler {
     #[pyo3(signature = (*, now=None))]
     fn stats<'py>(&self, py: Python<'py>, now: Option<f64>) -> PyResult<Bound<'py, PyDict>> {
         let now = now_or_monotonic(py, now)?;
-        let (st, ladder, pressure, lifecycle, dropped) = locked(&self.inner, |s| {
-            (
-                s.stats(now),
-                s.ladder().clone(),
-                s.pressure(now),
-                s.lifecycle(),
-                s.events_dropped(),
-            )
-        })?;
-        let d = stats_dict(py, &st)?;
-        d.set_item("lifecycle", lifecycle.as_str())?;
-        d.set_item("ladder", ops::ladder_stats(py, &ladder)?)?;
-        d.set_item("pressure", ops::pressure_dict(py, &pressure)?)?;
-        d.set_item("events_dropped", dropped)?;
-        Ok(d)
+        let snapshot = locked(&self.inner, |s| Snapshot::take(s, now))?;
+        snapshot.to_dict(py)
     }
 
     // -- operations ----------------------------------------------------------------
@@ -457,7 +296,7 @@ impl PyScheduler {
         let events = locked(&self.inner, |s| s.take_events())?;
         let out = PyList::empty(py);
         for e in &events {
-            out.append(ops::event_dict(py, e)?)?;
+            out.append(event_dict(py, e)?)?;
         }
         Ok(out)
     }
@@ -467,7 +306,7 @@ impl PyScheduler {
     fn pressure<'py>(&self, py: Python<'py>, now: Option<f64>) -> PyResult<Bound<'py, PyDict>> {
         let now = now_or_monotonic(py, now)?;
         let p = locked(&self.inner, |s| s.pressure(now))?;
-        ops::pressure_dict(py, &p)
+        pressure_dict(py, &p)
     }
 
     /// "cold", "warming", "ready", "draining" or "drained".
@@ -510,68 +349,56 @@ impl PyScheduler {
     /// Write, as JSON lines, the requests finished since the drain began and
     /// every unfinished one (tenant, prompt, tokens generated so far, options,
     /// reason), durably (a temporary file, fsync, rename). Returns the counts.
+    /// The file is kvsched.checkpoint's (this calls kvsched.checkpoint.save).
     #[pyo3(signature = (path, /))]
     fn checkpoint<'py>(
-        &self,
-        py: Python<'py>,
-        path: std::path::PathBuf,
-    ) -> PyResult<Bound<'py, PyDict>> {
-        let (finished, in_flight) = locked(&self.inner, |s| s.checkpoint())?;
-        let path = path.to_string_lossy().into_owned();
-        let (f, i) = ops::write_checkpoint(py, &path, &finished, &in_flight)?;
-        let d = PyDict::new(py);
-        d.set_item("finished", f)?;
-        d.set_item("in_flight", i)?;
-        Ok(d)
+        slf: &Bound<'py, Self>,
+        path: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        checkpoint_module(slf.py())?.call_method1("save", (slf, path))
     }
 
     /// Submit again every in-flight request of a checkpoint: each continues
     /// after the tokens it had generated. Returns {"restored": {old id: new id},
     /// "refused": {old id: reason}, "finished": [the finished records]}.
+    /// The file is kvsched.checkpoint's (this calls kvsched.checkpoint.restore).
     #[pyo3(signature = (path, /, *, now=None))]
     fn restore<'py>(
+        slf: &Bound<'py, Self>,
+        path: &Bound<'py, PyAny>,
+        now: Option<f64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let kwargs = PyDict::new(slf.py());
+        kwargs.set_item("now", now)?;
+        checkpoint_module(slf.py())?.call_method("restore", (slf, path), Some(&kwargs))
+    }
+
+    /// The checkpoint as records (what checkpoint() writes, one a line): the
+    /// requests finished since the drain began (kind "finished"), then every
+    /// unfinished one (kind "in_flight": handed back at the drain deadline, or
+    /// still live).
+    fn checkpoint_records<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let (finished, in_flight) = locked(&self.inner, |s| s.checkpoint())?;
+        checkpoint::records(py, &finished, &in_flight)
+    }
+
+    /// Submit again in-flight checkpoint records: each continues after the
+    /// tokens it had generated. Every record is checked before any is
+    /// submitted (a bad one raises InvalidRequest and nothing changes); a
+    /// refusal for now (pool full, ...) is that record's outcome. Returns
+    /// {"restored": {old id: new id}, "refused": {old id: reason}}.
+    #[pyo3(signature = (records, /, *, now=None))]
+    fn restore_records<'py>(
         &self,
         py: Python<'py>,
-        path: std::path::PathBuf,
+        records: &Bound<'py, PyAny>,
         now: Option<f64>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let now = now_or_monotonic(py, now)?;
-        let text = std::fs::read_to_string(&path).map_err(|e| {
-            pyo3::exceptions::PyOSError::new_err(format!("restore {}: {e}", path.display()))
-        })?;
-        let loads = py.import("json")?.getattr("loads")?;
+        let records = checkpoint::read_records(records)?;
+        let outcomes = locked(&self.inner, |s| s.restore(&records, now))??;
         let restored = PyDict::new(py);
         let refused = PyDict::new(py);
-        let finished = PyList::empty(py);
-        let mut records = Vec::new();
-        for (n, line) in text
-            .lines()
-            .enumerate()
-            .filter(|(_, l)| !l.trim().is_empty())
-        {
-            let rec = loads.call1((line,))?;
-            let rec = rec.cast_into::<PyDict>().map_err(|_| {
-                KvError::InvalidRequest(format!("checkpoint line {}: not an object", n + 1))
-            })?;
-            let kind: String = rec
-                .get_item("kind")?
-                .map(|k| k.extract())
-                .transpose()?
-                .unwrap_or_default();
-            match kind.as_str() {
-                "finished" => finished.append(rec)?,
-                "in_flight" => records.push(ops::read_in_flight(&rec)?),
-                other => {
-                    return Err(KvError::InvalidRequest(format!(
-                        "checkpoint line {}: unknown kind {other:?}",
-                        n + 1
-                    ))
-                    .into())
-                }
-            }
-        }
-        // Every record is checked before any is submitted: a bad file changes nothing.
-        let outcomes = locked(&self.inner, |s| s.restore(&records, now))??;
         for (rec, outcome) in records.iter().zip(outcomes) {
             match outcome {
                 Ok(id) => restored.set_item(rec.id, id)?,
@@ -581,319 +408,16 @@ impl PyScheduler {
         let d = PyDict::new(py);
         d.set_item("restored", restored)?;
         d.set_item("refused", refused)?;
-        d.set_item("finished", finished)?;
         Ok(d)
     }
 }
 
-/// One step's plan: the kernel's arrays (read-only views, see Scheduler.step for
-/// how long they stay valid) and host-side fields.
-#[pyclass(name = "StepPlan", module = "kvsched", frozen)]
-pub struct PyStepPlan {
-    /// int32 [T]: input token of each scheduled token; padding 0.
-    #[pyo3(get)]
-    token_ids: Py<PyAny>,
-    /// int32 [T]: absolute position of each token; padding 0.
-    #[pyo3(get)]
-    positions: Py<PyAny>,
-    /// int32 [T]: page * block_size + offset; padding num_blocks * block_size.
-    #[pyo3(get)]
-    slot_mapping: Py<PyAny>,
-    /// int32 [S+1]: cumulative query lengths, decode sequences first.
-    #[pyo3(get)]
-    cu_q_lens: Py<PyAny>,
-    /// int32 [S]: cached + newly scheduled tokens; padding 0.
-    #[pyo3(get)]
-    kv_lens: Py<PyAny>,
-    /// int32 [S, PPS]: page ids of each sequence; padding page 0.
-    #[pyo3(get)]
-    page_indices: Py<PyAny>,
-    /// int32 [1]: real sequences in the plan.
-    #[pyo3(get)]
-    num_seqs: Py<PyAny>,
-    /// int32 [3]: (decode-only, decode-only, all).
-    #[pyo3(get)]
-    distribution: Py<PyAny>,
-    /// int32 [S]: cu_q_lens[1:] - 1, the row whose logits are sampled.
-    #[pyo3(get)]
-    logits_indices: Py<PyAny>,
-    /// int64 [n]: request id of each sequence, in plan order.
-    #[pyo3(get)]
-    request_ids: Py<PyArray1<i64>>,
-    /// bool [n]: whether the token sampled for the sequence is used.
-    #[pyo3(get)]
-    samples: Py<PyArray1<bool>>,
-    /// Requests preempted while planning this step (queued again).
-    #[pyo3(get)]
-    preempted: Vec<u64>,
-    /// Identifies this plan for commit().
-    #[pyo3(get)]
-    step_id: u64,
-    /// Real tokens in the plan.
-    #[pyo3(get)]
-    num_tokens: usize,
-    /// T: the token bucket the arrays are padded to.
-    #[pyo3(get)]
-    bucket: usize,
-    /// Decode sequences (they come first).
-    #[pyo3(get)]
-    num_decode: usize,
-    n: usize,
-}
-
-#[pymethods]
-impl PyStepPlan {
-    /// Sequences in the plan.
-    fn __len__(&self) -> usize {
-        self.n
-    }
-
-    fn __repr__(&self) -> String {
-        format!(
-            "StepPlan(step_id={}, num_seqs={}, num_decode={}, num_tokens={}, bucket={})",
-            self.step_id, self.n, self.num_decode, self.num_tokens, self.bucket
-        )
-    }
-}
-
-/// A request's terminal event (exactly one per admitted request): how it
-/// ended, its output and timings (seconds, on the clock of the `now` values;
-/// first_scheduled and first_token equal `finished` for a request that ended
-/// before it got there).
-#[pyclass(name = "FinishedRequest", module = "kvsched", frozen)]
-pub struct PyFinishedRequest {
-    #[pyo3(get)]
-    request_id: u64,
-    #[pyo3(get)]
-    tenant: String,
-    /// "length" (max_tokens reached), "stop" (a stop token was sampled, or
-    /// Scheduler.stop), "cancelled" (Scheduler.cancel) or "drain_deadline"
-    /// (unfinished at the drain's deadline, handed back).
-    #[pyo3(get)]
-    reason: &'static str,
-    #[pyo3(get)]
-    prompt_len: usize,
-    /// int32: the generated tokens (a stop token included); for a request
-    /// cancelled, stopped or handed back, those generated until then.
-    #[pyo3(get)]
-    output_ids: Py<PyArray1<i32>>,
-    #[pyo3(get)]
-    arrival: f64,
-    #[pyo3(get)]
-    first_scheduled: f64,
-    #[pyo3(get)]
-    first_token: f64,
-    #[pyo3(get)]
-    finished: f64,
-    /// Times it was preempted and recomputed.
-    #[pyo3(get)]
-    preemptions: u32,
-    /// Prompt tokens served from the prefix cache (not computed for it).
-    #[pyo3(get)]
-    cached_tokens: usize,
-}
-
-#[pymethods]
-impl PyFinishedRequest {
-    /// Submit to first token.
-    #[getter]
-    fn ttft(&self) -> f64 {
-        self.first_token - self.arrival
-    }
-    /// Submit to finish.
-    #[getter]
-    fn e2e(&self) -> f64 {
-        self.finished - self.arrival
-    }
-    /// Submit to first entering the running set.
-    #[getter]
-    fn queue_time(&self) -> f64 {
-        self.first_scheduled - self.arrival
-    }
-
-    fn __repr__(&self, py: Python<'_>) -> String {
-        format!(
-            "FinishedRequest(request_id={}, tenant={:?}, reason={:?}, output_len={})",
-            self.request_id,
-            self.tenant,
-            self.reason,
-            PyUntypedArrayMethods::len(self.output_ids.bind(py))
-        )
-    }
-}
-
-impl PyFinishedRequest {
-    fn new(py: Python<'_>, f: FinishedRequest) -> Self {
-        PyFinishedRequest {
-            request_id: f.id,
-            tenant: f.tenant,
-            reason: f.reason.as_str(),
-            prompt_len: f.prompt_len,
-            output_ids: f.output.into_pyarray(py).unbind(),
-            arrival: f.arrival,
-            first_scheduled: f.first_scheduled,
-            first_token: f.first_token,
-            finished: f.finished,
-            preemptions: f.preemptions,
-            cached_tokens: f.cached_tokens,
-        }
-    }
-}
-
-/// What a commit did: new tokens (arrays, in plan order), finished requests,
-/// and requests the step preempted.
-#[pyclass(name = "StepEvents", module = "kvsched", frozen)]
-pub struct PyStepEvents {
-    /// int64 [k]: requests that got a token.
-    #[pyo3(get)]
-    request_ids: Py<PyArray1<i64>>,
-    /// int32 [k]: the token each got.
-    #[pyo3(get)]
-    tokens: Py<PyArray1<i32>>,
-    /// list[FinishedRequest].
-    #[pyo3(get)]
-    finished: Py<PyList>,
-    /// Request ids preempted (and queued again) by this step.
-    #[pyo3(get)]
-    preempted: Vec<u64>,
-}
-
-impl PyStepEvents {
-    fn new(py: Python<'_>, ev: CommitEvents) -> PyResult<Self> {
-        let ids: Vec<i64> = ev.request_ids.iter().map(|&id| id as i64).collect();
-        let finished = PyList::empty(py);
-        for f in ev.finished {
-            finished.append(Py::new(py, PyFinishedRequest::new(py, f))?)?;
-        }
-        Ok(PyStepEvents {
-            request_ids: ids.into_pyarray(py).unbind(),
-            tokens: ev.tokens.into_pyarray(py).unbind(),
-            finished: finished.unbind(),
-            preempted: ev.preempted,
+/// `kvsched.checkpoint`, the module that owns the checkpoint file.
+fn checkpoint_module(py: Python<'_>) -> PyResult<&Bound<'_, PyModule>> {
+    static MODULE: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
+    MODULE
+        .get_or_try_init(py, || {
+            Ok::<_, PyErr>(py.import("kvsched.checkpoint")?.unbind())
         })
-    }
-}
-
-#[pymethods]
-impl PyStepEvents {
-    fn __repr__(&self, py: Python<'_>) -> String {
-        format!(
-            "StepEvents(tokens={}, finished={}, preempted={})",
-            PyUntypedArrayMethods::len(self.tokens.bind(py)),
-            self.finished.bind(py).len(),
-            self.preempted.len()
-        )
-    }
-}
-
-fn reasons_dict<'py>(
-    py: Python<'py>,
-    counts: &[u64; RejectReason::COUNT],
-) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    for r in RejectReason::ALL {
-        d.set_item(r.as_str(), counts[r.index()])?;
-    }
-    Ok(d)
-}
-
-fn histogram_dict<'py>(py: Python<'py>, h: &Histogram) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("count", h.count())?;
-    d.set_item("sum", h.sum())?;
-    let mut cumulative = Vec::with_capacity(LATENCY_BOUNDS.len() + 1);
-    let mut acc = 0u64;
-    for &c in h.counts() {
-        acc += c;
-        cumulative.push(acc);
-    }
-    d.set_item("buckets", cumulative)?;
-    d.set_item("p50", h.quantile(0.5))?;
-    d.set_item("p99", h.quantile(0.99))?;
-    Ok(d)
-}
-
-fn stats_dict<'py>(
-    py: Python<'py>,
-    st: &scheduler::SchedulerStats,
-) -> PyResult<Bound<'py, PyDict>> {
-    let p = &st.pool;
-    let pool = PyDict::new(py);
-    pool.set_item("num_blocks", p.num_blocks)?;
-    pool.set_item("block_size", p.block_size)?;
-    pool.set_item("total", p.total)?;
-    pool.set_item("free", p.free)?;
-    pool.set_item("used", p.used)?;
-    pool.set_item("shared", p.shared)?;
-    pool.set_item("overhead_reserve", p.overhead_reserve)?;
-    pool.set_item("usable", p.usable)?;
-    pool.set_item("reserved", p.reserved)?;
-    pool.set_item("committed", p.committed)?;
-    pool.set_item("cached", p.cached)?;
-    pool.set_item("evictable", p.evictable)?;
-    pool.set_item("evictions", p.evictions)?;
-
-    let tenants = PyDict::new(py);
-    for t in &st.tenants {
-        let m = &t.metrics;
-        let d = PyDict::new(py);
-        d.set_item("tier", t.tier)?;
-        d.set_item("weight", t.weight)?;
-        d.set_item("kv_floor_blocks", t.kv_floor_blocks)?;
-        d.set_item("kv_cap_blocks", t.kv_cap_blocks)?;
-        d.set_item("reserved_blocks", t.reserved_blocks)?;
-        d.set_item("used_blocks", t.used_blocks)?;
-        d.set_item("shared_blocks", t.shared_blocks)?;
-        d.set_item("live_requests", t.live_requests)?;
-        d.set_item("waiting", t.waiting)?;
-        d.set_item("running", t.running)?;
-        d.set_item("admitted", t.admitted)?;
-        d.set_item("finished", t.finished)?;
-        d.set_item("cancelled", t.cancelled)?;
-        d.set_item("rejected", reasons_dict(py, &t.rejected)?)?;
-        d.set_item("rate_tokens_available", t.rate_tokens_available)?;
-        d.set_item("tokens_in", m.tokens_in)?;
-        d.set_item("tokens_out", m.tokens_out)?;
-        d.set_item("prefill_tokens", m.prefill_tokens)?;
-        d.set_item("preemptions", m.preemptions)?;
-        let prefix = PyDict::new(py);
-        prefix.set_item("query_blocks", m.prefix_query_blocks)?;
-        prefix.set_item("hit_blocks", m.prefix_hit_blocks)?;
-        prefix.set_item("query_tokens", m.prefix_query_tokens)?;
-        prefix.set_item("hit_tokens", m.prefix_hit_tokens)?;
-        let rate = |hit: u64, query: u64| {
-            if query == 0 {
-                0.0
-            } else {
-                hit as f64 / query as f64
-            }
-        };
-        prefix.set_item(
-            "hit_rate_blocks",
-            rate(m.prefix_hit_blocks, m.prefix_query_blocks),
-        )?;
-        prefix.set_item(
-            "hit_rate_tokens",
-            rate(m.prefix_hit_tokens, m.prefix_query_tokens),
-        )?;
-        d.set_item("prefix_cache", prefix)?;
-        d.set_item("virtual_time", t.vtime)?;
-        d.set_item("queue_time", histogram_dict(py, &m.queue_time)?)?;
-        d.set_item("ttft", histogram_dict(py, &m.ttft)?)?;
-        d.set_item("inter_token", histogram_dict(py, &m.inter_token)?)?;
-        d.set_item("e2e", histogram_dict(py, &m.e2e)?)?;
-        tenants.set_item(&t.name, d)?;
-    }
-
-    let out = PyDict::new(py);
-    out.set_item("pool", pool)?;
-    out.set_item("tenants", tenants)?;
-    out.set_item("live_requests", st.live_requests)?;
-    out.set_item("running", st.running)?;
-    out.set_item("waiting", st.waiting)?;
-    out.set_item("steps", st.steps)?;
-    out.set_item("preemptions", st.preemptions)?;
-    out.set_item("rejected", reasons_dict(py, &st.rejected)?)?;
-    out.set_item("step_gap", histogram_dict(py, &st.step_gap)?)?;
-    Ok(out)
+        .map(|m| m.bind(py))
 }

@@ -18,27 +18,19 @@ class Scenario:
     static_batching: bool = False
 
 
-def _cfg_kwargs(cfg: kvsched.SchedulerConfig) -> dict[str, Any]:
-    keys = ("num_blocks", "block_size", "max_num_seqs", "max_batched_tokens", "max_seq_len",
-            "overhead_reserve", "max_waiting", "long_prefill_chunk", "admission",
-            "watermark_blocks", "preempt_lower_tiers", "prefix_caching", "ladder",
-            "ladder_retry_after_s", "full_validation")  # fmt: skip
-    return {k: getattr(cfg, k) for k in keys}
-
-
 def standard(base: kvsched.SchedulerConfig) -> list[Scenario]:
     """The comparisons the simulator exists for, against `base` (continuous
     batching, chunked prefill, reserve mode, no ladder)."""
+    step = max(base.max_batched_tokens, base.max_seq_len)
+    unchunked: dict[str, Any] = {"long_prefill_chunk": base.max_seq_len, "max_batched_tokens": step}
+    configured = base.token_buckets != base.replace(token_buckets=None).token_buckets
+    if configured and base.token_buckets[-1] < step:
+        # Configured buckets are kept; the larger step needs one more.
+        unchunked["token_buckets"] = [*base.token_buckets, step]
     return [
         Scenario("continuous"),
         Scenario("static", static_batching=True),
-        Scenario(
-            "unchunked",
-            {
-                "long_prefill_chunk": base.max_seq_len,
-                "max_batched_tokens": max(base.max_batched_tokens, base.max_seq_len),
-            },
-        ),  # fmt: skip
+        Scenario("unchunked", unchunked),
         Scenario("ladder", {"ladder": "default"}),
         Scenario("overcommit", {"admission": "overcommit", "watermark_blocks": 1}),
         *[Scenario(f"reserve_{r:.0%}", {"overhead_reserve": r}) for r in (0.0, 0.05, 0.2)],
@@ -57,10 +49,9 @@ def run(
     tenants = list(tenants)
     out = []
     for sc in scenarios:
-        kw = {**_cfg_kwargs(base), **sc.overrides}
-        if kw.get("admission") == "reserve":
-            kw["watermark_blocks"] = None
-        cfg = kvsched.SchedulerConfig(**kw)
+        # Every knob of `base` (token buckets, warmup, key...) but the overrides;
+        # a scenario switching the admission mode gets that mode's watermark.
+        cfg = base.replace(**sc.overrides)
         cb = (lambda d, n, name=sc.name: progress(name, d, n)) if progress else None
         out.append(simulate(cfg, tenants, arrivals, cost, name=sc.name,
                             static_batching=sc.static_batching, progress=cb))  # fmt: skip

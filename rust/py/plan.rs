@@ -1,0 +1,281 @@
+//! `kvsched.StepPlan` and the plan buffers behind it.
+//!
+//! The plan arrays are numpy arrays the scheduler object owns, two sets used in
+//! turn (double buffering). The core writes into them in place through raw
+//! slices; to Python they are read-only (the WRITEABLE flag is cleared on every
+//! one, and the per-bucket token arrays are views of them), so a step creates no
+//! arrays for the kernel inputs at all.
+
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
+use pyo3::prelude::*;
+use pyo3::types::PySlice;
+
+use crate::error::{KvError, KvResult};
+use crate::planner::{PlanBuffers, PlanShape};
+use crate::scheduler::StepOutcome;
+
+/// One buffer set: the arrays the core writes and the views handed out.
+struct PlanArrays {
+    token_ids: Py<PyArray1<i32>>,
+    positions: Py<PyArray1<i32>>,
+    slot_mapping: Py<PyArray1<i32>>,
+    cu_q_lens: Py<PyArray1<i32>>,
+    kv_lens: Py<PyArray1<i32>>,
+    page_indices: Py<PyArray2<i32>>,
+    num_seqs: Py<PyArray1<i32>>,
+    distribution: Py<PyArray1<i32>>,
+    logits_indices: Py<PyArray1<i32>>,
+    /// Per bucket (same order as the buckets): views [:T] of the token arrays.
+    token_views: Vec<[Py<PyAny>; 3]>,
+}
+
+/// Clear the WRITEABLE flag: Python cannot write the plan arrays (the core's
+/// page-table row cache trusts that rows hold what it wrote).
+fn freeze(arr: &Bound<'_, PyAny>) -> PyResult<()> {
+    arr.getattr("flags")?.setattr("writeable", false)
+}
+
+fn prefix_view(py: Python<'_>, base: &Bound<'_, PyAny>, len: usize) -> PyResult<Py<PyAny>> {
+    Ok(base
+        .get_item(PySlice::new(py, 0, len as isize, 1))?
+        .unbind())
+}
+
+impl PlanArrays {
+    fn new(py: Python<'_>, shape: &PlanShape, buckets: &[usize]) -> PyResult<Self> {
+        let (t, s, pps) = (shape.max_tokens, shape.max_seqs, shape.pages_per_seq);
+        let token_ids = PyArray1::<i32>::zeros(py, t, false);
+        let positions = PyArray1::<i32>::zeros(py, t, false);
+        let slot_mapping = PyArray1::from_vec(py, vec![shape.pad_slot; t]);
+        let cu_q_lens = PyArray1::<i32>::zeros(py, s + 1, false);
+        let kv_lens = PyArray1::<i32>::zeros(py, s, false);
+        let page_indices = PyArray2::<i32>::zeros(py, [s, pps], false);
+        let num_seqs = PyArray1::<i32>::zeros(py, 1, false);
+        let distribution = PyArray1::<i32>::zeros(py, 3, false);
+        let logits_indices = PyArray1::<i32>::zeros(py, s, false);
+        for arr in [
+            token_ids.as_any(),
+            positions.as_any(),
+            slot_mapping.as_any(),
+            cu_q_lens.as_any(),
+            kv_lens.as_any(),
+            page_indices.as_any(),
+            num_seqs.as_any(),
+            distribution.as_any(),
+            logits_indices.as_any(),
+        ] {
+            freeze(arr)?;
+        }
+        let token_views = buckets
+            .iter()
+            .map(|&b| {
+                Ok([
+                    prefix_view(py, token_ids.as_any(), b)?,
+                    prefix_view(py, positions.as_any(), b)?,
+                    prefix_view(py, slot_mapping.as_any(), b)?,
+                ])
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        Ok(PlanArrays {
+            token_ids: token_ids.unbind(),
+            positions: positions.unbind(),
+            slot_mapping: slot_mapping.unbind(),
+            cu_q_lens: cu_q_lens.unbind(),
+            kv_lens: kv_lens.unbind(),
+            page_indices: page_indices.unbind(),
+            num_seqs: num_seqs.unbind(),
+            distribution: distribution.unbind(),
+            logits_indices: logits_indices.unbind(),
+            token_views,
+        })
+    }
+}
+
+fn not_contiguous(_: numpy::AsSliceError) -> KvError {
+    KvError::Internal("a plan buffer is not contiguous".into())
+}
+
+/// The two buffer sets a scheduler's plans alternate between, and the token
+/// buckets whose views each set hands out.
+pub(super) struct PlanSet {
+    arrays: [PlanArrays; 2],
+    buckets: Vec<usize>,
+}
+
+impl PlanSet {
+    pub(super) fn new(py: Python<'_>, shape: &PlanShape, buckets: &[usize]) -> PyResult<Self> {
+        Ok(PlanSet {
+            arrays: [
+                PlanArrays::new(py, shape, buckets)?,
+                PlanArrays::new(py, shape, buckets)?,
+            ],
+            buckets: buckets.to_vec(),
+        })
+    }
+
+    /// The token buckets a step is padded to.
+    pub(super) fn buckets(&self) -> &[usize] {
+        &self.buckets
+    }
+
+    /// Buffer set `parity` as the slices the core writes a plan into.
+    ///
+    /// # Safety
+    ///
+    /// The caller holds the scheduler's lock for as long as the slices live.
+    /// Each array is its own contiguous allocation that this object created;
+    /// Python sees it read-only (WRITEABLE cleared, and views of it inherit
+    /// that); the module declares it needs the GIL, and the GIL plus the
+    /// scheduler lock make this the only access while the core writes. Readers
+    /// of an older plan see these bytes change, as documented.
+    pub(super) unsafe fn borrow<'a>(
+        &'a self,
+        py: Python<'a>,
+        parity: usize,
+    ) -> KvResult<PlanBuffers<'a>> {
+        let a = &self.arrays[parity];
+        // SAFETY: see the function's contract.
+        unsafe {
+            Ok(PlanBuffers {
+                token_ids: a
+                    .token_ids
+                    .bind(py)
+                    .as_slice_mut()
+                    .map_err(not_contiguous)?,
+                positions: a
+                    .positions
+                    .bind(py)
+                    .as_slice_mut()
+                    .map_err(not_contiguous)?,
+                slot_mapping: a
+                    .slot_mapping
+                    .bind(py)
+                    .as_slice_mut()
+                    .map_err(not_contiguous)?,
+                cu_q_lens: a
+                    .cu_q_lens
+                    .bind(py)
+                    .as_slice_mut()
+                    .map_err(not_contiguous)?,
+                kv_lens: a.kv_lens.bind(py).as_slice_mut().map_err(not_contiguous)?,
+                page_indices: a
+                    .page_indices
+                    .bind(py)
+                    .as_slice_mut()
+                    .map_err(not_contiguous)?,
+                num_seqs: a.num_seqs.bind(py).as_slice_mut().map_err(not_contiguous)?,
+                distribution: a
+                    .distribution
+                    .bind(py)
+                    .as_slice_mut()
+                    .map_err(not_contiguous)?,
+                logits_indices: a
+                    .logits_indices
+                    .bind(py)
+                    .as_slice_mut()
+                    .map_err(not_contiguous)?,
+            })
+        }
+    }
+
+    /// The StepPlan of a planned step: views of the buffer set it was written to.
+    pub(super) fn plan(&self, py: Python<'_>, out: StepOutcome) -> PyResult<PyStepPlan> {
+        let a = &self.arrays[out.parity];
+        let b = self
+            .buckets
+            .iter()
+            .position(|&b| b == out.bucket)
+            .ok_or_else(|| KvError::Internal(format!("bucket {} unknown", out.bucket)))?;
+        let [tv, pv, sv] = &a.token_views[b];
+        let ids: Vec<i64> = out.request_ids.iter().map(|&id| id as i64).collect();
+        Ok(PyStepPlan {
+            token_ids: tv.clone_ref(py),
+            positions: pv.clone_ref(py),
+            slot_mapping: sv.clone_ref(py),
+            cu_q_lens: a.cu_q_lens.clone_ref(py).into_any(),
+            kv_lens: a.kv_lens.clone_ref(py).into_any(),
+            page_indices: a.page_indices.clone_ref(py).into_any(),
+            num_seqs: a.num_seqs.clone_ref(py).into_any(),
+            distribution: a.distribution.clone_ref(py).into_any(),
+            logits_indices: a.logits_indices.clone_ref(py).into_any(),
+            request_ids: ids.into_pyarray(py).unbind(),
+            samples: out.samples.into_pyarray(py).unbind(),
+            preempted: out.preempted,
+            step_id: out.step_id,
+            num_tokens: out.num_tokens,
+            bucket: out.bucket,
+            num_decode: out.num_decode,
+            n: out.num_seqs,
+        })
+    }
+}
+
+/// One step's plan: the kernel's arrays (read-only views, see Scheduler.step for
+/// how long they stay valid) and host-side fields.
+#[pyclass(name = "StepPlan", module = "kvsched", frozen)]
+pub struct PyStepPlan {
+    /// int32 [T]: input token of each scheduled token; padding 0.
+    #[pyo3(get)]
+    token_ids: Py<PyAny>,
+    /// int32 [T]: absolute position of each token; padding 0.
+    #[pyo3(get)]
+    positions: Py<PyAny>,
+    /// int32 [T]: page * block_size + offset; padding num_blocks * block_size.
+    #[pyo3(get)]
+    slot_mapping: Py<PyAny>,
+    /// int32 [S+1]: cumulative query lengths, decode sequences first.
+    #[pyo3(get)]
+    cu_q_lens: Py<PyAny>,
+    /// int32 [S]: cached + newly scheduled tokens; padding 0.
+    #[pyo3(get)]
+    kv_lens: Py<PyAny>,
+    /// int32 [S, PPS]: page ids of each sequence; padding page 0.
+    #[pyo3(get)]
+    page_indices: Py<PyAny>,
+    /// int32 [1]: real sequences in the plan.
+    #[pyo3(get)]
+    num_seqs: Py<PyAny>,
+    /// int32 [3]: (decode-only, decode-only, all).
+    #[pyo3(get)]
+    distribution: Py<PyAny>,
+    /// int32 [S]: cu_q_lens[1:] - 1, the row whose logits are sampled.
+    #[pyo3(get)]
+    logits_indices: Py<PyAny>,
+    /// int64 [n]: request id of each sequence, in plan order.
+    #[pyo3(get)]
+    request_ids: Py<PyArray1<i64>>,
+    /// bool [n]: whether the token sampled for the sequence is used.
+    #[pyo3(get)]
+    samples: Py<PyArray1<bool>>,
+    /// Requests preempted while planning this step (queued again).
+    #[pyo3(get)]
+    preempted: Vec<u64>,
+    /// Identifies this plan for commit().
+    #[pyo3(get)]
+    pub(super) step_id: u64,
+    /// Real tokens in the plan.
+    #[pyo3(get)]
+    num_tokens: usize,
+    /// T: the token bucket the arrays are padded to.
+    #[pyo3(get)]
+    bucket: usize,
+    /// Decode sequences (they come first).
+    #[pyo3(get)]
+    num_decode: usize,
+    n: usize,
+}
+
+#[pymethods]
+impl PyStepPlan {
+    /// Sequences in the plan.
+    fn __len__(&self) -> usize {
+        self.n
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "StepPlan(step_id={}, num_seqs={}, num_decode={}, num_tokens={}, bucket={})",
+            self.step_id, self.n, self.num_decode, self.num_tokens, self.bucket
+        )
+    }
+}
