@@ -11,11 +11,9 @@ as they come out of `Scheduler.step()`:
   interpret mode.
 """
 
-from kvsched.engine.attention import (
-    AttentionInputs,
-    paged_attention,
-    reference_attention,
-)
+from kvsched.engine.attention import paged_attention
+from kvsched.engine.inputs import AttentionInputs
+from kvsched.engine.kernels.reference import reference_attention
 from kvsched.engine.kv_cache import KVCacheSpec, init_cache, write_kv
 
 __all__ = [
