@@ -8,8 +8,9 @@ types, so none of them has to import another to learn what a plan looks like.
   boundaries, KV lengths, page table, sequence count).
 - `StepInputs`: everything the jitted model step reads from a plan: the tokens,
   where their K/V go (`slot_mapping`), which rows give logits, and the attention
-  inputs. It replaces the step function's twelve positional arguments and the
-  warmup's stand-in plan class.
+  inputs. It names the step function's array arguments (the runner passes
+  `*inputs.arrays()` and rebuilds it inside) and replaces the warmup's
+  stand-in plan class.
 
 Both are frozen dataclasses registered as JAX pytrees (every field a leaf), so
 they cross `jax.jit`, `lax.scan` and `shard_map` boundaries as they are. Fields
@@ -88,6 +89,14 @@ class StepInputs:
             num_seqs=np.zeros(1, np.int32),
             logits_indices=np.zeros(max_seqs, np.int32),
         )
+
+    @classmethod
+    def num_arrays(cls) -> int:
+        return len(fields(cls))
+
+    def arrays(self) -> tuple[jax.Array, ...]:
+        """The fields in order (what `StepInputs(*arrays)` rebuilds)."""
+        return tuple(getattr(self, f.name) for f in fields(self))
 
     @property
     def attention(self) -> AttentionInputs:

@@ -29,7 +29,7 @@ import numpy as np
 
 import kvsched
 from kvsched.engine import kv_eval as kv_eval_mod
-from kvsched.engine.attention import AttentionInputs
+from kvsched.engine.inputs import StepInputs
 from kvsched.engine.kv_cache import (
     KVCacheSpec,
     UnsupportedKVDtype,
@@ -220,16 +220,18 @@ class Engine:
         self._default = SamplingParams(temperature=self.temperature)
         model, backend, mesh, n_lp = self.model, self.backend, self.mesh, self.max_logprobs
 
-        def step(params, caches, token_ids, positions, slot_mapping, cu_q_lens, kv_lens,
-                 page_indices, num_seqs, logits_indices, temperature, top_p, top_k, seeds,
-                 sample_positions):  # fmt: skip
-            inputs = AttentionInputs(positions, cu_q_lens, kv_lens, page_indices, num_seqs)
+        n_inputs = StepInputs.num_arrays()
+
+        # Flat at the jit boundary (StepInputs' arrays in field order, then the
+        # sampling arrays), named again inside: one compiled program per bucket
+        # either way, and the traced step can be lowered from plain arrays.
+        def step(params, caches, *arrays):
+            inputs = StepInputs(*arrays[:n_inputs])
             logits, caches = forward_paged(
-                params, caches, model, token_ids, positions, slot_mapping, inputs,
-                logits_indices, backend=backend, mesh=mesh,
+                params, caches, model, inputs.token_ids, inputs.positions, inputs.slot_mapping,
+                inputs.attention, inputs.logits_indices, backend=backend, mesh=mesh,
             )  # fmt: skip
-            out = sample(logits, temperature, top_p, top_k, seeds, sample_positions,
-                         num_logprobs=n_lp)  # fmt: skip
+            out = sample(logits, *arrays[n_inputs:], num_logprobs=n_lp)
             return out, caches
 
         self._step = jax.jit(step, donate_argnums=(1,), **jit_kw)
@@ -346,13 +348,13 @@ class Engine:
         sampler output (tokens, logprob, top ids, top logprobs) is kept in
         `last_sample` for `step`."""
         batch = batch or self._sampling_batch(plan)
-        out, self.caches = self._step(
-            self.params, self.caches, plan.token_ids, plan.positions, plan.slot_mapping,
-            plan.cu_q_lens, plan.kv_lens, plan.page_indices, plan.num_seqs,
-            plan.logits_indices, *batch.arrays(),
-        )  # fmt: skip
+        return self._run(StepInputs.from_plan(plan), batch)[: len(plan)]
+
+    def _run(self, inputs: StepInputs, batch: SamplingBatch) -> np.ndarray:
+        """The jitted step on `inputs`: every row's sampled token."""
+        out, self.caches = self._step(self.params, self.caches, *inputs.arrays(), *batch.arrays())
         self.last_sample = out
-        return np.asarray(out[0])[: len(plan)]
+        return np.asarray(out[0])
 
     def step(self, now: float | None = None) -> StepResult | None:
         """One scheduler step through the model; None when nothing can run (and
@@ -441,13 +443,10 @@ class Engine:
         bar = _progress(progress, len(buckets) + 1)
         for t in buckets:
             # An all-padding plan of bucket t: nothing attends, every write drops.
-            dummy = _Plan(
-                token_ids=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
-                slot_mapping=np.full(t, pad_slot, np.int32), cu_q_lens=np.zeros(s + 1, np.int32),
-                kv_lens=np.zeros(s, np.int32), page_indices=np.zeros((s, pps), np.int32),
-                num_seqs=np.zeros(1, np.int32), logits_indices=np.zeros(s, np.int32), n=0,
-            )  # fmt: skip
-            self.run_plan(dummy)
+            self._run(
+                StepInputs.padding(t, s, pps, pad_slot),
+                SamplingBatch.build([], np.zeros(0, np.int32), s, []),
+            )
             bar(f"compiled bucket {t}")
         scratch = kvsched.Scheduler(
             self.scheduler.config.replace(require_warmup=False, prefix_caching=False)
@@ -464,23 +463,6 @@ class Engine:
     def model_info(self) -> dict[str, str]:
         """For kvsched.metrics.SchedulerCollector(model=...)."""
         return {"name": self.model.name, "checksum": self.checksum}
-
-
-@dataclass
-class _Plan:
-    token_ids: np.ndarray
-    positions: np.ndarray
-    slot_mapping: np.ndarray
-    cu_q_lens: np.ndarray
-    kv_lens: np.ndarray
-    page_indices: np.ndarray
-    num_seqs: np.ndarray
-    logits_indices: np.ndarray
-    n: int
-    request_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-
-    def __len__(self) -> int:
-        return self.n
 
 
 def _progress(enabled: bool, total: int):
