@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kvsched
-from kvsched.engine import kv_eval as kv_eval_mod
+from kvsched.engine import kv_gate
 from kvsched.engine.inputs import StepInputs
 from kvsched.engine.kv_cache import (
     KVCacheSpec,
@@ -162,7 +162,7 @@ class Engine:
     tokenizer: Any = None  # a tokenizers.Tokenizer: text in outputs, stop strings
     eos_token_ids: tuple[int, ...] = ()  # stop tokens of every request (unless ignore_eos)
     max_logprobs: int = 0  # top-n logprobs computed each step (static; 0 = none)
-    # The int8 KV gate (kvsched.engine.kv_eval): a passing KVEvalReport for these
+    # The int8 KV gate (kvsched.engine.kv_gate): a passing KVEvalReport for these
     # weights, or None to look for the one `kvsched eval-kv` saved. "unchecked" is
     # for the evaluation itself only.
     kv_eval: Any = None
@@ -170,8 +170,8 @@ class Engine:
     # TPU kernel's layout for heads narrower than 128 lanes) or "auto" (packed for
     # the Pallas kernel on TPU when head_dim is not a multiple of 128).
     kv_layout: str = "auto"
-    kv_min_agreement: float = kv_eval_mod.MIN_AGREEMENT
-    kv_max_logprob_diff: float = kv_eval_mod.MAX_MEAN_ABS_LOGPROB_DIFF
+    kv_min_agreement: float = kv_gate.MIN_AGREEMENT
+    kv_max_logprob_diff: float = kv_gate.MAX_MEAN_ABS_LOGPROB_DIFF
 
     def __post_init__(self) -> None:
         cfg = self.scheduler.config
@@ -197,8 +197,8 @@ class Engine:
                 raise ValueError(f"kv_eval: a KVEvalReport, None or 'unchecked', not "
                                  f"{self.kv_eval!r}")  # fmt: skip
             if self.kv_eval != "unchecked":
-                report = self.kv_eval or kv_eval_mod.load_report(self.checksum, self.kv_dtype)
-                self.kv_eval = kv_eval_mod.check_gate(
+                report = self.kv_eval or kv_gate.load_report(self.checksum, self.kv_dtype)
+                self.kv_eval = kv_gate.check_gate(
                     report, kv_dtype=self.kv_dtype, checksum=self.checksum,
                     min_agreement=self.kv_min_agreement,
                     max_mean_abs_logprob_diff=self.kv_max_logprob_diff,
