@@ -43,8 +43,8 @@ from kvsched.engine.text import IncrementalDetokenizer, StopStringMatcher
 
 def kv_bytes_per_block(model: LlamaConfig, block_size: int, kv_dtype: str) -> int:
     """All layers' K and V for one page (int8: with its per-token-per-head scales)."""
-    return block_size * kv_bytes_per_token(model.n_layers, model.n_kv_heads, model.head_dim,
-                                           kv_dtype)  # fmt: skip
+    return kv_bytes_per_token(model.n_layers, model.n_kv_heads, model.head_dim, kv_dtype,
+                              tokens=block_size)  # fmt: skip
 
 
 def measured_free_bytes(device: Any) -> int | None:
