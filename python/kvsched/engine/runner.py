@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kvsched
-from kvsched.engine import kv_gate
+from kvsched.engine import kv_gate, sharding
 from kvsched.engine.inputs import StepInputs
 from kvsched.engine.kv_cache import (
     KVCacheSpec,
@@ -206,8 +206,6 @@ class Engine:
         self.caches = init_caches(spec, self.model.n_layers)
         jit_kw: dict[str, Any] = {}
         if self.mesh is not None:
-            from kvsched.engine import sharding
-
             sharding.check_divisible(self.model, self.mesh)
             self.params = sharding.shard_params(self.params, self.mesh)
             cs = sharding.cache_sharding(self.mesh)

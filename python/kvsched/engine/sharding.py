@@ -23,15 +23,9 @@ from kvsched.engine.config import LlamaConfig
 from kvsched.engine.mesh import AXIS, CACHE_SPEC, LAYER_SPECS, STACKED_CACHE_SPEC, make_mesh
 from kvsched.engine.model import Params
 
-__all__ = [
-    "AXIS",
-    "CACHE_SPEC",
-    "STACKED_CACHE_SPEC",
-    "cache_sharding",
-    "check_divisible",
-    "make_mesh",
-    "shard_params",
-]
+# make_mesh is defined in kvsched.engine.mesh; it is named here too because
+# users build a mesh as kvsched.engine.sharding.make_mesh(n) (the README does).
+__all__ = ["cache_sharding", "check_divisible", "make_mesh", "shard_params"]
 
 
 def check_divisible(model: LlamaConfig, mesh: Mesh) -> None:
