@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     import kvsched
     from kvsched.engine import AttentionInputs, reference_attention
-    from kvsched.engine.pallas_gpu import ragged_paged_attention_gpu
+    from kvsched.engine.kernels.gpu import ragged_paged_attention_gpu
 
     on_gpu = jax.default_backend() == "gpu"
     if not on_gpu and not args.interpret:

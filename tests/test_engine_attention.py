@@ -10,7 +10,7 @@ import jax.numpy as jnp  # noqa: E402
 from engine_helpers import kv_of, plans  # noqa: E402
 
 from kvsched.engine import KVCacheSpec, init_cache, reference_attention, write_kv  # noqa: E402
-from kvsched.engine.attention import oracle_attention  # noqa: E402
+from kvsched.engine.kernels.reference import oracle_attention  # noqa: E402
 
 
 def oracle(q, cache, inputs, scale):
@@ -85,7 +85,7 @@ def test_the_cache_holds_what_each_request_wrote():
     ],
 )
 def test_pallas_matches_the_reference_on_mixed_plans(hq, hkv, block_size, block_q, dtype, tol):
-    from kvsched.engine.pallas_attention import ragged_paged_attention
+    from kvsched.engine.kernels.tpu import ragged_paged_attention
 
     d, scale = 16, 0.25
     for q, cache, inputs, plan, _ in plans(hq=hq, hkv=hkv, d=d, block_size=block_size,
@@ -121,7 +121,7 @@ def test_any_bucket_size_and_stale_non_finite_kv_are_harmless(backend):
 
 
 def test_pallas_refuses_heads_that_do_not_group():
-    from kvsched.engine.pallas_attention import ragged_paged_attention
+    from kvsched.engine.kernels.tpu import ragged_paged_attention
 
     q, cache, inputs, _, _ = next(plans())
     with pytest.raises(ValueError, match="group"):
@@ -136,7 +136,7 @@ def test_the_kernel_lowers_to_mosaic_for_tpu():
     import jax
     from jax import export
 
-    from kvsched.engine.pallas_attention import _call
+    from kvsched.engine.kernels.tpu import _call
 
     t, hq, d, p, bs, hkv, s, pps = 64, 8, 128, 64, 16, 2, 8, 16
     shapes = [((t, hq, d), jnp.bfloat16), ((p, bs, 2 * hkv, d), jnp.bfloat16), ((s,), jnp.int32),
@@ -149,7 +149,7 @@ def test_the_kernel_lowers_to_mosaic_for_tpu():
 
 @pytest.mark.parametrize(("hq", "hkv", "block_q"), [(4, 2, 8), (4, 4, 16), (8, 1, 8)])
 def test_the_gpu_variant_matches_the_reference_in_the_interpreter(hq, hkv, block_q):
-    from kvsched.engine.pallas_gpu import ragged_paged_attention_gpu
+    from kvsched.engine.kernels.gpu import ragged_paged_attention_gpu
 
     for q, cache, inputs, _, _ in plans(hq=hq, hkv=hkv, d=16, block_size=4, steps=6):
         got = np.asarray(ragged_paged_attention_gpu(q, cache, inputs, scale=0.25,
@@ -167,7 +167,7 @@ def test_the_gpu_variant_lowers_to_triton_for_cuda():
     import jax
     from jax import export
 
-    from kvsched.engine.pallas_gpu import _call
+    from kvsched.engine.kernels.gpu import _call
 
     t, hq, d, p, bs, hkv, s, pps = 64, 8, 128, 64, 16, 2, 8, 16
     shapes = [((t, hq, d), jnp.bfloat16), ((p, bs, 2 * hkv, d), jnp.bfloat16), ((s,), jnp.int32),

@@ -13,12 +13,9 @@ import jax.numpy as jnp  # noqa: E402
 from engine_helpers import plans  # noqa: E402
 
 import kvsched  # noqa: E402
-from kvsched.engine.attention import (  # noqa: E402
-    AttentionInputs,
-    oracle_attention,
-    paged_attention,
-    reference_attention,
-)
+from kvsched.engine.attention import paged_attention  # noqa: E402
+from kvsched.engine.inputs import AttentionInputs  # noqa: E402
+from kvsched.engine.kernels.reference import oracle_attention, reference_attention  # noqa: E402
 from kvsched.engine.kv_cache import (  # noqa: E402
     KVCacheSpec,
     QuantizedKV,

@@ -16,8 +16,8 @@ import jax.numpy as jnp  # noqa: E402
 from engine_helpers import plans  # noqa: E402
 
 from kvsched.engine import reference_attention  # noqa: E402
-from kvsched.engine.attention import oracle_attention  # noqa: E402
-from kvsched.engine.pallas_attention import (  # noqa: E402
+from kvsched.engine.kernels.reference import oracle_attention  # noqa: E402
+from kvsched.engine.kernels.tpu import (  # noqa: E402
     _call,
     pack_cache,
     ragged_paged_attention,

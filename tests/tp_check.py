@@ -13,9 +13,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kvsched  # noqa: E402
+from kvsched.engine.mesh import make_mesh  # noqa: E402
 from kvsched.engine.model import LlamaConfig, greedy_dense, init_params  # noqa: E402
 from kvsched.engine.runner import Engine  # noqa: E402
-from kvsched.engine.sharding import make_mesh  # noqa: E402
 
 backend = sys.argv[1]
 model = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=16,

@@ -1,14 +1,18 @@
 """Capacity and cost: how many tokens of KV fit, how many sequences run at once,
 and what serving a load costs three ways.
 
-Memory. KV bytes per token = 2 (K and V) x layers x KV heads x head_dim x bytes
-per element, plus, for an int8 KV cache, one float32 scale per token per KV head
-(K and V each): 2 x layers x KV heads x (head_dim + 4), as the engine stores it
-(kvsched.engine.kv_cache). Weights take parameters x bytes per weight (bf16 2,
-int8 1, int4 0.5). Usable KV = devices x HBM x (1 - overhead reserve) - weights. Tensor
-parallelism is modelled as one device with the devices' summed memory: right
-for memory (weights and KV heads split evenly), optimistic for latency (it
-ignores the all-reduces between devices).
+Memory. KV bytes per token = 2 (K and V) x layers x KV heads x (head_dim x bytes
+per element + bytes of scale), the scale being int8 KV's one float32 per token
+per KV head (K and V each): 2 x layers x KV heads x (head_dim + 4). `kv_bytes`
+is that formula, the one place it is written: the engine sizes its pool and
+describes its cache arrays with it too (kvsched.engine.kv_cache, which derives
+the element and scale bytes from the dtypes it stores). It lives here, not in
+the engine, because this module must import without JAX. Weights take
+parameters x bytes per weight (bf16 2, int8 1, int4 0.5). Usable KV = devices x
+HBM x (1 - overhead reserve) - weights. Tensor parallelism is modelled as one
+device with the devices' summed memory: right for memory (weights and KV heads
+split evenly), optimistic for latency (it ignores the all-reduces between
+devices).
 
 Cost. Three ways to serve a load of tokens per second: pay-as-you-go per token,
 provisioned throughput units (a fixed rate buys a fixed token throughput), and
@@ -31,6 +35,22 @@ from dataclasses import dataclass
 import numpy as np
 
 
+def kv_bytes(
+    layers: int,
+    kv_heads: int,
+    head_dim: int,
+    element_bytes: float,
+    scale_bytes: float = 0,
+    *,
+    tokens: int = 1,
+) -> float:
+    """Bytes of KV cache `tokens` tokens take (a page: tokens=block_size): per
+    layer, K and V of each KV head, each `head_dim` elements of `element_bytes`
+    plus `scale_bytes` of scale (int8 KV's per-token-per-head scale; 0 for float
+    KV). Integer inputs give an integer."""
+    return tokens * 2 * layers * kv_heads * (head_dim * element_bytes + scale_bytes)
+
+
 @dataclass(frozen=True)
 class ModelShape:
     name: str
@@ -44,11 +64,11 @@ class ModelShape:
         """K and V of one token over all layers: `dtype_bytes` per element, or a
         named `kv_dtype` (KV_DTYPES), an int8 one with its per-token-per-head scales."""
         if kv_dtype is None:
-            return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+            return kv_bytes(self.layers, self.kv_heads, self.head_dim, dtype_bytes)
         if kv_dtype not in KV_DTYPES:
             raise CapacityError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
         element, scale = KV_DTYPES[kv_dtype]
-        return 2 * self.layers * self.kv_heads * (self.head_dim * element + scale)
+        return kv_bytes(self.layers, self.kv_heads, self.head_dim, element, scale)
 
     def weight_bytes(self, precision: str = "bf16") -> float:
         return self.params * WEIGHT_BYTES[precision]

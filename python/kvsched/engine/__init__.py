@@ -9,13 +9,26 @@ as they come out of `Scheduler.step()`:
 - `pallas`: kvsched's own ragged paged attention kernel (mixed prefill chunks and
   decodes in one call), written for TPU (Mosaic) and run on CPU in Pallas' TPU
   interpret mode.
+
+Modules, in import order (each imports only modules listed before it;
+tests/test_engine_imports.py checks the package has no import cycle):
+
+- `config`, `inputs` (AttentionInputs, StepInputs: the plan arrays as pytrees),
+  `mesh` (the tensor-parallel axis and partition specs), `kv_cache` (cache
+  arrays; KV bytes via kvsched.capacity.kv_bytes), `sampling`, `text`,
+  `kv_gate` (the int8 KV gate): no engine imports.
+- `kernels/`: `common`, then `reference`, `tpu` (Pallas, Mosaic) and `gpu`
+  (Pallas, Triton).
+- `attention`: backend name -> kernel, nothing else.
+- `model` (the Llama forward passes), then `sharding` (weights and caches on
+  the mesh) and `loaders/`.
+- `runner` (Engine: warmup, the step loop), then `kv_eval` (runs engines to
+  produce an int8 KV report).
 """
 
-from kvsched.engine.attention import (
-    AttentionInputs,
-    paged_attention,
-    reference_attention,
-)
+from kvsched.engine.attention import paged_attention
+from kvsched.engine.inputs import AttentionInputs
+from kvsched.engine.kernels.reference import reference_attention
 from kvsched.engine.kv_cache import KVCacheSpec, init_cache, write_kv
 
 __all__ = [

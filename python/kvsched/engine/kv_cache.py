@@ -33,6 +33,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from kvsched.capacity import kv_bytes
+
 INT8_MAX = 127
 SCALE_DTYPE = jnp.dtype(jnp.float32)
 
@@ -73,18 +75,29 @@ def _check_dtype(dtype: Any) -> jnp.dtype:
     return dt
 
 
+def element_and_scale_bytes(kv_dtype: Any) -> tuple[int, int]:
+    """How this cache stores one element of `kv_dtype` (its itemsize) and what
+    scale each token's K (or V) of one head carries (SCALE_DTYPE for int8, none
+    for float KV): the dtype-dependent inputs of the KV-bytes formula."""
+    dt = _check_dtype(kv_dtype)
+    return dt.itemsize, (SCALE_DTYPE.itemsize if dt == jnp.int8 else 0)
+
+
 def bytes_per_token_per_head(head_dim: int, kv_dtype: Any) -> int:
     """One token's K (or V) for one KV head: the elements, plus the scale for int8."""
-    dt = _check_dtype(kv_dtype)
-    scale = SCALE_DTYPE.itemsize if dt == jnp.int8 else 0
-    return head_dim * dt.itemsize + scale
+    return kv_bytes_per_token(1, 1, head_dim, kv_dtype) // 2
 
 
-def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, kv_dtype: Any) -> int:
-    """Bytes of KV cache one token takes over all layers (K and V, scales included
-    for int8): what the pool is sized by. kv_dtype: a name ("float32",
-    "bfloat16", "int8") or a dtype."""
-    return n_layers * 2 * n_kv_heads * bytes_per_token_per_head(head_dim, kv_dtype)
+def kv_bytes_per_token(
+    n_layers: int, n_kv_heads: int, head_dim: int, kv_dtype: Any, *, tokens: int = 1
+) -> int:
+    """Bytes of KV cache one token (or `tokens` tokens: a page) takes over all
+    layers (K and V, scales included for int8): what the pool is sized by.
+    kv_dtype: a name ("float32", "bfloat16", "int8") or a dtype. The formula is
+    kvsched.capacity.kv_bytes (written once, there, so the JAX-free capacity
+    model counts the same bytes); this cache supplies the dtype's sizes."""
+    element, scale = element_and_scale_bytes(kv_dtype)
+    return int(kv_bytes(n_layers, n_kv_heads, head_dim, element, scale, tokens=tokens))
 
 
 @dataclass(frozen=True)
@@ -119,11 +132,14 @@ class KVCacheSpec:
 
     @property
     def bytes_per_token_per_layer(self) -> int:
-        return 2 * self.kv_heads * bytes_per_token_per_head(self.head_dim, self.dtype)
+        return kv_bytes_per_token(1, self.kv_heads, self.head_dim, self.dtype)
 
     @property
     def bytes_per_layer(self) -> int:
-        return self.num_blocks * self.block_size * self.bytes_per_token_per_layer
+        """What init_cache allocates (init_caches: layers times this)."""
+        return kv_bytes_per_token(
+            1, self.kv_heads, self.head_dim, self.dtype, tokens=self.num_blocks * self.block_size
+        )
 
 
 def _zeros(spec: KVCacheSpec, lead: tuple[int, ...]) -> jax.Array | QuantizedKV:

@@ -1,5 +1,5 @@
-"""The int8 KV gate: measure what int8 KV does to a model's outputs before
-serving with it.
+"""The int8 KV evaluation: measure what int8 KV does to a model's outputs
+before serving with it.
 
 `evaluate_kv` runs the same prompts greedily through two engines over the same
 weights, one with float32 KV (the reference) and one with the candidate KV
@@ -18,24 +18,45 @@ A report passes when agreement >= `min_agreement` and the logprob difference
 saves the report under the cache directory, keyed by the weights' checksum;
 `Engine(kv_dtype="int8")` refuses to start without a passing report for its
 weights (or one handed to it directly).
+
+The report and the gate's check are kvsched.engine.kv_gate, which the runner
+imports; this module runs engines, so it imports the runner (never the other
+way) and re-exports the gate's names for its callers.
 """
 
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-# Thresholds the gate applies unless configured otherwise: int8 must reproduce
-# at least 90% of the greedy tokens and move the chosen tokens' logprobs by at
-# most 0.05 nats on average.
-MIN_AGREEMENT = 0.90
-MAX_MEAN_ABS_LOGPROB_DIFF = 0.05
+import kvsched
+from kvsched.engine.kv_gate import (
+    MAX_MEAN_ABS_LOGPROB_DIFF,
+    MIN_AGREEMENT,
+    KVEvalReport,
+    KVGateError,
+    check_gate,
+    load_report,
+    report_path,
+    save_report,
+)
+from kvsched.engine.runner import Engine
+from kvsched.engine.sampling import SamplingParams
 
+__all__ = [
+    "EVAL_PROMPTS",
+    "MAX_MEAN_ABS_LOGPROB_DIFF",
+    "MIN_AGREEMENT",
+    "KVEvalReport",
+    "KVGateError",
+    "check_gate",
+    "evaluate_kv",
+    "load_report",
+    "report_path",
+    "save_report",
+]
 
 # Real chat prompts for evaluations and peer checks (chat-templated by the caller).
 EVAL_PROMPTS = (
@@ -52,101 +73,8 @@ EVAL_PROMPTS = (
 )
 
 
-class KVGateError(RuntimeError):
-    """A quantized KV dtype was asked for without a passing evaluation."""
-
-
-@dataclass
-class KVEvalReport:
-    kv_dtype: str
-    checksum: str  # the weights the figures belong to
-    model: str
-    prompts: int
-    tokens_per_prompt: int
-    greedy_agreement: float
-    mean_abs_logprob_diff: float
-    max_abs_logprob_diff: float
-    identical_prompts: int
-    min_agreement: float = MIN_AGREEMENT
-    max_mean_abs_logprob_diff: float = MAX_MEAN_ABS_LOGPROB_DIFF
-    seconds: float = 0.0
-    first_divergence: list[int | None] = field(default_factory=list)
-
-    @property
-    def passed(self) -> bool:
-        return (
-            self.greedy_agreement >= self.min_agreement
-            and self.mean_abs_logprob_diff <= self.max_mean_abs_logprob_diff
-        )
-
-    def to_json(self) -> str:
-        return json.dumps({**asdict(self), "passed": self.passed}, indent=1)
-
-    @classmethod
-    def from_json(cls, text: str) -> KVEvalReport:
-        d = json.loads(text)
-        d.pop("passed", None)
-        return cls(**d)
-
-
-def report_path(checksum: str, kv_dtype: str, directory: Path | None = None) -> Path:
-    """Where `kvsched eval-kv` keeps a report (KVSCHED_CACHE/kv-eval/...)."""
-    from kvsched.model_files import cache_dir
-
-    return (directory or cache_dir() / "kv-eval") / f"{checksum}-{kv_dtype}.json"
-
-
-def load_report(checksum: str, kv_dtype: str) -> KVEvalReport | None:
-    path = report_path(checksum, kv_dtype)
-    if not path.is_file():
-        return None
-    return KVEvalReport.from_json(path.read_text())
-
-
-def save_report(report: KVEvalReport) -> Path:
-    path = report_path(report.checksum, report.kv_dtype)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(report.to_json())
-    tmp.replace(path)
-    return path
-
-
-def check_gate(
-    report: KVEvalReport | None,
-    *,
-    kv_dtype: str,
-    checksum: str,
-    min_agreement: float = MIN_AGREEMENT,
-    max_mean_abs_logprob_diff: float = MAX_MEAN_ABS_LOGPROB_DIFF,
-) -> KVEvalReport:
-    """The report if it is for these weights and this dtype and passes these
-    thresholds; KVGateError saying what to run otherwise."""
-    how = "run `kvsched eval-kv` (or pass kv_eval=evaluate_kv(...)) first"
-    if report is None:
-        raise KVGateError(f"kv_dtype={kv_dtype!r} needs a passing KV evaluation for weights "
-                          f"{checksum}; none found: {how}")  # fmt: skip
-    if report.checksum != checksum or report.kv_dtype != kv_dtype:
-        raise KVGateError(
-            f"the KV evaluation is for weights {report.checksum} / {report.kv_dtype}, not "
-            f"{checksum} / {kv_dtype}: {how}"
-        )
-    passes = (report.greedy_agreement >= min_agreement
-              and report.mean_abs_logprob_diff <= max_mean_abs_logprob_diff)  # fmt: skip
-    if not passes:  # written so that a NaN figure fails
-        raise KVGateError(
-            f"kv_dtype={kv_dtype!r} fails the gate: greedy agreement "
-            f"{report.greedy_agreement:.3f} (needs >= {min_agreement}), mean |logprob diff| "
-            f"{report.mean_abs_logprob_diff:.4f} (needs <= {max_mean_abs_logprob_diff})"
-        )
-    return report
-
-
 def _generate(engine: Any, prompts: list[list[int]], tokens: int) -> list[tuple[list, list]]:
     """Greedy (tokens, chosen-token logprobs) per prompt, all at once."""
-    import kvsched
-    from kvsched.engine.sampling import SamplingParams
-
     tenant = "kv-eval"
     engine.scheduler.add_tenant(kvsched.TenantConfig(tenant))
     params = SamplingParams(max_tokens=tokens, logprobs=0, ignore_eos=True)
@@ -175,9 +103,6 @@ def evaluate_kv(
 ) -> KVEvalReport:
     """Greedy agreement and mean |logprob difference| of `kv_dtype` KV against
     float32 KV on `prompts` (token id lists), `tokens` generated each."""
-    import kvsched
-    from kvsched.engine.runner import Engine
-
     t0 = time.perf_counter()
     longest = max(len(p) for p in prompts) + tokens
     cfg = kvsched.SchedulerConfig(

@@ -24,8 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvsched.engine.attention import AttentionInputs, paged_attention
+from kvsched.engine.attention import paged_attention
 from kvsched.engine.config import LlamaConfig, rope_inv_freq
+from kvsched.engine.inputs import AttentionInputs
 from kvsched.engine.kv_cache import write_kv_layer
 
 Params = dict[str, Any]

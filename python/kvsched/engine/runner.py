@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import kvsched
-from kvsched.engine import kv_eval as kv_eval_mod
-from kvsched.engine.attention import AttentionInputs
+from kvsched.engine import kv_gate, sharding
+from kvsched.engine.inputs import StepInputs
 from kvsched.engine.kv_cache import (
     KVCacheSpec,
     UnsupportedKVDtype,
@@ -43,8 +43,8 @@ from kvsched.engine.text import IncrementalDetokenizer, StopStringMatcher
 
 def kv_bytes_per_block(model: LlamaConfig, block_size: int, kv_dtype: str) -> int:
     """All layers' K and V for one page (int8: with its per-token-per-head scales)."""
-    return block_size * kv_bytes_per_token(model.n_layers, model.n_kv_heads, model.head_dim,
-                                           kv_dtype)  # fmt: skip
+    return kv_bytes_per_token(model.n_layers, model.n_kv_heads, model.head_dim, kv_dtype,
+                              tokens=block_size)  # fmt: skip
 
 
 def measured_free_bytes(device: Any) -> int | None:
@@ -162,7 +162,7 @@ class Engine:
     tokenizer: Any = None  # a tokenizers.Tokenizer: text in outputs, stop strings
     eos_token_ids: tuple[int, ...] = ()  # stop tokens of every request (unless ignore_eos)
     max_logprobs: int = 0  # top-n logprobs computed each step (static; 0 = none)
-    # The int8 KV gate (kvsched.engine.kv_eval): a passing KVEvalReport for these
+    # The int8 KV gate (kvsched.engine.kv_gate): a passing KVEvalReport for these
     # weights, or None to look for the one `kvsched eval-kv` saved. "unchecked" is
     # for the evaluation itself only.
     kv_eval: Any = None
@@ -170,8 +170,8 @@ class Engine:
     # TPU kernel's layout for heads narrower than 128 lanes) or "auto" (packed for
     # the Pallas kernel on TPU when head_dim is not a multiple of 128).
     kv_layout: str = "auto"
-    kv_min_agreement: float = kv_eval_mod.MIN_AGREEMENT
-    kv_max_logprob_diff: float = kv_eval_mod.MAX_MEAN_ABS_LOGPROB_DIFF
+    kv_min_agreement: float = kv_gate.MIN_AGREEMENT
+    kv_max_logprob_diff: float = kv_gate.MAX_MEAN_ABS_LOGPROB_DIFF
 
     def __post_init__(self) -> None:
         cfg = self.scheduler.config
@@ -197,8 +197,8 @@ class Engine:
                 raise ValueError(f"kv_eval: a KVEvalReport, None or 'unchecked', not "
                                  f"{self.kv_eval!r}")  # fmt: skip
             if self.kv_eval != "unchecked":
-                report = self.kv_eval or kv_eval_mod.load_report(self.checksum, self.kv_dtype)
-                self.kv_eval = kv_eval_mod.check_gate(
+                report = self.kv_eval or kv_gate.load_report(self.checksum, self.kv_dtype)
+                self.kv_eval = kv_gate.check_gate(
                     report, kv_dtype=self.kv_dtype, checksum=self.checksum,
                     min_agreement=self.kv_min_agreement,
                     max_mean_abs_logprob_diff=self.kv_max_logprob_diff,
@@ -206,8 +206,6 @@ class Engine:
         self.caches = init_caches(spec, self.model.n_layers)
         jit_kw: dict[str, Any] = {}
         if self.mesh is not None:
-            from kvsched.engine import sharding
-
             sharding.check_divisible(self.model, self.mesh)
             self.params = sharding.shard_params(self.params, self.mesh)
             cs = sharding.cache_sharding(self.mesh)
@@ -220,16 +218,18 @@ class Engine:
         self._default = SamplingParams(temperature=self.temperature)
         model, backend, mesh, n_lp = self.model, self.backend, self.mesh, self.max_logprobs
 
-        def step(params, caches, token_ids, positions, slot_mapping, cu_q_lens, kv_lens,
-                 page_indices, num_seqs, logits_indices, temperature, top_p, top_k, seeds,
-                 sample_positions):  # fmt: skip
-            inputs = AttentionInputs(positions, cu_q_lens, kv_lens, page_indices, num_seqs)
+        n_inputs = StepInputs.num_arrays()
+
+        # Flat at the jit boundary (StepInputs' arrays in field order, then the
+        # sampling arrays), named again inside: one compiled program per bucket
+        # either way, and the traced step can be lowered from plain arrays.
+        def step(params, caches, *arrays):
+            inputs = StepInputs(*arrays[:n_inputs])
             logits, caches = forward_paged(
-                params, caches, model, token_ids, positions, slot_mapping, inputs,
-                logits_indices, backend=backend, mesh=mesh,
+                params, caches, model, inputs.token_ids, inputs.positions, inputs.slot_mapping,
+                inputs.attention, inputs.logits_indices, backend=backend, mesh=mesh,
             )  # fmt: skip
-            out = sample(logits, temperature, top_p, top_k, seeds, sample_positions,
-                         num_logprobs=n_lp)  # fmt: skip
+            out = sample(logits, *arrays[n_inputs:], num_logprobs=n_lp)
             return out, caches
 
         self._step = jax.jit(step, donate_argnums=(1,), **jit_kw)
@@ -346,13 +346,13 @@ class Engine:
         sampler output (tokens, logprob, top ids, top logprobs) is kept in
         `last_sample` for `step`."""
         batch = batch or self._sampling_batch(plan)
-        out, self.caches = self._step(
-            self.params, self.caches, plan.token_ids, plan.positions, plan.slot_mapping,
-            plan.cu_q_lens, plan.kv_lens, plan.page_indices, plan.num_seqs,
-            plan.logits_indices, *batch.arrays(),
-        )  # fmt: skip
+        return self._run(StepInputs.from_plan(plan), batch)[: len(plan)]
+
+    def _run(self, inputs: StepInputs, batch: SamplingBatch) -> np.ndarray:
+        """The jitted step on `inputs`: every row's sampled token."""
+        out, self.caches = self._step(self.params, self.caches, *inputs.arrays(), *batch.arrays())
         self.last_sample = out
-        return np.asarray(out[0])[: len(plan)]
+        return np.asarray(out[0])
 
     def step(self, now: float | None = None) -> StepResult | None:
         """One scheduler step through the model; None when nothing can run (and
@@ -441,13 +441,10 @@ class Engine:
         bar = _progress(progress, len(buckets) + 1)
         for t in buckets:
             # An all-padding plan of bucket t: nothing attends, every write drops.
-            dummy = _Plan(
-                token_ids=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
-                slot_mapping=np.full(t, pad_slot, np.int32), cu_q_lens=np.zeros(s + 1, np.int32),
-                kv_lens=np.zeros(s, np.int32), page_indices=np.zeros((s, pps), np.int32),
-                num_seqs=np.zeros(1, np.int32), logits_indices=np.zeros(s, np.int32), n=0,
-            )  # fmt: skip
-            self.run_plan(dummy)
+            self._run(
+                StepInputs.padding(t, s, pps, pad_slot),
+                SamplingBatch.build([], np.zeros(0, np.int32), s, []),
+            )
             bar(f"compiled bucket {t}")
         scratch = kvsched.Scheduler(
             self.scheduler.config.replace(require_warmup=False, prefix_caching=False)
@@ -464,23 +461,6 @@ class Engine:
     def model_info(self) -> dict[str, str]:
         """For kvsched.metrics.SchedulerCollector(model=...)."""
         return {"name": self.model.name, "checksum": self.checksum}
-
-
-@dataclass
-class _Plan:
-    token_ids: np.ndarray
-    positions: np.ndarray
-    slot_mapping: np.ndarray
-    cu_q_lens: np.ndarray
-    kv_lens: np.ndarray
-    page_indices: np.ndarray
-    num_seqs: np.ndarray
-    logits_indices: np.ndarray
-    n: int
-    request_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-
-    def __len__(self) -> int:
-        return self.n
 
 
 def _progress(enabled: bool, total: int):

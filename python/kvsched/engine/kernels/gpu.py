@@ -1,6 +1,6 @@
 """The GPU (Triton) variant of kvsched's ragged paged attention kernel.
 
-Same algorithm as pallas_attention.py (query blocks over the padded token
+Same algorithm as kernels/tpu.py (query blocks over the padded token
 dimension; per block, every sequence it meets, page by page, into an online
 softmax), with one program per (query block, KV head), written for Pallas'
 Triton backend: no scalar prefetch or DMA there,
@@ -20,8 +20,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from kvsched.engine.attention import MASK, AttentionInputs
-from kvsched.engine.pallas_attention import run_padded
+from kvsched.engine.inputs import AttentionInputs
+from kvsched.engine.kernels.common import MASK, run_padded
 
 HIGHEST = lax.Precision.HIGHEST
 
@@ -126,7 +126,7 @@ def ragged_paged_attention_gpu(
     block_q: int = 16,
     interpret: bool | None = None,
 ) -> jax.Array:
-    """As pallas_attention.ragged_paged_attention, for NVIDIA GPUs (Triton)."""
+    """As kernels.tpu.ragged_paged_attention, for NVIDIA GPUs (Triton)."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     return run_padded(_call, q, cache, inputs, scale=scale, block_q=block_q, interpret=interpret)

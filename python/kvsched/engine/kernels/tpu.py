@@ -72,7 +72,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kvsched.engine.attention import MASK, AttentionInputs
+from kvsched.engine.inputs import AttentionInputs
+from kvsched.engine.kernels.common import MASK, run_padded
 
 LANES = 128
 
@@ -304,22 +305,3 @@ def ragged_paged_attention(
     call = _call if layer is None else functools.partial(_call, layer=layer)
     return run_padded(call, q, cache, inputs, scale=scale, block_q=block_q, interpret=interpret,
                       kv_heads=hkv)  # fmt: skip
-
-
-def run_padded(call, q, cache, inputs: AttentionInputs, *, scale, block_q, interpret,
-               kv_heads=None):  # fmt: skip
-    """Run a kernel `call` whose grid walks query blocks: check the head
-    grouping, pad the rows to a multiple of block_q (the zero rows lie past the
-    plan's tokens and come out 0), slice the padding off again. `kv_heads`
-    defaults to a [..., 2*Hkv, D] cache's."""
-    t, hq, _ = q.shape
-    hkv = cache.shape[-2] // 2 if kv_heads is None else kv_heads
-    if hq % hkv:
-        raise ValueError(f"{hq} query heads do not group over {hkv} KV heads")
-    pad = -t % block_q
-    qp = jnp.pad(q, ((0, pad), (0, 0), (0, 0))) if pad else q
-    out = call(
-        qp, cache, inputs.kv_lens, inputs.page_indices, inputs.cu_q_lens, inputs.num_seqs,
-        scale=scale, block_q=block_q, interpret=bool(interpret),
-    )  # fmt: skip
-    return out[:t] if pad else out

@@ -1,0 +1,13 @@
+"""Attention kernels over the paged KV cache, one module each; the dispatch
+that picks one by backend name is kvsched.engine.attention.
+
+- `reference`: pure jnp with static shapes, and the float64 numpy oracle.
+- `tpu`: kvsched's ragged paged attention kernel in Pallas for TPU (Mosaic).
+- `gpu`: the same algorithm in Pallas for NVIDIA GPUs (Triton).
+- `common`: what the kernels share (the mask value, query-block padding).
+
+Kernels import `common`, kvsched.engine.inputs and kvsched.engine.kv_cache,
+never the dispatch above them. This package imports none of its modules: the
+Pallas ones cost a fifth of a second to import and a reference-only engine
+never needs them.
+"""
