@@ -1,0 +1,374 @@
+//! One step: plan the running set's next tokens (decodes first, then prefill
+//! chunks, then new entries), preempting where the mode says so.
+
+use super::*;
+
+/// What one `step()` decided, beside the arrays it wrote.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepOutcome {
+    pub step_id: u64,
+    /// Which of the two buffer sets holds this plan's arrays.
+    pub parity: usize,
+    pub num_seqs: usize,
+    pub num_decode: usize,
+    pub num_tokens: usize,
+    pub bucket: usize,
+    /// Request id of each sequence, in plan order.
+    pub request_ids: Vec<u64>,
+    /// Whether the token sampled for each sequence is used (its prompt, or its
+    /// recompute, is complete); false for a prefill chunk that stops short.
+    pub samples: Vec<bool>,
+    /// Requests preempted while planning this step (back in their queue).
+    pub preempted: Vec<u64>,
+}
+
+#[derive(Clone, Debug)]
+pub(super) struct PendingSeq {
+    pub(super) slab: usize,
+    pub(super) id: u64,
+    pub(super) q_len: usize,
+    pub(super) samples: bool,
+    pub(super) decode: bool,
+}
+
+#[derive(Clone, Debug)]
+pub(super) struct Pending {
+    pub(super) step_id: u64,
+    pub(super) seqs: Vec<PendingSeq>,
+    pub(super) preempted: Vec<u64>,
+}
+
+impl Scheduler {
+    /// Preempt the running sequence at `pos` and queue it at the head of its
+    /// tier. Over-committed, its pages go back (cached blocks stay evictable,
+    /// tail first) and it is recomputed later from what the cache still holds.
+    /// In reserve mode its pages are reserved anyway: it keeps its KV and only
+    /// gives up its slot.
+    pub(super) fn preempt(&mut self, pos: usize, preempted: &mut Vec<u64>) {
+        let slab = self.running[pos];
+        self.remove_running(pos);
+        let mut dropped = 0;
+        if matches!(self.config.admission, AdmissionMode::Overcommit { .. }) {
+            let pages = std::mem::take(&mut self.req_mut(slab).pages);
+            let tid = self.req(slab).tenant;
+            self.drop_pages(tid, &pages);
+            dropped = pages.len();
+            self.req_mut(slab).num_computed = 0;
+        }
+        let now = self.last_step_at;
+        let r = self.req_mut(slab);
+        r.preemptions += 1;
+        r.waiting_since = now.unwrap_or(r.waiting_since);
+        let (id, tid) = (r.id, r.tenant);
+        let t = self.tenants.get_mut(tid);
+        t.used_blocks -= dropped;
+        t.metrics.preemptions += 1;
+        t.resuming += 1;
+        let tier = t.config.tier;
+        self.preemptions += 1;
+        self.req_mut(slab).place = Place::Resuming(tier);
+        let queue = self.resume.entry(tier).or_default();
+        // Admission order (request ids grow with it) within the resume queue.
+        let at = queue.partition_point(|&s| self.slab[s].as_ref().expect("live").id < id);
+        queue.insert(at, slab);
+        preempted.push(id);
+    }
+
+    /// Prefill tokens the step still has room for. When decodes alone fill a
+    /// (capped) step, the first prefill still moves by up to the cap: a cap
+    /// below the number of running decodes must not stall prefill, and with it
+    /// the entry of new requests, until those decodes finish.
+    pub(super) fn prefill_room(&self, budget: usize, scheduled: usize, num_decode: usize) -> usize {
+        let room = budget.saturating_sub(scheduled);
+        if room == 0 && scheduled == num_decode {
+            budget.min(self.config.max_batched_tokens.saturating_sub(scheduled))
+        } else {
+            room
+        }
+    }
+
+    /// Tokens of `slab`'s prefill that fit `budget`, the chunk cap and (over-committed)
+    /// the free pages.
+    pub(super) fn prefill_chunk(&self, slab: usize, budget: usize) -> usize {
+        let r = self.req(slab);
+        let mut chunk = r.need().min(self.config.long_prefill_chunk).min(budget);
+        if matches!(self.config.admission, AdmissionMode::Overcommit { .. }) {
+            let coverable =
+                (r.pages.len() + self.pool.available()) * self.config.block_size - r.num_computed;
+            chunk = chunk.min(coverable);
+        }
+        chunk
+    }
+
+    // -- one step -------------------------------------------------------------------
+
+    /// Plan the next step into `bufs`, which must be the buffer set
+    /// `next_parity()` names: each set's page-table rows are updated against
+    /// what that set held two steps ago, so passing any other buffer leaves stale
+    /// rows (only `full_validation` would catch it). Returns None when nothing can
+    /// run. The plan must be committed before the next step.
+    pub fn step(&mut self, now: f64, bufs: &mut PlanBuffers<'_>) -> KvResult<Option<StepOutcome>> {
+        if self.pending.is_some() {
+            return Err(KvError::StalePlan(
+                "the previous plan was not committed; commit it first".into(),
+            ));
+        }
+        if let Some(last) = self.last_step_at {
+            self.step_gap.observe((now - last).max(0.0));
+        }
+        self.last_step_at = Some(now);
+        self.clock = self.clock.max(now);
+        if self.lifecycle == Lifecycle::Draining && now >= self.drain_deadline {
+            self.hand_back_all(now);
+        }
+        if self.lifecycle == Lifecycle::Draining && self.index.is_empty() {
+            self.lifecycle = Lifecycle::Drained;
+        }
+        self.update_ladder(now);
+        let mut preempted = Vec::new();
+        if self.config.preempt_lower_tiers {
+            self.preempt_for_higher_tiers(&mut preempted);
+        }
+
+        // Decodes first: every running decode sequence gets its token.
+        self.decode_pages(&mut preempted)?;
+        let num_decode = self.num_decode;
+        let mut q_lens: Vec<usize> = vec![1; num_decode];
+        let mut scheduled = num_decode;
+
+        // A tenant's max_step_tokens shrinks the step while one of its sequences runs.
+        let budget_cap = self
+            .tenants
+            .iter()
+            .filter(|(_, t)| t.running > 0)
+            .filter_map(|(_, t)| t.config.max_step_tokens)
+            .min();
+        let mut budget = self
+            .config
+            .max_batched_tokens
+            .min(budget_cap.unwrap_or(usize::MAX));
+
+        // Prefills already running resume where they stopped, in entry order.
+        let overcommit = matches!(self.config.admission, AdmissionMode::Overcommit { .. });
+        let mut pos = num_decode;
+        while pos < self.running.len() {
+            let slab = self.running[pos];
+            let room = self.prefill_room(budget, scheduled, num_decode);
+            let chunk = self.prefill_chunk(slab, room);
+            if chunk == 0 {
+                if overcommit && scheduled == 0 {
+                    // Nothing runs and no page is free: the running prefills hold
+                    // the pool between them. Preempt (lowest tier, most recently
+                    // admitted) until the first of them can move.
+                    let victim = self.victim(None).expect("a prefill is running");
+                    self.preempt(victim, &mut preempted);
+                    continue;
+                }
+                break;
+            }
+            let len = self.req(slab).num_computed + chunk;
+            self.grow_pages(slab, len)?;
+            q_lens.push(chunk);
+            scheduled += chunk;
+            pos += 1;
+        }
+
+        // New sequences enter while there are slots and budget. The best waiting
+        // request holds the line: nothing of lower priority passes it.
+        if pos == self.running.len() {
+            let max_running = self.max_running();
+            while self.running.len() < max_running {
+                let Some((slab, from)) = self.peek_waiting() else {
+                    break;
+                };
+                if overcommit && self.req(slab).pages.is_empty() {
+                    self.acquire_prefix(slab);
+                }
+                let cap = self
+                    .tenants
+                    .get(self.req(slab).tenant)
+                    .config
+                    .max_step_tokens;
+                let entry_budget = budget.min(cap.unwrap_or(usize::MAX));
+                let room = self.prefill_room(entry_budget, scheduled, num_decode);
+                let chunk = self.prefill_chunk(slab, room);
+                if chunk == 0 {
+                    if overcommit {
+                        self.release_prefix(slab);
+                    }
+                    break;
+                }
+                if overcommit && self.hasher.is_some() && self.req(slab).first_scheduled.is_none() {
+                    self.count_first_lookup(slab);
+                }
+                budget = entry_budget;
+                self.pop_waiting(slab, from);
+                self.enter_running(slab, now);
+                let len = self.req(slab).num_computed + chunk;
+                self.grow_pages(slab, len)?;
+                q_lens.push(chunk);
+                scheduled += chunk;
+            }
+        }
+
+        if q_lens.is_empty() {
+            // Preemptions of a step that runs nothing are reported with the next plan.
+            self.unreported_preempted.extend(preempted);
+            self.last_plan_at = None;
+            return Ok(None);
+        }
+        if !self.unreported_preempted.is_empty() {
+            let mut all = std::mem::take(&mut self.unreported_preempted);
+            all.extend(preempted);
+            preempted = all;
+        }
+        let parity = self.next_parity();
+        let n = q_lens.len();
+        self.served.resize(self.tenants.slots_len(), 0);
+        let mut seqs = Vec::with_capacity(n);
+        let mut request_ids = Vec::with_capacity(n);
+        let mut samples = Vec::with_capacity(n);
+        let written = {
+            // One pass over the scheduled sequences writes the arrays and records
+            // what commit needs (disjoint fields, so the borrows coexist).
+            let slab = &self.slab;
+            let served = &mut self.served;
+            let scheduled =
+                self.running[..n]
+                    .iter()
+                    .zip(&q_lens)
+                    .enumerate()
+                    .map(|(pos, (&s, &q))| {
+                        let r = slab[s].as_ref().expect("running request");
+                        let done = r.num_computed + q == r.tokens.len();
+                        served[r.tenant] += q;
+                        seqs.push(PendingSeq {
+                            slab: s,
+                            id: r.id,
+                            q_len: q,
+                            samples: done,
+                            decode: pos < num_decode,
+                        });
+                        request_ids.push(r.id);
+                        samples.push(done);
+                        SeqSlice {
+                            row_key: r.row_key,
+                            tokens: &r.tokens,
+                            start: r.num_computed,
+                            q_len: q,
+                            pages: &r.pages,
+                        }
+                    });
+            planner::write_plan(
+                &self.shape,
+                &self.buckets,
+                bufs,
+                &mut self.rows[parity],
+                num_decode,
+                &self.pool,
+                scheduled,
+            )?
+        };
+        if cfg!(debug_assertions) || self.config.full_validation {
+            planner::validate(&self.shape, bufs, &written, &self.pool)?;
+        }
+        // Weighted fair share: virtual time grows by tokens served / weight (summed
+        // per tenant first: one division per tenant, not per sequence).
+        for (tid, tokens) in self.served.iter_mut().enumerate() {
+            if *tokens > 0 {
+                let t = self.tenants.get_mut(tid);
+                t.vtime += *tokens as f64 / t.config.weight;
+                *tokens = 0;
+            }
+        }
+
+        // The step rate: gaps between consecutive steps that both ran something.
+        if let Some(prev) = self.last_plan_at {
+            let gap = now - prev;
+            if gap > 0.0 {
+                if self.step_gaps.len() == STEP_GAP_WINDOW {
+                    self.step_gaps.pop_front();
+                }
+                self.step_gaps.push_back(gap);
+            }
+        }
+        self.last_plan_at = Some(now);
+        let step_id = (self.instance << STEP_ID_BITS) | (self.steps % (1 << STEP_ID_BITS));
+        self.steps += 1;
+        self.pending = Some(Pending {
+            step_id,
+            seqs,
+            preempted: preempted.clone(),
+        });
+        Ok(Some(StepOutcome {
+            step_id,
+            parity,
+            num_seqs: written.num_seqs,
+            num_decode,
+            num_tokens: written.num_tokens,
+            bucket: written.bucket,
+            request_ids,
+            samples,
+            preempted,
+        }))
+    }
+
+    /// Priority preemption: the best waiting request, if of a higher tier than
+    /// some running sequence, takes its slot (or, over-committed, its pages).
+    pub(super) fn preempt_for_higher_tiers(&mut self, preempted: &mut Vec<u64>) {
+        loop {
+            let Some((slab, _)) = self.peek_waiting() else {
+                return;
+            };
+            let tier = self.tenants.get(self.req(slab).tenant).config.tier;
+            let no_slot = self.running.len() >= self.max_running();
+            let no_room = match self.config.admission {
+                AdmissionMode::Reserve => false,
+                AdmissionMode::Overcommit { .. } => {
+                    let first = self.req(slab).need().min(self.config.long_prefill_chunk);
+                    self.pool.blocks_for(first) > self.pool.available()
+                }
+            };
+            if !(no_slot || no_room) {
+                return;
+            }
+            let Some(pos) = self.victim(Some(tier)) else {
+                return;
+            };
+            self.preempt(pos, preempted);
+        }
+    }
+
+    /// Give every decode sequence the page its next token needs. Over-committed,
+    /// preempt (lowest tier, most recently admitted) until they fit.
+    pub(super) fn decode_pages(&mut self, preempted: &mut Vec<u64>) -> KvResult<()> {
+        // Reserve mode needs no count: every page is within a reservation.
+        if matches!(self.config.admission, AdmissionMode::Overcommit { .. }) {
+            loop {
+                let need = self.running[..self.num_decode]
+                    .iter()
+                    .filter(|&&s| {
+                        let r = self.req(s);
+                        self.pool.blocks_for(r.num_computed + 1) > r.pages.len()
+                    })
+                    .count();
+                if need <= self.pool.available() {
+                    break;
+                }
+                let pos = self.victim(None).expect("decodes are running");
+                self.preempt(pos, preempted);
+            }
+        }
+        let bs = self.shape.block_size;
+        for i in 0..self.num_decode {
+            let slab = self.running[i];
+            let r = self.req(slab);
+            // Fifteen steps in sixteen (block 16) the page is already there.
+            if bs.blocks_for(r.num_computed + 1) > r.pages.len() {
+                let len = r.num_computed + 1;
+                self.grow_pages(slab, len)?;
+            }
+        }
+        Ok(())
+    }
+}
