@@ -16,6 +16,24 @@ pub enum AdmissionMode {
     Overcommit { watermark_blocks: usize },
 }
 
+impl AdmissionMode {
+    /// Blocks of growth admission reserves beyond the prompt; None: it
+    /// reserves the final length (prompt + max_tokens).
+    pub fn watermark_blocks(self) -> Option<usize> {
+        match self {
+            AdmissionMode::Reserve => None,
+            AdmissionMode::Overcommit { watermark_blocks } => Some(watermark_blocks),
+        }
+    }
+
+    /// Whether running out of pages preempts running sequences (over-commit).
+    /// Reserved requests never run out: admission promised their pages.
+    #[inline]
+    pub fn preempts_for_pages(self) -> bool {
+        matches!(self, AdmissionMode::Overcommit { .. })
+    }
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct SchedulerConfig {
     /// Pages in the pool, the null page included. Restart-only.
