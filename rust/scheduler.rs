@@ -26,7 +26,7 @@ use crate::error::{KvError, KvResult, RejectReason, Rejection};
 use crate::ladder::{Ladder, LadderConfig, LadderMove, Pressure};
 use crate::metrics::{Histogram, TenantMetrics};
 use crate::planner::{self, PlanBuffers, PlanShape, RowCache, SeqSlice};
-use crate::pool::BlockPool;
+use crate::pool::{BlockPool, BlockSize};
 use crate::prefix::{BlockKey, Namespace, PrefixHasher, Scope};
 use crate::tenant::{TenantConfig, TenantId, Tenants};
 
@@ -51,8 +51,10 @@ pub use request::{FinishReason, FinishedRequest, Request};
 pub use stats::{PoolStats, SchedulerStats, TenantStats};
 pub use step::StepOutcome;
 
-use kv::lookup_prefix;
-use request::{IdSet, Place};
+use events::EventLog;
+use kv::KvManager;
+use queues::{ResumeQueues, RunningSet};
+use request::{IdSet, Place, RequestTable};
 use step::Pending;
 
 /// What a request may carry beside its prompt.
@@ -88,31 +90,38 @@ const STEP_GAP_WINDOW: usize = 32;
 static INSTANCES: AtomicU64 = AtomicU64::new(1);
 const STEP_ID_BITS: u32 = 40;
 
+/// The scheduler: admission, the queues, the running set and the KV pages of
+/// every live request, changed together by one caller at a time.
+///
+/// The data flow, and where each step lives:
+/// - `submit` (here) checks the request and admits it (`admission.rs`
+///   decides, the KV manager in `scheduler/kv.rs` shares its cached prefix) into
+///   its tenant's queue (`scheduler/queues.rs`);
+/// - `step` (`scheduler/step.rs`) grows decode pages, moves prefills on in
+///   chunks, lets waiting requests enter and writes the plan (`planner.rs`);
+/// - `commit` (here) appends the sampled tokens, names the blocks they filled
+///   and ends the requests that finished.
+///
+/// Around them: cancel and stop (`scheduler/ending.rs`), lifecycle and drain
+/// (`scheduler/lifecycle.rs`), checkpoints (`scheduler/checkpoint.rs`), the
+/// ladder and events (`scheduler/events.rs`), `retry_after`
+/// (`scheduler/retry.rs`), stats and invariants.
 pub struct Scheduler {
     config: SchedulerConfig,
     /// This scheduler's step ids are `instance << STEP_ID_BITS | step`.
     instance: u64,
     buckets: TokenBuckets,
     shape: PlanShape,
-    pool: BlockPool,
-    /// Names prefix-cache blocks (None: caching off).
-    hasher: Option<PrefixHasher>,
+    /// The pool, prefix-cache naming and admission mode: every page moves here.
+    kv: KvManager,
     tenants: Tenants,
-    /// Live requests; a slot is reused once its request ends.
-    slab: Vec<Option<Request>>,
-    free_slab: Vec<usize>,
-    index: HashMap<u64, usize>,
-    /// The running set in plan order: `num_decode` decode sequences, then those
-    /// still in prefill, in the order they entered.
-    running: Vec<usize>,
-    num_decode: usize,
-    /// Preempted requests, per tier, in admission order: served before the
-    /// tier's tenant queues, so they keep their place at the head.
-    resume: BTreeMap<u32, VecDeque<usize>>,
+    /// Live requests by slot and by id.
+    requests: RequestTable,
+    running: RunningSet,
+    resume: ResumeQueues,
     rows: [RowCache; 2],
     steps: u64,
     pending: Option<Pending>,
-    next_id: u64,
     next_row_key: u64,
     rejected: [u64; RejectReason::COUNT],
     preemptions: u64,
@@ -121,8 +130,7 @@ pub struct Scheduler {
     /// Preempted by a step that ran nothing; reported with the next plan.
     unreported_preempted: Vec<u64>,
     ladder: Ladder,
-    events: VecDeque<SchedulerEvent>,
-    events_dropped: u64,
+    events: EventLog,
     lifecycle: Lifecycle,
     drain_deadline: f64,
     /// Finished since the drain began, for the checkpoint.
@@ -147,45 +155,30 @@ pub struct Scheduler {
 impl Scheduler {
     pub fn new(config: SchedulerConfig) -> KvResult<Self> {
         config.validate()?;
-        let pool = BlockPool::new(config.num_blocks, config.block_size)?;
+        let kv = KvManager::new(&config)?;
         let shape = config.plan_shape()?;
-        let hasher = if config.prefix_caching {
-            let key = match config.prefix_cache_key {
-                Some(SecretKey(k)) => k,
-                None => PrefixHasher::random_key().map_err(KvError::Internal)?,
-            };
-            Some(PrefixHasher::new(&key))
-        } else {
-            None
-        };
         Ok(Scheduler {
-            hasher,
+            kv,
             instance: INSTANCES.fetch_add(1, Ordering::Relaxed) % (1 << (63 - STEP_ID_BITS)),
             buckets: config.buckets()?,
             shape,
-            pool,
             tenants: Tenants::default(),
-            slab: Vec::new(),
-            free_slab: Vec::new(),
-            index: HashMap::new(),
-            running: Vec::new(),
-            num_decode: 0,
-            resume: BTreeMap::new(),
+            requests: RequestTable::default(),
+            running: RunningSet::default(),
+            resume: ResumeQueues::default(),
             rows: [
                 RowCache::new(config.max_num_seqs),
                 RowCache::new(config.max_num_seqs),
             ],
             steps: 0,
             pending: None,
-            next_id: 1,
             next_row_key: 1,
             rejected: [0; RejectReason::COUNT],
             preemptions: 0,
             served: Vec::new(),
             unreported_preempted: Vec::new(),
             ladder: Ladder::new(config.ladder.clone())?,
-            events: VecDeque::new(),
-            events_dropped: 0,
+            events: EventLog::default(),
             lifecycle: if config.require_warmup {
                 Lifecycle::Cold
             } else {
@@ -218,7 +211,7 @@ impl Scheduler {
     }
 
     pub fn pool(&self) -> &BlockPool {
-        &self.pool
+        self.kv.pool()
     }
 
     pub fn tenants(&self) -> &Tenants {
@@ -226,20 +219,17 @@ impl Scheduler {
     }
 
     pub fn request(&self, id: u64) -> KvResult<&Request> {
-        self.index
-            .get(&id)
-            .map(|&s| self.req(s))
-            .ok_or(KvError::UnknownRequest(id))
+        self.requests.by_id(id).ok_or(KvError::UnknownRequest(id))
     }
 
     /// Pool pages admission may promise: all but the overhead reserve.
     pub fn usable_blocks(&self) -> usize {
-        let total = self.pool.total();
+        let total = self.kv.pool().total();
         total - self.config.reserve_blocks(total)
     }
 
     pub fn live_requests(&self) -> usize {
-        self.index.len()
+        self.requests.len()
     }
 
     /// The buffer set the next `step()` writes (0 or 1).
@@ -291,7 +281,7 @@ impl Scheduler {
         if new.max_batched_tokens > self.buckets.largest() {
             return restart("max_batched_tokens");
         }
-        let total = self.pool.total();
+        let total = self.kv.pool().total();
         let usable = total - new.reserve_blocks(total);
         if self.tenants.committed() > usable {
             return Err(KvError::InvalidConfig(format!(
@@ -310,6 +300,13 @@ impl Scheduler {
             ..new
         };
         Ok(())
+    }
+
+    /// Most sequences that may run now: max_num_seqs, or less while a ladder
+    /// rung says so.
+    pub fn max_running(&self) -> usize {
+        let cap = self.ladder.effects().max_running.unwrap_or(usize::MAX);
+        self.config.max_num_seqs.min(cap)
     }
 
     // -- tenants ----------------------------------------------------------------
@@ -351,7 +348,7 @@ impl Scheduler {
         let id = self.tenants.id(name);
         self.tenants.remove(name)?;
         if let Some(id) = id {
-            self.pool.forget_tenant(id);
+            self.kv.forget_tenant(id);
         }
         Ok(())
     }
@@ -413,12 +410,14 @@ impl Scheduler {
         now: f64,
     ) -> KvResult<u64> {
         let Some(tid) = self.tenants.id(tenant) else {
-            self.rejected[RejectReason::UnknownTenant.index()] += 1;
-            return Err(KvError::rejected(
-                RejectReason::UnknownTenant,
+            return Err(self.reject(
                 None,
-                Some(tenant),
-                format!("no tenant named {tenant:?}"),
+                Rejection {
+                    reason: RejectReason::UnknownTenant,
+                    retry_after: None,
+                    tenant: Some(tenant.to_owned()),
+                    message: format!("no tenant named {tenant:?}"),
+                },
             ));
         };
         if self.lifecycle != Lifecycle::Ready {
@@ -426,13 +425,15 @@ impl Scheduler {
                 Lifecycle::Cold | Lifecycle::Warming => (RejectReason::NotReady, "warming up"),
                 _ => (RejectReason::Draining, "draining: no new requests"),
             };
-            self.tenants.get_mut(tid).counters.rejected[reason.index()] += 1;
-            self.rejected[reason.index()] += 1;
-            return Err(KvError::rejected(
-                reason,
-                Some(self.config.retry_after_hint_s),
-                Some(tenant),
-                why.to_owned(),
+            let retry_after = Some(self.config.retry_after_hint_s);
+            return Err(self.reject(
+                Some(tid),
+                Rejection {
+                    reason,
+                    retry_after,
+                    tenant: Some(tenant.to_owned()),
+                    message: why.to_owned(),
+                },
             ));
         }
         // What is wrong with the request itself is refused before the ladder
@@ -443,9 +444,7 @@ impl Scheduler {
             prompt,
             max_tokens,
         ) {
-            self.tenants.get_mut(tid).counters.rejected[rejection.reason.index()] += 1;
-            self.rejected[rejection.reason.index()] += 1;
-            return Err(KvError::Rejected(rejection));
+            return Err(self.reject(Some(tid), rejection));
         }
         self.update_ladder(now);
         let effects = self.ladder.effects();
@@ -470,35 +469,18 @@ impl Scheduler {
             max_seq_len: self.config.max_seq_len,
             usable_blocks: self.usable_blocks(),
             committed_blocks: self.tenants.committed(),
-            live_requests: self.index.len(),
+            live_requests: self.requests.len(),
             max_live_requests: self.config.max_num_seqs + self.config.max_waiting,
-            overcommit_watermark_blocks: match self.config.admission {
-                AdmissionMode::Reserve => None,
-                AdmissionMode::Overcommit { watermark_blocks } => Some(watermark_blocks),
-            },
+            overcommit_watermark_blocks: self.config.admission.watermark_blocks(),
         };
+        let namespace = self
+            .kv
+            .namespace(tid, self.tenants.get(tid), opts.cache_salt);
         let mut hits: Vec<u32> = Vec::new();
         let mut hit_keys: Vec<BlockKey> = Vec::new();
         let mut newly_shared = 0;
-        let namespace = match &self.hasher {
-            Some(h) => {
-                let t = self.tenants.get(tid);
-                h.namespace(
-                    tid,
-                    &t.config.name,
-                    t.config.prefix_namespace.as_deref(),
-                    opts.cache_salt,
-                )
-            }
-            None => Namespace {
-                root: 0,
-                scope: Scope::Tenant(tid),
-            },
-        };
-        let max_hit_blocks = prompt.len().saturating_sub(1) / self.config.block_size;
-        let reserve = matches!(self.config.admission, AdmissionMode::Reserve);
         let decision = {
-            let (pool, hasher, bs) = (&self.pool, &self.hasher, self.config.block_size);
+            let kv = &self.kv;
             let (hits, hit_keys, newly_shared) = (&mut hits, &mut hit_keys, &mut newly_shared);
             admission::decide(
                 self.tenants.get(tid),
@@ -509,28 +491,8 @@ impl Scheduler {
                 || {
                     // Over-committed, waiting requests must not pin pages (nothing
                     // could preempt them): the lookup waits for entry.
-                    let Some(hasher) = hasher.as_ref().filter(|_| reserve) else {
-                        return 0;
-                    };
-                    hits.reserve_exact(max_hit_blocks);
-                    hit_keys.reserve_exact(max_hit_blocks);
-                    lookup_prefix(
-                        pool,
-                        hasher,
-                        bs,
-                        namespace.root,
-                        prompt,
-                        max_hit_blocks,
-                        hits,
-                        hit_keys,
-                    );
-                    *newly_shared = hits
-                        .iter()
-                        .filter(|&&p| {
-                            pool.refcount(p) > 0
-                                && pool.cache().scope(p) == Some(Scope::Tenant(tid))
-                        })
-                        .count();
+                    *newly_shared =
+                        kv.lookup_at_submit(tid, namespace.root, prompt, hits, hit_keys);
                     *newly_shared
                 },
                 |room| self.room_wait(tid, room),
@@ -538,11 +500,7 @@ impl Scheduler {
         };
         let admit = match decision {
             Ok(a) => a,
-            Err(rejection) => {
-                self.tenants.get_mut(tid).counters.rejected[rejection.reason.index()] += 1;
-                self.rejected[rejection.reason.index()] += 1;
-                return Err(KvError::Rejected(rejection));
-            }
+            Err(rejection) => return Err(self.reject(Some(tid), rejection)),
         };
 
         // An idle tenant rejoins at the lowest virtual time of its tier's active
@@ -555,37 +513,22 @@ impl Scheduler {
                 .filter(|(_, t)| t.config.tier == tier && t.live_requests > 0)
                 .map(|(_, t)| t.vtime)
                 .fold(f64::INFINITY, f64::min);
-            let t = self.tenants.get_mut(tid);
-            if floor.is_finite() {
-                t.vtime = t.vtime.max(floor);
-            }
+            self.tenants.get_mut(tid).rejoin(floor);
         }
         self.tenants.reserve(tid, admit.blocks);
-        let t = self.tenants.get_mut(tid);
-        if let Some(bucket) = t.bucket.as_mut() {
-            bucket.take(admit.rate_cost, now);
-        }
-        t.live_requests += 1;
-        t.counters.admitted += 1;
-        t.metrics.tokens_in += prompt.len() as u64;
         let cached_tokens = hits.len() * self.config.block_size;
-        if self.hasher.is_some() && reserve {
-            let m = &mut t.metrics;
-            m.prefix_query_blocks += max_hit_blocks as u64;
-            m.prefix_hit_blocks += hits.len() as u64;
-            m.prefix_query_tokens += prompt.len() as u64;
-            m.prefix_hit_tokens += cached_tokens as u64;
+        let t = self.tenants.get_mut(tid);
+        t.admit(prompt.len(), admit.rate_cost, now);
+        if self.kv.shares_at_submit() {
+            t.count_prefix_lookup(prompt.len(), cached_tokens, self.config.block_size);
         }
         if !hits.is_empty() {
-            t.used_blocks += hits.len();
-            self.pool
-                .retain(&hits)
-                .map_err(|e| KvError::Internal(format!("a cache hit is not a cached page: {e}")))?;
+            t.hold_pages(hits.len());
+            self.kv.share_hits(&hits)?;
             self.tenants.share(tid, newly_shared, 0);
         }
 
-        let id = self.next_id;
-        self.next_id += 1;
+        let id = self.requests.next_id();
         self.clock = self.clock.max(now);
         let mut tokens = Vec::with_capacity(prompt.len() + max_tokens);
         tokens.extend_from_slice(prompt);
@@ -613,17 +556,7 @@ impl Scheduler {
             cache_salt: opts.cache_salt.map(<[u8]>::to_vec),
             waiting_since: now,
         };
-        let slab = match self.free_slab.pop() {
-            Some(s) => {
-                self.slab[s] = Some(req);
-                s
-            }
-            None => {
-                self.slab.push(Some(req));
-                self.slab.len() - 1
-            }
-        };
-        self.index.insert(id, slab);
+        let slab = self.requests.insert(req);
         self.tenants.get_mut(tid).waiting.push_back(slab);
         if max_tokens < asked {
             let tenant = self.tenants.get(tid).config.name.clone();
@@ -638,28 +571,27 @@ impl Scheduler {
         Ok(id)
     }
 
-    fn req(&self, slab: usize) -> &Request {
-        self.slab[slab].as_ref().expect("live slab entry")
-    }
-
-    fn req_mut(&mut self, slab: usize) -> &mut Request {
-        self.slab[slab].as_mut().expect("live slab entry")
+    /// Count a refusal (for its tenant too, when it has one) and turn it into
+    /// the error `submit` returns. A refusal changes nothing else.
+    fn reject(&mut self, tid: Option<TenantId>, rejection: Rejection) -> KvError {
+        let reason = rejection.reason;
+        if let Some(tid) = tid {
+            self.tenants.get_mut(tid).count_rejection(reason);
+        }
+        self.rejected[reason.index()] += 1;
+        KvError::Rejected(rejection)
     }
 
     /// Remove a request from wherever it sits, free its pages and reservation.
     fn release(&mut self, slab: usize) -> Request {
-        match self.req(slab).place {
+        match self.requests.get(slab).place {
             Place::Running(pos) => self.remove_running(pos),
             Place::Queued | Place::Resuming(_) => self.remove_waiting(slab),
         }
-        let req = self.slab[slab].take().expect("live slab entry");
-        self.free_slab.push(slab);
-        self.index.remove(&req.id);
+        let req = self.requests.remove(slab);
         self.drop_pages(req.tenant, &req.pages);
         self.tenants.release(req.tenant, req.reserved_blocks);
-        let t = self.tenants.get_mut(req.tenant);
-        t.used_blocks -= req.pages.len();
-        t.live_requests -= 1;
+        self.tenants.get_mut(req.tenant).request_ended();
         req
     }
 
@@ -707,43 +639,22 @@ impl Scheduler {
         let mut done: Vec<(usize, FinishReason)> = Vec::new();
         for (s, &token) in pending.seqs.iter().zip(sampled) {
             // Cancelled since the plan was made (its slot may hold a newer request).
-            match &self.slab[s.slab] {
-                Some(r) if r.id == s.id => {}
-                _ => continue,
-            }
-            let r = self.slab[s.slab].as_mut().expect("checked");
+            let Some(r) = self.requests.get_mut_if(s.slab, s.id) else {
+                continue;
+            };
             r.num_computed += s.q_len;
-            if let Some(hasher) = &self.hasher {
-                // Name the blocks this step filled; the first copy of a block
-                // stays the cached one.
-                let (full, _) = self.shape.block_size.split(r.num_computed);
-                let bs = self.config.block_size;
-                while r.block_keys.len() < full {
-                    let b = r.block_keys.len();
-                    let parent = r.block_keys.last().copied().unwrap_or(r.namespace.root);
-                    let key = hasher.block(parent, &r.tokens[b * bs..(b + 1) * bs]);
-                    let page = r.pages[b];
-                    if !self.pool.cache().is_cached(page) {
-                        self.pool.register(page, key, r.namespace.scope);
-                    }
-                    r.block_keys.push(key);
-                }
-            }
+            self.kv.name_filled_blocks(r);
             let t = self.tenants.get_mut(r.tenant);
             if !s.decode {
-                t.metrics.prefill_tokens += s.q_len as u64;
+                t.count_prefill(s.q_len);
             }
             if !s.samples {
                 continue;
             }
             r.tokens.push(token);
-            match r.last_token {
-                None => t.metrics.ttft.observe(now - r.arrival),
-                Some(last) => t.metrics.inter_token.observe(now - last),
-            }
+            t.count_token(r.last_token, r.arrival, now);
             r.first_token.get_or_insert(now);
             r.last_token = Some(now);
-            t.metrics.tokens_out += 1;
             events.request_ids.push(r.id);
             events.tokens.push(token);
             let reason = if !r.stop_token_ids.is_empty() && r.stop_token_ids.contains(&token) {
@@ -755,7 +666,7 @@ impl Scheduler {
             };
             match (reason, r.place) {
                 (Some(reason), _) => done.push((s.slab, reason)),
-                (None, Place::Running(pos)) if pos >= self.num_decode => {
+                (None, Place::Running(pos)) if pos >= self.running.num_decode() => {
                     self.promote_to_decode(pos)
                 }
                 _ => {}
@@ -763,18 +674,16 @@ impl Scheduler {
         }
         for (slab, reason) in done {
             let req = self.release(slab);
-            let t = self.tenants.get_mut(req.tenant);
-            t.counters.finished += 1;
-            t.metrics.e2e.observe(now - req.arrival);
+            self.tenants
+                .get_mut(req.tenant)
+                .count_end(true, now - req.arrival);
             let record = self.finished_record(&req, reason, now);
             events.finished.push(record);
         }
         if self.lifecycle == Lifecycle::Draining {
             self.drain_finished.extend(events.finished.iter().cloned());
-            if self.index.is_empty() {
-                self.lifecycle = Lifecycle::Drained;
-            }
         }
+        self.maybe_drained();
         self.clock = self.clock.max(now);
         // Terminal events of requests ended since the last delivery go first.
         if !self.ended.is_empty() {

@@ -56,7 +56,7 @@ impl Scheduler {
     /// every unfinished one (handed back at the deadline, or still live).
     pub fn checkpoint(&self) -> (Vec<FinishedRequest>, Vec<InFlight>) {
         let mut in_flight = self.handed_back.clone();
-        let mut live: Vec<&Request> = self.slab.iter().flatten().collect();
+        let mut live: Vec<&Request> = self.requests.iter().map(|(_, r)| r).collect();
         live.sort_by_key(|r| r.id);
         in_flight.extend(live.into_iter().map(|r| self.in_flight(r, "in_flight")));
         (self.drain_finished.clone(), in_flight)
@@ -121,39 +121,19 @@ impl Scheduler {
     /// with a terminal event (reason `DrainDeadline`, the tokens so far) and a
     /// record for the checkpoint. Counted as cancelled.
     pub(super) fn hand_back_all(&mut self, now: f64) {
-        let mut ids: Vec<u64> = self.index.keys().copied().collect();
+        let mut ids: Vec<u64> = self.requests.ids().collect();
         ids.sort_unstable();
         for id in ids {
-            let slab = self.index[&id];
-            let record = self.in_flight(self.req(slab), "drain_deadline");
+            let slab = self.requests.slot_of(id).expect("live id");
+            let record = self.in_flight(self.requests.get(slab), "drain_deadline");
             let req = self.release(slab);
-            self.tenants.get_mut(req.tenant).counters.cancelled += 1;
+            self.tenants
+                .get_mut(req.tenant)
+                .count_end(FinishReason::DrainDeadline.is_finished(), now - req.arrival);
             self.handed_back.push(record);
             let ended = self.finished_record(&req, FinishReason::DrainDeadline, now);
             self.ended.push(ended);
         }
-        self.lifecycle = Lifecycle::Drained;
-    }
-
-    /// The terminal event of `req` (released) ending at `now` for `reason`.
-    pub(super) fn finished_record(
-        &self,
-        req: &Request,
-        reason: FinishReason,
-        now: f64,
-    ) -> FinishedRequest {
-        FinishedRequest {
-            id: req.id,
-            tenant: self.tenants.get(req.tenant).config.name.clone(),
-            reason,
-            prompt_len: req.prompt_len,
-            output: req.output().to_vec(),
-            arrival: req.arrival,
-            first_scheduled: req.first_scheduled.unwrap_or(now),
-            first_token: req.first_token.unwrap_or(now),
-            finished: now,
-            preemptions: req.preemptions,
-            cached_tokens: req.cached_tokens,
-        }
+        self.maybe_drained();
     }
 }

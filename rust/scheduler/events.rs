@@ -21,6 +21,28 @@ pub enum SchedulerEvent {
 /// (and counted) so an unread queue cannot grow without bound.
 pub const MAX_PENDING_EVENTS: usize = 4096;
 
+/// Events not yet taken, oldest first, at most `MAX_PENDING_EVENTS`; the
+/// oldest are dropped (and counted) beyond that.
+#[derive(Clone, Debug, Default)]
+pub(super) struct EventLog {
+    queue: VecDeque<SchedulerEvent>,
+    dropped: u64,
+}
+
+impl EventLog {
+    fn push(&mut self, e: SchedulerEvent) {
+        if self.queue.len() == MAX_PENDING_EVENTS {
+            self.queue.pop_front();
+            self.dropped += 1;
+        }
+        self.queue.push_back(e);
+    }
+
+    fn take(&mut self) -> Vec<SchedulerEvent> {
+        self.queue.drain(..).collect()
+    }
+}
+
 impl Scheduler {
     // -- the ladder and events ----------------------------------------------------
 
@@ -31,8 +53,9 @@ impl Scheduler {
             .tenants
             .iter()
             .filter_map(|(_, t)| t.waiting.front())
-            .chain(self.resume.values().filter_map(|q| q.front()))
-            .map(|&s| self.req(s).waiting_since)
+            .copied()
+            .chain(self.resume.heads())
+            .map(|s| self.requests.get(s).waiting_since)
             .fold(f64::INFINITY, f64::min);
         Pressure {
             reserved_share: if usable == 0 {
@@ -40,7 +63,7 @@ impl Scheduler {
             } else {
                 self.tenants.committed() as f64 / usable as f64
             },
-            queue_depth: (self.index.len() - self.running.len()) as f64,
+            queue_depth: (self.requests.len() - self.running.len()) as f64,
             oldest_wait_s: if oldest.is_finite() {
                 (now - oldest).max(0.0)
             } else {
@@ -62,58 +85,20 @@ impl Scheduler {
     }
 
     pub(super) fn push_event(&mut self, e: SchedulerEvent) {
-        if self.events.len() == MAX_PENDING_EVENTS {
-            self.events.pop_front();
-            self.events_dropped += 1;
-        }
-        self.events.push_back(e);
+        self.events.push(e);
     }
 
     /// Events since the last call, oldest first.
     pub fn take_events(&mut self) -> Vec<SchedulerEvent> {
-        self.events.drain(..).collect()
+        self.events.take()
     }
 
     /// Events dropped because nobody took them in time.
     pub fn events_dropped(&self) -> u64 {
-        self.events_dropped
+        self.events.dropped
     }
 
     pub fn ladder(&self) -> &Ladder {
         &self.ladder
-    }
-
-    /// Whether a new request of tenant `tid` would have to wait for a slot:
-    /// the sequences it cannot pass (running ones of its tier or above, or all
-    /// of them without priority preemption) and the requests waiting ahead of
-    /// it (of its tier or above) take every slot.
-    pub(super) fn would_wait(&self, tid: TenantId) -> bool {
-        let tier = self.tenants.get(tid).config.tier;
-        let ahead: usize = self
-            .tenants
-            .iter()
-            .filter(|(_, t)| t.config.tier <= tier)
-            .map(|(_, t)| {
-                let running = if self.config.preempt_lower_tiers {
-                    t.running as usize
-                } else {
-                    0
-                };
-                running + t.waiting.len() + t.resuming as usize
-            })
-            .sum();
-        let running = if self.config.preempt_lower_tiers {
-            0
-        } else {
-            self.running.len()
-        };
-        running + ahead >= self.max_running()
-    }
-
-    /// Most sequences that may run now: max_num_seqs, or less while a ladder
-    /// rung says so.
-    pub fn max_running(&self) -> usize {
-        let cap = self.ladder.effects().max_running.unwrap_or(usize::MAX);
-        self.config.max_num_seqs.min(cap)
     }
 }

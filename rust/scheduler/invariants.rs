@@ -7,8 +7,9 @@ impl Scheduler {
     /// usage within reservations (reserve mode), reservations within the usable
     /// pool, floors honoured, the running set and queues consistent.
     pub fn check_invariants(&self) -> Result<(), String> {
-        self.pool.check_invariants()?;
-        let reserve_mode = matches!(self.config.admission, AdmissionMode::Reserve);
+        self.kv.pool().check_invariants()?;
+        self.requests.check_invariants()?;
+        let reserve_mode = !self.config.admission.preempts_for_pages();
         let n_tenants = self.tenants.iter().map(|(id, _)| id + 1).max().unwrap_or(0);
         let mut reserved = vec![0usize; n_tenants];
         let mut used = vec![0usize; n_tenants];
@@ -17,18 +18,12 @@ impl Scheduler {
         let mut resuming = vec![0u32; n_tenants];
         // References each page gets from requests, and from which tenant's
         // requests (for the shared-page accounting).
-        let mut refs = vec![0u32; self.pool.num_blocks()];
-        let mut refs_by_scope_tenant = vec![0u32; self.pool.num_blocks()];
-        if self.num_decode > self.running.len() {
+        let mut refs = vec![0u32; self.kv.pool().num_blocks()];
+        let mut refs_by_scope_tenant = vec![0u32; self.kv.pool().num_blocks()];
+        if self.running.num_decode() > self.running.len() {
             return Err("num_decode exceeds the running set".into());
         }
-        let mut seen = 0;
-        for (slab, r) in self.slab.iter().enumerate() {
-            let Some(r) = r else { continue };
-            seen += 1;
-            if self.index.get(&r.id) != Some(&slab) {
-                return Err(format!("request {} missing from the index", r.id));
-            }
+        for (slab, r) in self.requests.iter() {
             if reserve_mode && r.pages.len() > r.reserved_blocks {
                 return Err(format!("request {} holds more pages than reserved", r.id));
             }
@@ -40,10 +35,10 @@ impl Scheduler {
             }
             match r.place {
                 Place::Running(pos) => {
-                    if self.running.get(pos) != Some(&slab) {
+                    if self.running.slots().get(pos) != Some(&slab) {
                         return Err(format!("request {} is not where it thinks it runs", r.id));
                     }
-                    if pos < self.num_decode && !(r.need() == 1 && r.generated() > 0) {
+                    if pos < self.running.num_decode() && !(r.need() == 1 && r.generated() > 0) {
                         return Err(format!("request {} is in the decode region", r.id));
                     }
                     running[r.tenant] += 1;
@@ -60,7 +55,7 @@ impl Scheduler {
                     let queued = match r.place {
                         Place::Resuming(tier) => {
                             resuming[r.tenant] += 1;
-                            self.resume.get(&tier).is_some_and(|q| q.contains(&slab))
+                            self.resume.contains(tier, slab)
                         }
                         _ => self.tenants.get(r.tenant).waiting.contains(&slab),
                     };
@@ -69,7 +64,7 @@ impl Scheduler {
                     }
                 }
             }
-            let cache = self.pool.cache();
+            let cache = self.kv.pool().cache();
             for (b, &p) in r.pages.iter().enumerate() {
                 refs[p as usize] += 1;
                 if cache.scope(p) == Some(Scope::Tenant(r.tenant)) {
@@ -89,9 +84,7 @@ impl Scheduler {
                     _ => {}
                 }
             }
-            if self.hasher.is_some()
-                && !r.pages.is_empty()
-                && r.block_keys.len() != r.num_computed / bs
+            if self.kv.caching() && !r.pages.is_empty() && r.block_keys.len() != r.num_computed / bs
             {
                 return Err(format!(
                     "request {} names {} blocks, has computed {}",
@@ -104,14 +97,11 @@ impl Scheduler {
             used[r.tenant] += r.pages.len();
             live[r.tenant] += 1;
         }
-        if seen != self.index.len() {
-            return Err("index and slab disagree".into());
-        }
         for (p, &n) in refs.iter().enumerate() {
-            if n != self.pool.refcount(p as u32) {
+            if n != self.kv.pool().refcount(p as u32) {
                 return Err(format!(
                     "page {p}: requests hold {n} references, the pool counts {}",
-                    self.pool.refcount(p as u32)
+                    self.kv.pool().refcount(p as u32)
                 ));
             }
         }
@@ -122,7 +112,7 @@ impl Scheduler {
             .enumerate()
             .filter(|_| reserve_mode)
         {
-            if let Some(Scope::Tenant(t)) = self.pool.cache().scope(p as u32) {
+            if let Some(Scope::Tenant(t)) = self.kv.pool().cache().scope(p as u32) {
                 if t < n_tenants {
                     shared[t] += n.saturating_sub(1) as usize;
                 }
@@ -133,8 +123,8 @@ impl Scheduler {
             .iter()
             .map(|(_, t)| t.waiting.len())
             .sum::<usize>()
-            + self.resume.values().map(VecDeque::len).sum::<usize>();
-        if queued + self.running.len() != self.index.len() {
+            + self.resume.len();
+        if queued + self.running.len() != self.requests.len() {
             return Err("queues and running set do not cover the live requests".into());
         }
         let usable = self.usable_blocks();

@@ -1,73 +1,129 @@
-//! KV pages of requests: prefix lookup and sharing, growing and dropping pages.
+//! The KV manager: the page pool, the prefix cache's block naming and the
+//! admission mode, behind one boundary. The scheduler asks it for a request's
+//! pages (grow, drop, share a cached prefix, name the blocks a step filled)
+//! and never touches a refcount or a hash itself.
+//!
+//! The two modes that change how pages behave are decided here, once:
+//! - prefix caching off: nothing is named, every lookup misses, and sharing
+//!   never happens, so the calls below are no-ops or plain page moves;
+//! - the admission mode (`AdmissionMode`): reserved requests may hold cache
+//!   hits while they wait and count pages shared within a tenant as admission
+//!   room; over-committed ones look their prefix up only when they enter the
+//!   running set (nothing could preempt a waiting request to take its pages).
+//!
+//! What a request's pages cost its tenant (`used_blocks`, shared pages) the
+//! scheduler applies from what these calls return (the `impl Scheduler`
+//! helpers at the end).
 
 use super::*;
 
-/// Find the longest cached prefix of `tokens`: for each full block, in order
-/// and at most `max_blocks`, its key (chained from `root`) and the page the
-/// cache holds for it, until the first miss. Appends to `pages` and `keys`.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn lookup_prefix(
-    pool: &BlockPool,
-    hasher: &PrefixHasher,
+pub(super) struct KvManager {
+    pool: BlockPool,
+    /// Names full blocks (None: prefix caching off).
+    names: Option<PrefixHasher>,
+    admission: AdmissionMode,
     block_size: usize,
-    root: BlockKey,
-    tokens: &[i32],
-    max_blocks: usize,
-    pages: &mut Vec<u32>,
-    keys: &mut Vec<BlockKey>,
-) {
-    let mut parent = root;
-    for block in tokens.chunks_exact(block_size).take(max_blocks) {
-        let key = hasher.block(parent, block);
-        let Some(page) = pool.cache().lookup(key) else {
-            return;
-        };
-        pages.push(page);
-        keys.push(key);
-        parent = key;
-    }
+    /// `block_size` with the shift its hot loops divide by.
+    block: BlockSize,
 }
 
-impl Scheduler {
-    /// Drop a request's references on `pages` (last to first), keeping the
-    /// tenant's shared-page count exact.
-    pub(super) fn drop_pages(&mut self, tid: TenantId, pages: &[u32]) {
-        if self.hasher.is_some() && matches!(self.config.admission, AdmissionMode::Reserve) {
-            let dropped = pages
-                .iter()
-                .filter(|&&p| {
-                    self.pool.refcount(p) >= 2
-                        && self.pool.cache().scope(p) == Some(Scope::Tenant(tid))
-                })
-                .count();
-            if dropped > 0 {
-                self.tenants.share(tid, 0, dropped);
-            }
-        }
-        self.pool
-            .free(pages)
-            .expect("a request's pages are allocated and its own");
+impl KvManager {
+    pub(super) fn new(config: &SchedulerConfig) -> KvResult<Self> {
+        let pool = BlockPool::new(config.num_blocks, config.block_size)?;
+        let names = if config.prefix_caching {
+            let key = match config.prefix_cache_key {
+                Some(SecretKey(k)) => k,
+                None => PrefixHasher::random_key().map_err(KvError::Internal)?,
+            };
+            Some(PrefixHasher::new(&key))
+        } else {
+            None
+        };
+        Ok(KvManager {
+            pool,
+            names,
+            admission: config.admission,
+            block_size: config.block_size,
+            block: BlockSize::new(config.block_size),
+        })
     }
 
-    /// Over-committed, a request shares the cached prefix of its tokens when it
-    /// is about to enter the running set (first entry, or back after a
-    /// preemption: its own blocks, released tail first, are likely still
-    /// cached), so only the rest is computed.
-    pub(super) fn acquire_prefix(&mut self, slab: usize) {
-        let Some(hasher) = &self.hasher else { return };
-        let bs = self.config.block_size;
-        let r = self.slab[slab].as_mut().expect("live slab entry");
-        debug_assert!(r.pages.is_empty() && r.num_computed == 0);
-        let limit = r.tokens.len().saturating_sub(1) / bs;
-        let mut pages = Vec::new();
-        let mut parent = r.namespace.root;
-        for b in 0..limit {
-            // Keys named before a preemption are still right: they follow content.
-            let key = match r.block_keys.get(b) {
+    #[inline]
+    pub(super) fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    /// Whether prefix caching is on.
+    pub(super) fn caching(&self) -> bool {
+        self.names.is_some()
+    }
+
+    /// Whether admission looks the prompt up and shares its cached prefix at
+    /// submit (reserve mode with caching on); over-committed, the lookup waits
+    /// for entry (`acquire_prefix`).
+    pub(super) fn shares_at_submit(&self) -> bool {
+        self.caching() && !self.admission.preempts_for_pages()
+    }
+
+    /// Free pages, evictable cached ones included.
+    #[inline]
+    pub(super) fn available(&self) -> usize {
+        self.pool.available()
+    }
+
+    #[inline]
+    pub(super) fn blocks_for(&self, tokens: usize) -> usize {
+        self.pool.blocks_for(tokens)
+    }
+
+    /// Forget a removed tenant's evictable cached pages.
+    pub(super) fn forget_tenant(&mut self, tid: TenantId) {
+        self.pool.forget_tenant(tid);
+    }
+
+    /// The namespace a request of `tid` names its blocks in (a fixed one when
+    /// caching is off: nothing is named in it).
+    pub(super) fn namespace(
+        &self,
+        tid: TenantId,
+        tenant: &crate::tenant::Tenant,
+        salt: Option<&[u8]>,
+    ) -> Namespace {
+        match &self.names {
+            Some(h) => h.namespace(
+                tid,
+                &tenant.config.name,
+                tenant.config.prefix_namespace.as_deref(),
+                salt,
+            ),
+            None => Namespace {
+                root: 0,
+                scope: Scope::Tenant(tid),
+            },
+        }
+    }
+
+    /// The longest cached prefix of `tokens`, at most `max_blocks` full blocks:
+    /// appends the page of each hit to `pages` (empty on entry) until the first
+    /// miss. `keys` is the chain named so far (from `root`); names it lacks are
+    /// computed and kept, and it is cut to the hits on return.
+    fn match_prefix(
+        &self,
+        root: BlockKey,
+        tokens: &[i32],
+        max_blocks: usize,
+        keys: &mut Vec<BlockKey>,
+        pages: &mut Vec<u32>,
+    ) {
+        debug_assert!(pages.is_empty());
+        let Some(names) = &self.names else { return };
+        for b in 0..max_blocks {
+            // Keys named before (a preemption) are still right: they follow content.
+            let key = match keys.get(b) {
                 Some(&k) => k,
                 None => {
-                    let k = hasher.block(parent, &r.tokens[b * bs..(b + 1) * bs]);
-                    r.block_keys.push(k);
+                    let k = names.next_in_chain(root, keys, tokens, self.block_size);
+                    keys.push(k);
                     k
                 }
             };
@@ -75,55 +131,97 @@ impl Scheduler {
                 Some(p) => pages.push(p),
                 None => break,
             }
-            parent = key;
         }
-        r.block_keys.truncate(pages.len());
-        let tid = r.tenant;
-        // No admission credit for sharing here: over-committed, a preemption
-        // would take it back and push the promise past the pool.
+        keys.truncate(pages.len());
+    }
+
+    /// Admission's prefix lookup for a prompt of tenant `tid` (see
+    /// `shares_at_submit`; nothing otherwise): the pages of its cached prefix
+    /// (all but its last token at most, so there are logits to sample) into
+    /// `hits`, their names into `keys`. Returns how many of the hits are pages
+    /// of the tenant's own namespace that another of its requests holds: they
+    /// are shared, so admission does not charge them twice.
+    pub(super) fn lookup_at_submit(
+        &self,
+        tid: TenantId,
+        root: BlockKey,
+        prompt: &[i32],
+        hits: &mut Vec<u32>,
+        keys: &mut Vec<BlockKey>,
+    ) -> usize {
+        if !self.shares_at_submit() {
+            return 0;
+        }
+        let max_blocks = prompt.len().saturating_sub(1) / self.block_size;
+        hits.reserve_exact(max_blocks);
+        keys.reserve_exact(max_blocks);
+        self.match_prefix(root, prompt, max_blocks, keys, hits);
+        hits.iter()
+            .filter(|&&p| {
+                self.pool.refcount(p) > 0 && self.pool.cache().scope(p) == Some(Scope::Tenant(tid))
+            })
+            .count()
+    }
+
+    /// Take a reference on each of `hits` (cached pages `lookup_at_submit` found).
+    pub(super) fn share_hits(&mut self, hits: &[u32]) -> KvResult<()> {
+        self.pool
+            .retain(hits)
+            .map_err(|e| KvError::Internal(format!("a cache hit is not a cached page: {e}")))
+    }
+
+    /// Drop a request of `tid`'s references on `pages` (last to first).
+    /// Returns how many of them were shared with another of its requests in
+    /// its own namespace (reserve mode only: sharing earns admission room there).
+    fn drop_pages(&mut self, tid: TenantId, pages: &[u32]) -> usize {
+        let shared = if self.shares_at_submit() {
+            pages
+                .iter()
+                .filter(|&&p| {
+                    self.pool.refcount(p) >= 2
+                        && self.pool.cache().scope(p) == Some(Scope::Tenant(tid))
+                })
+                .count()
+        } else {
+            0
+        };
+        self.pool
+            .free(pages)
+            .expect("a request's pages are allocated and its own");
+        shared
+    }
+
+    /// Over-committed, a request shares the cached prefix of its tokens when it
+    /// is about to enter the running set (first entry, or back after a
+    /// preemption: its own blocks, released tail first, are likely still
+    /// cached), so only the rest is computed. Returns the pages it took.
+    fn acquire_prefix(&mut self, r: &mut Request) -> usize {
+        if !self.caching() {
+            return 0;
+        }
+        debug_assert!(r.pages.is_empty() && r.num_computed == 0);
+        let limit = r.tokens.len().saturating_sub(1) / self.block_size;
+        let mut pages = Vec::new();
+        self.match_prefix(
+            r.namespace.root,
+            &r.tokens,
+            limit,
+            &mut r.block_keys,
+            &mut pages,
+        );
         self.pool.retain(&pages).expect("cached pages");
-        self.tenants.get_mut(tid).used_blocks += pages.len();
-        let r = self.req_mut(slab);
-        r.num_computed = pages.len() * bs;
+        r.num_computed = pages.len() * self.block_size;
         r.pages = pages;
+        r.pages.len()
     }
 
-    /// Undo `acquire_prefix` for a request that did not enter after all.
-    pub(super) fn release_prefix(&mut self, slab: usize) {
-        let r = self.req_mut(slab);
-        if r.pages.is_empty() {
-            return;
-        }
-        let pages = std::mem::take(&mut r.pages);
-        r.num_computed = 0;
-        let tid = r.tenant;
-        self.drop_pages(tid, &pages);
-        self.tenants.get_mut(tid).used_blocks -= pages.len();
-    }
-
-    /// Over-committed, hit rates count a request's lookup when it first enters.
-    pub(super) fn count_first_lookup(&mut self, slab: usize) {
-        let bs = self.config.block_size;
-        let r = self.req_mut(slab);
-        r.cached_tokens = r.num_computed;
-        let (tid, prompt_len, hit) = (r.tenant, r.prompt_len, r.num_computed);
-        let m = &mut self.tenants.get_mut(tid).metrics;
-        m.prefix_query_blocks += (prompt_len.saturating_sub(1) / bs) as u64;
-        m.prefix_hit_blocks += (hit / bs) as u64;
-        m.prefix_query_tokens += prompt_len as u64;
-        m.prefix_hit_tokens += hit as u64;
-    }
-
-    /// Pages so that `slab` covers `len` tokens.
-    pub(super) fn grow_pages(&mut self, slab: usize, len: usize) -> KvResult<()> {
-        let r = self.slab[slab].as_mut().expect("live slab entry");
+    /// Pages so that `r` covers `len` tokens; returns how many were added.
+    fn grow(&mut self, r: &mut Request, len: usize) -> KvResult<usize> {
         let need = self.pool.blocks_for(len).saturating_sub(r.pages.len());
         if need == 0 {
-            return Ok(());
+            return Ok(0);
         }
-        if matches!(self.config.admission, AdmissionMode::Reserve)
-            && r.pages.len() + need > r.reserved_blocks
-        {
+        if !self.admission.preempts_for_pages() && r.pages.len() + need > r.reserved_blocks {
             return Err(KvError::Internal(format!(
                 "request {} would exceed its reservation",
                 r.id
@@ -132,7 +230,69 @@ impl Scheduler {
         self.pool
             .allocate_into(need, &mut r.pages)
             .map_err(|e| KvError::Internal(format!("a page the plan counted on is gone: {e}")))?;
-        self.tenants.get_mut(r.tenant).used_blocks += need;
+        Ok(need)
+    }
+
+    /// Name the full blocks of `r` that its committed tokens filled since it
+    /// last named one; the first copy of a block stays the cached one.
+    #[inline]
+    pub(super) fn name_filled_blocks(&mut self, r: &mut Request) {
+        let Some(names) = &self.names else { return };
+        let (full, _) = self.block.split(r.num_computed);
+        while r.block_keys.len() < full {
+            let key =
+                names.next_in_chain(r.namespace.root, &r.block_keys, &r.tokens, self.block_size);
+            let page = r.pages[r.block_keys.len()];
+            if !self.pool.cache().is_cached(page) {
+                self.pool.register(page, key, r.namespace.scope);
+            }
+            r.block_keys.push(key);
+        }
+    }
+}
+
+impl Scheduler {
+    /// Give back `pages` of a request of `tid`, with the tenant's usage.
+    pub(super) fn drop_pages(&mut self, tid: TenantId, pages: &[u32]) {
+        let shared = self.kv.drop_pages(tid, pages);
+        if shared > 0 {
+            self.tenants.share(tid, 0, shared);
+        }
+        self.tenants.get_mut(tid).drop_pages(pages.len());
+    }
+
+    /// Over-committed entry: `slab` shares its cached prefix (see
+    /// `KvManager::acquire_prefix`). No admission credit for sharing here:
+    /// over-committed, a preemption would take it back and push the promise
+    /// past the pool.
+    pub(super) fn acquire_prefix(&mut self, slab: usize) {
+        let r = self.requests.get_mut(slab);
+        let taken = self.kv.acquire_prefix(r);
+        let tid = r.tenant;
+        self.tenants.get_mut(tid).hold_pages(taken);
+    }
+
+    /// Undo `acquire_prefix` for a request that did not enter after all.
+    pub(super) fn release_prefix(&mut self, slab: usize) {
+        let r = self.requests.get_mut(slab);
+        if r.pages.is_empty() {
+            return;
+        }
+        let pages = std::mem::take(&mut r.pages);
+        r.num_computed = 0;
+        let tid = r.tenant;
+        self.drop_pages(tid, &pages);
+    }
+
+    /// Pages so that `slab` covers `len` tokens.
+    #[inline]
+    pub(super) fn grow_pages(&mut self, slab: usize, len: usize) -> KvResult<()> {
+        let r = self.requests.get_mut(slab);
+        let added = self.kv.grow(r, len)?;
+        if added > 0 {
+            let tid = r.tenant;
+            self.tenants.get_mut(tid).hold_pages(added);
+        }
         Ok(())
     }
 }

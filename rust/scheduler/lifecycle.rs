@@ -1,4 +1,6 @@
 //! Where a scheduler is in its life: cold, warming, ready, draining, drained.
+//! Every change of state goes through `transition`, and the one that ends a
+//! drain through `maybe_drained`.
 
 use super::*;
 
@@ -18,6 +20,20 @@ pub enum Lifecycle {
 }
 
 impl Lifecycle {
+    /// The moves a scheduler may make: cold -> warming -> ready (warming and
+    /// ready may be repeated, and warming skipped), any state but drained ->
+    /// draining, and draining -> drained once nothing is left.
+    pub fn allows(self, to: Lifecycle) -> bool {
+        use Lifecycle::*;
+        matches!(
+            (self, to),
+            (Cold | Warming, Warming)
+                | (Cold | Warming | Ready, Ready)
+                | (Cold | Warming | Ready | Draining, Draining)
+                | (Draining, Drained)
+        )
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Lifecycle::Cold => "cold",
@@ -46,31 +62,13 @@ impl Scheduler {
 
     /// The engine started loading weights and compiling.
     pub fn begin_warmup(&mut self) -> KvResult<()> {
-        match self.lifecycle {
-            Lifecycle::Cold | Lifecycle::Warming => {
-                self.lifecycle = Lifecycle::Warming;
-                Ok(())
-            }
-            s => Err(KvError::InvalidState(format!(
-                "begin_warmup on a {} scheduler",
-                s.as_str()
-            ))),
-        }
+        self.transition(Lifecycle::Warming, "begin_warmup")
     }
 
     /// The engine is warm (weights resident, every bucket compiled, a synthetic
     /// request completed): admit requests.
     pub fn mark_ready(&mut self) -> KvResult<()> {
-        match self.lifecycle {
-            Lifecycle::Cold | Lifecycle::Warming | Lifecycle::Ready => {
-                self.lifecycle = Lifecycle::Ready;
-                Ok(())
-            }
-            s => Err(KvError::InvalidState(format!(
-                "mark_ready on a {} scheduler",
-                s.as_str()
-            ))),
-        }
+        self.transition(Lifecycle::Ready, "mark_ready")
     }
 
     /// Stop admitting (`draining`); keep stepping what is in flight. The first
@@ -84,11 +82,35 @@ impl Scheduler {
         if self.lifecycle == Lifecycle::Drained {
             return Ok(());
         }
-        self.lifecycle = Lifecycle::Draining;
+        self.transition(Lifecycle::Draining, "drain")?;
         self.drain_deadline = deadline;
-        if self.index.is_empty() && self.pending.is_none() {
-            self.lifecycle = Lifecycle::Drained;
-        }
+        self.maybe_drained();
         Ok(())
+    }
+
+    /// Move to `to` if the lifecycle allows it from here (`Lifecycle::allows`);
+    /// otherwise InvalidState naming the `call` that asked.
+    fn transition(&mut self, to: Lifecycle, call: &str) -> KvResult<()> {
+        if !self.lifecycle.allows(to) {
+            return Err(KvError::InvalidState(format!(
+                "{call} on a {} scheduler",
+                self.lifecycle.as_str()
+            )));
+        }
+        self.lifecycle = to;
+        Ok(())
+    }
+
+    /// A draining scheduler with nothing live and no plan pending is drained.
+    /// Called after everything that can end the last request: a commit, a
+    /// cancel or stop, the deadline's hand-back, and `drain` itself.
+    pub(super) fn maybe_drained(&mut self) {
+        if self.lifecycle == Lifecycle::Draining
+            && self.requests.is_empty()
+            && self.pending.is_none()
+        {
+            self.transition(Lifecycle::Drained, "drained")
+                .expect("draining may always drain");
+        }
     }
 }

@@ -1,5 +1,8 @@
 //! One admitted request: its tokens, pages and place, how it ended, and its
-//! terminal event.
+//! terminal event; and `RequestTable`, the live requests by slot and by id.
+//!
+//! The queues and the running set hold slots (indices into the table), not
+//! requests: a slot is stable while its request lives and is reused after.
 
 use super::*;
 
@@ -131,7 +134,7 @@ pub struct FinishedRequest {
 /// A growable set of request ids, one bit each (ids are dense from 1).
 #[derive(Clone, Debug, Default)]
 pub(super) struct IdSet {
-    pub(super) words: Vec<u64>,
+    words: Vec<u64>,
 }
 
 impl IdSet {
@@ -146,5 +149,126 @@ impl IdSet {
     pub(super) fn contains(&self, id: u64) -> bool {
         let (w, b) = ((id / 64) as usize, id % 64);
         self.words.get(w).is_some_and(|x| x & (1 << b) != 0)
+    }
+}
+
+/// The live requests: a slab whose slots are reused once a request ends, the
+/// index from request id to slot, and the ids issued so far (dense from 1).
+#[derive(Debug)]
+pub(super) struct RequestTable {
+    slab: Vec<Option<Request>>,
+    free: Vec<usize>,
+    index: HashMap<u64, usize>,
+    next_id: u64,
+}
+
+impl Default for RequestTable {
+    fn default() -> Self {
+        RequestTable {
+            slab: Vec::new(),
+            free: Vec::new(),
+            index: HashMap::new(),
+            next_id: 1,
+        }
+    }
+}
+
+impl RequestTable {
+    /// The id the next admitted request gets.
+    pub(super) fn next_id(&self) -> u64 {
+        self.next_id
+    }
+
+    /// Whether `id` was ever issued (live or ended).
+    pub(super) fn issued(&self, id: u64) -> bool {
+        id != 0 && id < self.next_id
+    }
+
+    /// Store a new request (its id must be `next_id()`); returns its slot.
+    pub(super) fn insert(&mut self, req: Request) -> usize {
+        debug_assert_eq!(req.id, self.next_id);
+        self.next_id += 1;
+        let id = req.id;
+        let slot = match self.free.pop() {
+            Some(s) => {
+                self.slab[s] = Some(req);
+                s
+            }
+            None => {
+                self.slab.push(Some(req));
+                self.slab.len() - 1
+            }
+        };
+        self.index.insert(id, slot);
+        slot
+    }
+
+    /// Take the request out of `slot`; the slot is free for reuse.
+    pub(super) fn remove(&mut self, slot: usize) -> Request {
+        let req = self.slab[slot].take().expect("live slab entry");
+        self.free.push(slot);
+        self.index.remove(&req.id);
+        req
+    }
+
+    #[inline]
+    pub(super) fn get(&self, slot: usize) -> &Request {
+        self.slab[slot].as_ref().expect("live slab entry")
+    }
+
+    #[inline]
+    pub(super) fn get_mut(&mut self, slot: usize) -> &mut Request {
+        self.slab[slot].as_mut().expect("live slab entry")
+    }
+
+    /// The request in `slot` if it is still request `id` (a plan may name a
+    /// request cancelled since, whose slot now holds a newer one).
+    #[inline]
+    pub(super) fn get_mut_if(&mut self, slot: usize, id: u64) -> Option<&mut Request> {
+        self.slab[slot].as_mut().filter(|r| r.id == id)
+    }
+
+    pub(super) fn slot_of(&self, id: u64) -> Option<usize> {
+        self.index.get(&id).copied()
+    }
+
+    pub(super) fn by_id(&self, id: u64) -> Option<&Request> {
+        self.slot_of(id).map(|s| self.get(s))
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    pub(super) fn is_empty(&self) -> bool {
+        self.index.is_empty()
+    }
+
+    /// Live request ids, in no order.
+    pub(super) fn ids(&self) -> impl Iterator<Item = u64> + '_ {
+        self.index.keys().copied()
+    }
+
+    /// Live requests with their slots, in slot order.
+    pub(super) fn iter(&self) -> impl Iterator<Item = (usize, &Request)> {
+        self.slab
+            .iter()
+            .enumerate()
+            .filter_map(|(s, r)| r.as_ref().map(|r| (s, r)))
+    }
+
+    /// The slab and the index agree: every live request is indexed at its slot.
+    pub(super) fn check_invariants(&self) -> Result<(), String> {
+        let mut seen = 0;
+        for (slot, r) in self.iter() {
+            seen += 1;
+            if self.index.get(&r.id) != Some(&slot) {
+                return Err(format!("request {} missing from the index", r.id));
+            }
+        }
+        if seen != self.index.len() {
+            return Err("index and slab disagree".into());
+        }
+        Ok(())
     }
 }

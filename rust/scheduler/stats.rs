@@ -75,7 +75,7 @@ impl Scheduler {
     // -- stats and invariants -----------------------------------------------------------
 
     pub fn stats(&self, now: f64) -> SchedulerStats {
-        let total = self.pool.total();
+        let total = self.kv.pool().total();
         let mut reserved = 0;
         let mut tenants: Vec<TenantStats> = self
             .tenants
@@ -107,24 +107,24 @@ impl Scheduler {
         tenants.sort_by(|a, b| a.name.cmp(&b.name));
         SchedulerStats {
             pool: PoolStats {
-                num_blocks: self.pool.num_blocks(),
-                block_size: self.pool.block_size(),
+                num_blocks: self.kv.pool().num_blocks(),
+                block_size: self.kv.pool().block_size(),
                 total,
-                free: self.pool.free_count(),
-                used: self.pool.used(),
-                cached: self.pool.cache().cached(),
-                evictable: self.pool.cache().evictable(),
-                evictions: self.pool.cache().evictions(),
-                shared: self.pool.shared(),
+                free: self.kv.pool().free_count(),
+                used: self.kv.pool().used(),
+                cached: self.kv.pool().cache().cached(),
+                evictable: self.kv.pool().cache().evictable(),
+                evictions: self.kv.pool().cache().evictions(),
+                shared: self.kv.pool().shared(),
                 overhead_reserve: self.config.reserve_blocks(total),
                 usable: self.usable_blocks(),
                 reserved,
                 committed: self.tenants.committed(),
             },
             tenants,
-            live_requests: self.index.len(),
+            live_requests: self.requests.len(),
             running: self.running.len(),
-            waiting: self.index.len() - self.running.len(),
+            waiting: self.requests.len() - self.running.len(),
             steps: self.steps,
             step_gap: self.step_gap.clone(),
             rejected: self.rejected,

@@ -45,59 +45,47 @@ impl Scheduler {
     /// In reserve mode its pages are reserved anyway: it keeps its KV and only
     /// gives up its slot.
     pub(super) fn preempt(&mut self, pos: usize, preempted: &mut Vec<u64>) {
-        let slab = self.running[pos];
+        let slab = self.running.at(pos);
         self.remove_running(pos);
-        let mut dropped = 0;
-        if matches!(self.config.admission, AdmissionMode::Overcommit { .. }) {
-            let pages = std::mem::take(&mut self.req_mut(slab).pages);
-            let tid = self.req(slab).tenant;
+        if self.config.admission.preempts_for_pages() {
+            let r = self.requests.get_mut(slab);
+            let pages = std::mem::take(&mut r.pages);
+            r.num_computed = 0;
+            let tid = r.tenant;
             self.drop_pages(tid, &pages);
-            dropped = pages.len();
-            self.req_mut(slab).num_computed = 0;
         }
         let now = self.last_step_at;
-        let r = self.req_mut(slab);
+        let r = self.requests.get_mut(slab);
         r.preemptions += 1;
         r.waiting_since = now.unwrap_or(r.waiting_since);
         let (id, tid) = (r.id, r.tenant);
         let t = self.tenants.get_mut(tid);
-        t.used_blocks -= dropped;
-        t.metrics.preemptions += 1;
-        t.resuming += 1;
+        t.preempted();
         let tier = t.config.tier;
         self.preemptions += 1;
-        self.req_mut(slab).place = Place::Resuming(tier);
-        let queue = self.resume.entry(tier).or_default();
-        // Admission order (request ids grow with it) within the resume queue.
-        let at = queue.partition_point(|&s| self.slab[s].as_ref().expect("live").id < id);
-        queue.insert(at, slab);
+        self.queue_resuming(slab, tier);
         preempted.push(id);
     }
 
-    /// Prefill tokens the step still has room for. When decodes alone fill a
-    /// (capped) step, the first prefill still moves by up to the cap: a cap
-    /// below the number of running decodes must not stall prefill, and with it
-    /// the entry of new requests, until those decodes finish.
-    pub(super) fn prefill_room(&self, budget: usize, scheduled: usize, num_decode: usize) -> usize {
-        let room = budget.saturating_sub(scheduled);
-        if room == 0 && scheduled == num_decode {
-            budget.min(self.config.max_batched_tokens.saturating_sub(scheduled))
-        } else {
-            room
-        }
+    /// Prefill tokens the step still has room for (see `planner::prefill_room`).
+    #[inline]
+    fn prefill_room(&self, budget: usize, scheduled: usize, num_decode: usize) -> usize {
+        planner::prefill_room(
+            budget,
+            scheduled,
+            num_decode,
+            self.config.max_batched_tokens,
+        )
     }
 
-    /// Tokens of `slab`'s prefill that fit `budget`, the chunk cap and (over-committed)
-    /// the free pages.
-    pub(super) fn prefill_chunk(&self, slab: usize, budget: usize) -> usize {
-        let r = self.req(slab);
-        let mut chunk = r.need().min(self.config.long_prefill_chunk).min(budget);
-        if matches!(self.config.admission, AdmissionMode::Overcommit { .. }) {
-            let coverable =
-                (r.pages.len() + self.pool.available()) * self.config.block_size - r.num_computed;
-            chunk = chunk.min(coverable);
-        }
-        chunk
+    /// Tokens of `slab`'s prefill that fit `room`, the chunk cap and
+    /// (over-committed) the pages it holds plus the free ones.
+    fn prefill_chunk(&self, slab: usize, room: usize) -> usize {
+        let r = self.requests.get(slab);
+        let coverable = self.config.admission.preempts_for_pages().then(|| {
+            (r.pages.len() + self.kv.available()) * self.config.block_size - r.num_computed
+        });
+        planner::prefill_chunk(r.need(), self.config.long_prefill_chunk, room, coverable)
     }
 
     // -- one step -------------------------------------------------------------------
@@ -121,9 +109,7 @@ impl Scheduler {
         if self.lifecycle == Lifecycle::Draining && now >= self.drain_deadline {
             self.hand_back_all(now);
         }
-        if self.lifecycle == Lifecycle::Draining && self.index.is_empty() {
-            self.lifecycle = Lifecycle::Drained;
-        }
+        self.maybe_drained();
         self.update_ladder(now);
         let mut preempted = Vec::new();
         if self.config.preempt_lower_tiers {
@@ -132,7 +118,7 @@ impl Scheduler {
 
         // Decodes first: every running decode sequence gets its token.
         self.decode_pages(&mut preempted)?;
-        let num_decode = self.num_decode;
+        let num_decode = self.running.num_decode();
         let mut q_lens: Vec<usize> = vec![1; num_decode];
         let mut scheduled = num_decode;
 
@@ -149,10 +135,10 @@ impl Scheduler {
             .min(budget_cap.unwrap_or(usize::MAX));
 
         // Prefills already running resume where they stopped, in entry order.
-        let overcommit = matches!(self.config.admission, AdmissionMode::Overcommit { .. });
+        let overcommit = self.config.admission.preempts_for_pages();
         let mut pos = num_decode;
         while pos < self.running.len() {
-            let slab = self.running[pos];
+            let slab = self.running.at(pos);
             let room = self.prefill_room(budget, scheduled, num_decode);
             let chunk = self.prefill_chunk(slab, room);
             if chunk == 0 {
@@ -166,7 +152,7 @@ impl Scheduler {
                 }
                 break;
             }
-            let len = self.req(slab).num_computed + chunk;
+            let len = self.requests.get(slab).num_computed + chunk;
             self.grow_pages(slab, len)?;
             q_lens.push(chunk);
             scheduled += chunk;
@@ -181,12 +167,12 @@ impl Scheduler {
                 let Some((slab, from)) = self.peek_waiting() else {
                     break;
                 };
-                if overcommit && self.req(slab).pages.is_empty() {
+                if overcommit && self.requests.get(slab).pages.is_empty() {
                     self.acquire_prefix(slab);
                 }
                 let cap = self
                     .tenants
-                    .get(self.req(slab).tenant)
+                    .get(self.requests.get(slab).tenant)
                     .config
                     .max_step_tokens;
                 let entry_budget = budget.min(cap.unwrap_or(usize::MAX));
@@ -198,13 +184,24 @@ impl Scheduler {
                     }
                     break;
                 }
-                if overcommit && self.hasher.is_some() && self.req(slab).first_scheduled.is_none() {
-                    self.count_first_lookup(slab);
+                if overcommit
+                    && self.kv.caching()
+                    && self.requests.get(slab).first_scheduled.is_none()
+                {
+                    // Over-committed, hit rates count a request's lookup when it first enters.
+                    let r = self.requests.get_mut(slab);
+                    r.cached_tokens = r.num_computed;
+                    let (tid, prompt_len, hit) = (r.tenant, r.prompt_len, r.num_computed);
+                    self.tenants.get_mut(tid).count_prefix_lookup(
+                        prompt_len,
+                        hit,
+                        self.config.block_size,
+                    );
                 }
                 budget = entry_budget;
                 self.pop_waiting(slab, from);
                 self.enter_running(slab, now);
-                let len = self.req(slab).num_computed + chunk;
+                let len = self.requests.get(slab).num_computed + chunk;
                 self.grow_pages(slab, len)?;
                 q_lens.push(chunk);
                 scheduled += chunk;
@@ -231,53 +228,51 @@ impl Scheduler {
         let written = {
             // One pass over the scheduled sequences writes the arrays and records
             // what commit needs (disjoint fields, so the borrows coexist).
-            let slab = &self.slab;
+            let requests = &self.requests;
             let served = &mut self.served;
-            let scheduled =
-                self.running[..n]
-                    .iter()
-                    .zip(&q_lens)
-                    .enumerate()
-                    .map(|(pos, (&s, &q))| {
-                        let r = slab[s].as_ref().expect("running request");
-                        let done = r.num_computed + q == r.tokens.len();
-                        served[r.tenant] += q;
-                        seqs.push(PendingSeq {
-                            slab: s,
-                            id: r.id,
-                            q_len: q,
-                            samples: done,
-                            decode: pos < num_decode,
-                        });
-                        request_ids.push(r.id);
-                        samples.push(done);
-                        SeqSlice {
-                            row_key: r.row_key,
-                            tokens: &r.tokens,
-                            start: r.num_computed,
-                            q_len: q,
-                            pages: &r.pages,
-                        }
+            let scheduled = self.running.slots()[..n]
+                .iter()
+                .zip(&q_lens)
+                .enumerate()
+                .map(|(pos, (&s, &q))| {
+                    let r = requests.get(s);
+                    let done = r.num_computed + q == r.tokens.len();
+                    served[r.tenant] += q;
+                    seqs.push(PendingSeq {
+                        slab: s,
+                        id: r.id,
+                        q_len: q,
+                        samples: done,
+                        decode: pos < num_decode,
                     });
+                    request_ids.push(r.id);
+                    samples.push(done);
+                    SeqSlice {
+                        row_key: r.row_key,
+                        tokens: &r.tokens,
+                        start: r.num_computed,
+                        q_len: q,
+                        pages: &r.pages,
+                    }
+                });
             planner::write_plan(
                 &self.shape,
                 &self.buckets,
                 bufs,
                 &mut self.rows[parity],
                 num_decode,
-                &self.pool,
+                self.kv.pool(),
                 scheduled,
             )?
         };
         if cfg!(debug_assertions) || self.config.full_validation {
-            planner::validate(&self.shape, bufs, &written, &self.pool)?;
+            planner::validate(&self.shape, bufs, &written, self.kv.pool())?;
         }
         // Weighted fair share: virtual time grows by tokens served / weight (summed
         // per tenant first: one division per tenant, not per sequence).
         for (tid, tokens) in self.served.iter_mut().enumerate() {
             if *tokens > 0 {
-                let t = self.tenants.get_mut(tid);
-                t.vtime += *tokens as f64 / t.config.weight;
+                self.tenants.get_mut(tid).serve(*tokens);
                 *tokens = 0;
             }
         }
@@ -320,14 +315,17 @@ impl Scheduler {
             let Some((slab, _)) = self.peek_waiting() else {
                 return;
             };
-            let tier = self.tenants.get(self.req(slab).tenant).config.tier;
+            let tier = self.tenants.get(self.requests.get(slab).tenant).config.tier;
             let no_slot = self.running.len() >= self.max_running();
-            let no_room = match self.config.admission {
-                AdmissionMode::Reserve => false,
-                AdmissionMode::Overcommit { .. } => {
-                    let first = self.req(slab).need().min(self.config.long_prefill_chunk);
-                    self.pool.blocks_for(first) > self.pool.available()
-                }
+            // Over-committed, a request that cannot get the pages of its
+            // first chunk needs room as much as one without a slot.
+            let no_room = self.config.admission.preempts_for_pages() && {
+                let first = self
+                    .requests
+                    .get(slab)
+                    .need()
+                    .min(self.config.long_prefill_chunk);
+                self.kv.blocks_for(first) > self.kv.available()
             };
             if !(no_slot || no_room) {
                 return;
@@ -343,16 +341,16 @@ impl Scheduler {
     /// preempt (lowest tier, most recently admitted) until they fit.
     pub(super) fn decode_pages(&mut self, preempted: &mut Vec<u64>) -> KvResult<()> {
         // Reserve mode needs no count: every page is within a reservation.
-        if matches!(self.config.admission, AdmissionMode::Overcommit { .. }) {
+        if self.config.admission.preempts_for_pages() {
             loop {
-                let need = self.running[..self.num_decode]
+                let need = self.running.slots()[..self.running.num_decode()]
                     .iter()
                     .filter(|&&s| {
-                        let r = self.req(s);
-                        self.pool.blocks_for(r.num_computed + 1) > r.pages.len()
+                        let r = self.requests.get(s);
+                        self.kv.blocks_for(r.num_computed + 1) > r.pages.len()
                     })
                     .count();
-                if need <= self.pool.available() {
+                if need <= self.kv.available() {
                     break;
                 }
                 let pos = self.victim(None).expect("decodes are running");
@@ -360,9 +358,9 @@ impl Scheduler {
             }
         }
         let bs = self.shape.block_size;
-        for i in 0..self.num_decode {
-            let slab = self.running[i];
-            let r = self.req(slab);
+        for i in 0..self.running.num_decode() {
+            let slab = self.running.at(i);
+            let r = self.requests.get(slab);
             // Fifteen steps in sixteen (block 16) the page is already there.
             if bs.blocks_for(r.num_computed + 1) > r.pages.len() {
                 let len = r.num_computed + 1;
