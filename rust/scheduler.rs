@@ -237,8 +237,6 @@ impl Scheduler {
         (self.steps % 2) as usize
     }
 
-    // -- lifecycle ----------------------------------------------------------------
-
     // -- live knobs ---------------------------------------------------------------
 
     /// Change the configuration live, effective from the next step. Validated
