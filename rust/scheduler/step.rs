@@ -1,5 +1,7 @@
 //! One step: plan the running set's next tokens (decodes first, then prefill
-//! chunks, then new entries), preempting where the mode says so.
+//! chunks, then new entries), preempting where the admission mode says so,
+//! and hand the arrays to `planner::write_plan`. The chunk arithmetic itself
+//! is the planner's (`planner::prefill_room`, `planner::prefill_chunk`).
 
 use super::*;
 
@@ -22,6 +24,7 @@ pub struct StepOutcome {
     pub preempted: Vec<u64>,
 }
 
+/// One sequence of a pending plan.
 #[derive(Clone, Debug)]
 pub(super) struct PendingSeq {
     pub(super) slab: usize,
@@ -31,6 +34,16 @@ pub(super) struct PendingSeq {
     pub(super) decode: bool,
 }
 
+/// The step being planned: tokens per sequence in plan order (decodes first),
+/// tokens placed so far, and the budget they must fit.
+struct Batch {
+    q_lens: Vec<usize>,
+    scheduled: usize,
+    num_decode: usize,
+    budget: usize,
+}
+
+/// A plan handed out and not yet committed: what `commit` needs of it.
 #[derive(Clone, Debug)]
 pub(super) struct Pending {
     pub(super) step_id: u64,
@@ -39,55 +52,6 @@ pub(super) struct Pending {
 }
 
 impl Scheduler {
-    /// Preempt the running sequence at `pos` and queue it at the head of its
-    /// tier. Over-committed, its pages go back (cached blocks stay evictable,
-    /// tail first) and it is recomputed later from what the cache still holds.
-    /// In reserve mode its pages are reserved anyway: it keeps its KV and only
-    /// gives up its slot.
-    pub(super) fn preempt(&mut self, pos: usize, preempted: &mut Vec<u64>) {
-        let slab = self.running.at(pos);
-        self.remove_running(pos);
-        if self.config.admission.preempts_for_pages() {
-            let r = self.requests.get_mut(slab);
-            let pages = std::mem::take(&mut r.pages);
-            r.num_computed = 0;
-            let tid = r.tenant;
-            self.drop_pages(tid, &pages);
-        }
-        let now = self.last_step_at;
-        let r = self.requests.get_mut(slab);
-        r.preemptions += 1;
-        r.waiting_since = now.unwrap_or(r.waiting_since);
-        let (id, tid) = (r.id, r.tenant);
-        let t = self.tenants.get_mut(tid);
-        t.preempted();
-        let tier = t.config.tier;
-        self.preemptions += 1;
-        self.queue_resuming(slab, tier);
-        preempted.push(id);
-    }
-
-    /// Prefill tokens the step still has room for (see `planner::prefill_room`).
-    #[inline]
-    fn prefill_room(&self, budget: usize, scheduled: usize, num_decode: usize) -> usize {
-        planner::prefill_room(
-            budget,
-            scheduled,
-            num_decode,
-            self.config.max_batched_tokens,
-        )
-    }
-
-    /// Tokens of `slab`'s prefill that fit `room`, the chunk cap and
-    /// (over-committed) the pages it holds plus the free ones.
-    fn prefill_chunk(&self, slab: usize, room: usize) -> usize {
-        let r = self.requests.get(slab);
-        let coverable = self.config.admission.preempts_for_pages().then(|| {
-            (r.pages.len() + self.kv.available()) * self.config.block_size - r.num_computed
-        });
-        planner::prefill_chunk(r.need(), self.config.long_prefill_chunk, room, coverable)
-    }
-
     // -- one step -------------------------------------------------------------------
 
     /// Plan the next step into `bufs`, which must be the buffer set
@@ -95,6 +59,10 @@ impl Scheduler {
     /// what that set held two steps ago, so passing any other buffer leaves stale
     /// rows (only `full_validation` would catch it). Returns None when nothing can
     /// run. The plan must be committed before the next step.
+    ///
+    /// In order: the drain deadline and the ladder; priority preemption; a
+    /// page for every decode; the running prefills' next chunks; new entries
+    /// while there are slots and budget; then the arrays (`planner::write_plan`).
     pub fn step(&mut self, now: f64, bufs: &mut PlanBuffers<'_>) -> KvResult<Option<StepOutcome>> {
         if self.pending.is_some() {
             return Err(KvError::StalePlan(
@@ -119,96 +87,17 @@ impl Scheduler {
         // Decodes first: every running decode sequence gets its token.
         self.decode_pages(&mut preempted)?;
         let num_decode = self.running.num_decode();
-        let mut q_lens: Vec<usize> = vec![1; num_decode];
-        let mut scheduled = num_decode;
-
-        // A tenant's max_step_tokens shrinks the step while one of its sequences runs.
-        let budget_cap = self
-            .tenants
-            .iter()
-            .filter(|(_, t)| t.running > 0)
-            .filter_map(|(_, t)| t.config.max_step_tokens)
-            .min();
-        let mut budget = self
-            .config
-            .max_batched_tokens
-            .min(budget_cap.unwrap_or(usize::MAX));
-
-        // Prefills already running resume where they stopped, in entry order.
-        let overcommit = self.config.admission.preempts_for_pages();
-        let mut pos = num_decode;
-        while pos < self.running.len() {
-            let slab = self.running.at(pos);
-            let room = self.prefill_room(budget, scheduled, num_decode);
-            let chunk = self.prefill_chunk(slab, room);
-            if chunk == 0 {
-                if overcommit && scheduled == 0 {
-                    // Nothing runs and no page is free: the running prefills hold
-                    // the pool between them. Preempt (lowest tier, most recently
-                    // admitted) until the first of them can move.
-                    let victim = self.victim(None).expect("a prefill is running");
-                    self.preempt(victim, &mut preempted);
-                    continue;
-                }
-                break;
-            }
-            let len = self.requests.get(slab).num_computed + chunk;
-            self.grow_pages(slab, len)?;
-            q_lens.push(chunk);
-            scheduled += chunk;
-            pos += 1;
+        let mut batch = Batch {
+            q_lens: vec![1; num_decode],
+            scheduled: num_decode,
+            num_decode,
+            budget: self.step_budget(),
+        };
+        if self.continue_prefills(&mut batch, &mut preempted)? {
+            self.enter_waiting(&mut batch, now)?;
         }
 
-        // New sequences enter while there are slots and budget. The best waiting
-        // request holds the line: nothing of lower priority passes it.
-        if pos == self.running.len() {
-            let max_running = self.max_running();
-            while self.running.len() < max_running {
-                let Some((slab, from)) = self.peek_waiting() else {
-                    break;
-                };
-                if overcommit && self.requests.get(slab).pages.is_empty() {
-                    self.acquire_prefix(slab);
-                }
-                let cap = self
-                    .tenants
-                    .get(self.requests.get(slab).tenant)
-                    .config
-                    .max_step_tokens;
-                let entry_budget = budget.min(cap.unwrap_or(usize::MAX));
-                let room = self.prefill_room(entry_budget, scheduled, num_decode);
-                let chunk = self.prefill_chunk(slab, room);
-                if chunk == 0 {
-                    if overcommit {
-                        self.release_prefix(slab);
-                    }
-                    break;
-                }
-                if overcommit
-                    && self.kv.caching()
-                    && self.requests.get(slab).first_scheduled.is_none()
-                {
-                    // Over-committed, hit rates count a request's lookup when it first enters.
-                    let r = self.requests.get_mut(slab);
-                    r.cached_tokens = r.num_computed;
-                    let (tid, prompt_len, hit) = (r.tenant, r.prompt_len, r.num_computed);
-                    self.tenants.get_mut(tid).count_prefix_lookup(
-                        prompt_len,
-                        hit,
-                        self.config.block_size,
-                    );
-                }
-                budget = entry_budget;
-                self.pop_waiting(slab, from);
-                self.enter_running(slab, now);
-                let len = self.requests.get(slab).num_computed + chunk;
-                self.grow_pages(slab, len)?;
-                q_lens.push(chunk);
-                scheduled += chunk;
-            }
-        }
-
-        if q_lens.is_empty() {
+        if batch.q_lens.is_empty() {
             // Preemptions of a step that runs nothing are reported with the next plan.
             self.unreported_preempted.extend(preempted);
             self.last_plan_at = None;
@@ -219,6 +108,114 @@ impl Scheduler {
             all.extend(preempted);
             preempted = all;
         }
+        self.write_step(&batch.q_lens, num_decode, preempted, bufs, now)
+            .map(Some)
+    }
+
+    /// The step's token budget: max_batched_tokens, shrunk to the smallest
+    /// max_step_tokens of the tenants with a sequence running.
+    fn step_budget(&self) -> usize {
+        let budget_cap = self
+            .tenants
+            .iter()
+            .filter(|(_, t)| t.running > 0)
+            .filter_map(|(_, t)| t.config.max_step_tokens)
+            .min();
+        self.config
+            .max_batched_tokens
+            .min(budget_cap.unwrap_or(usize::MAX))
+    }
+
+    /// Prefills already running resume where they stopped, in entry order,
+    /// each by the chunk that fits. Returns whether every one of them moved
+    /// (only then may new sequences enter).
+    fn continue_prefills(&mut self, batch: &mut Batch, preempted: &mut Vec<u64>) -> KvResult<bool> {
+        let overcommit = self.config.admission.preempts_for_pages();
+        let mut pos = batch.num_decode;
+        while pos < self.running.len() {
+            let slab = self.running.at(pos);
+            let room = self.prefill_room(batch.budget, batch.scheduled, batch.num_decode);
+            let chunk = self.prefill_chunk(slab, room);
+            if chunk == 0 {
+                if overcommit && batch.scheduled == 0 {
+                    // Nothing runs and no page is free: the running prefills hold
+                    // the pool between them. Preempt (lowest tier, most recently
+                    // admitted) until the first of them can move.
+                    let victim = self.victim(None).expect("a prefill is running");
+                    self.preempt(victim, preempted);
+                    continue;
+                }
+                break;
+            }
+            let len = self.requests.get(slab).num_computed + chunk;
+            self.grow_pages(slab, len)?;
+            batch.q_lens.push(chunk);
+            batch.scheduled += chunk;
+            pos += 1;
+        }
+        Ok(pos == self.running.len())
+    }
+
+    /// New sequences enter while there are slots and budget. The best waiting
+    /// request holds the line: nothing of lower priority passes it.
+    fn enter_waiting(&mut self, batch: &mut Batch, now: f64) -> KvResult<()> {
+        let overcommit = self.config.admission.preempts_for_pages();
+        let max_running = self.max_running();
+        while self.running.len() < max_running {
+            let Some((slab, from)) = self.peek_waiting() else {
+                break;
+            };
+            if overcommit && self.requests.get(slab).pages.is_empty() {
+                self.acquire_prefix(slab);
+            }
+            let cap = self
+                .tenants
+                .get(self.requests.get(slab).tenant)
+                .config
+                .max_step_tokens;
+            let entry_budget = batch.budget.min(cap.unwrap_or(usize::MAX));
+            let room = self.prefill_room(entry_budget, batch.scheduled, batch.num_decode);
+            let chunk = self.prefill_chunk(slab, room);
+            if chunk == 0 {
+                if overcommit {
+                    self.release_prefix(slab);
+                }
+                break;
+            }
+            if overcommit && self.kv.caching() && self.requests.get(slab).first_scheduled.is_none()
+            {
+                // Over-committed, hit rates count a request's lookup when it first enters.
+                let r = self.requests.get_mut(slab);
+                r.cached_tokens = r.num_computed;
+                let (tid, prompt_len, hit) = (r.tenant, r.prompt_len, r.num_computed);
+                self.tenants.get_mut(tid).count_prefix_lookup(
+                    prompt_len,
+                    hit,
+                    self.config.block_size,
+                );
+            }
+            batch.budget = entry_budget;
+            self.pop_waiting(slab, from);
+            self.enter_running(slab, now);
+            let len = self.requests.get(slab).num_computed + chunk;
+            self.grow_pages(slab, len)?;
+            batch.q_lens.push(chunk);
+            batch.scheduled += chunk;
+        }
+        Ok(())
+    }
+
+    /// Write the plan of the first `q_lens.len()` running sequences (`q_lens`
+    /// tokens each, the first `num_decode` decodes) into `bufs`, advance the
+    /// tenants' virtual times and the step rate, and keep what `commit` needs.
+    fn write_step(
+        &mut self,
+        q_lens: &[usize],
+        num_decode: usize,
+        preempted: Vec<u64>,
+        bufs: &mut PlanBuffers<'_>,
+        now: f64,
+    ) -> KvResult<StepOutcome> {
         let parity = self.next_parity();
         let n = q_lens.len();
         self.served.resize(self.tenants.slots_len(), 0);
@@ -232,7 +229,7 @@ impl Scheduler {
             let served = &mut self.served;
             let scheduled = self.running.slots()[..n]
                 .iter()
-                .zip(&q_lens)
+                .zip(q_lens)
                 .enumerate()
                 .map(|(pos, (&s, &q))| {
                     let r = requests.get(s);
@@ -295,7 +292,7 @@ impl Scheduler {
             seqs,
             preempted: preempted.clone(),
         });
-        Ok(Some(StepOutcome {
+        Ok(StepOutcome {
             step_id,
             parity,
             num_seqs: written.num_seqs,
@@ -305,7 +302,7 @@ impl Scheduler {
             request_ids,
             samples,
             preempted,
-        }))
+        })
     }
 
     /// Priority preemption: the best waiting request, if of a higher tier than
@@ -368,5 +365,54 @@ impl Scheduler {
             }
         }
         Ok(())
+    }
+
+    /// Preempt the running sequence at `pos` and queue it at the head of its
+    /// tier. Over-committed, its pages go back (cached blocks stay evictable,
+    /// tail first) and it is recomputed later from what the cache still holds.
+    /// In reserve mode its pages are reserved anyway: it keeps its KV and only
+    /// gives up its slot.
+    pub(super) fn preempt(&mut self, pos: usize, preempted: &mut Vec<u64>) {
+        let slab = self.running.at(pos);
+        self.remove_running(pos);
+        if self.config.admission.preempts_for_pages() {
+            let r = self.requests.get_mut(slab);
+            let pages = std::mem::take(&mut r.pages);
+            r.num_computed = 0;
+            let tid = r.tenant;
+            self.drop_pages(tid, &pages);
+        }
+        let now = self.last_step_at;
+        let r = self.requests.get_mut(slab);
+        r.preemptions += 1;
+        r.waiting_since = now.unwrap_or(r.waiting_since);
+        let (id, tid) = (r.id, r.tenant);
+        let t = self.tenants.get_mut(tid);
+        t.preempted();
+        let tier = t.config.tier;
+        self.preemptions += 1;
+        self.queue_resuming(slab, tier);
+        preempted.push(id);
+    }
+
+    /// Prefill tokens the step still has room for (see `planner::prefill_room`).
+    #[inline]
+    fn prefill_room(&self, budget: usize, scheduled: usize, num_decode: usize) -> usize {
+        planner::prefill_room(
+            budget,
+            scheduled,
+            num_decode,
+            self.config.max_batched_tokens,
+        )
+    }
+
+    /// Tokens of `slab`'s prefill that fit `room`, the chunk cap and
+    /// (over-committed) the pages it holds plus the free ones.
+    fn prefill_chunk(&self, slab: usize, room: usize) -> usize {
+        let r = self.requests.get(slab);
+        let coverable = self.config.admission.preempts_for_pages().then(|| {
+            (r.pages.len() + self.kv.available()) * self.config.block_size - r.num_computed
+        });
+        planner::prefill_chunk(r.need(), self.config.long_prefill_chunk, room, coverable)
     }
 }
