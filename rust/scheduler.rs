@@ -15,6 +15,31 @@
 //! `stop`), or the drain's deadline hands it back. Those ended outside a
 //! commit are queued and delivered once, by the next commit's `finished` or
 //! by `take_finished`, whichever comes first.
+//!
+//! # Layout
+//!
+//! One concept a file, in the order a request meets them:
+//! - `scheduler.rs` (this file): the `Scheduler` struct, `new`, the live
+//!   knobs and tenants, `submit` and `commit`;
+//! - `scheduler/config.rs`: `SchedulerConfig`, `AdmissionMode` (and what each
+//!   mode means, as methods), the prefix-cache secret;
+//! - `scheduler/request.rs`: `Request`, its `Place`, `FinishReason`, the
+//!   terminal event, and `RequestTable` (the slab and the id index);
+//! - `scheduler/queues.rs`: `RunningSet`, `ResumeQueues` and the one entry
+//!   order over them and the tenants' waiting queues;
+//! - `scheduler/kv.rs`: `KvManager`, the pool, block naming and admission mode
+//!   behind one boundary: the only code that moves pages or hashes tokens;
+//! - `scheduler/step.rs`: `step` and its phases, preemption;
+//! - `scheduler/ending.rs`: cancel and stop, and the terminal-event queue;
+//! - `scheduler/lifecycle.rs`, `checkpoint.rs`, `events.rs` (the event log,
+//!   the ladder and the pressure it reads), `retry.rs` (`retry_after`),
+//!   `stats.rs`, `invariants.rs`.
+//!
+//! Two choices a reader may wonder about. The per-tenant waiting queues stay
+//! in `Tenant::waiting`, where the tenant registry (stats, tiers, removal)
+//! reads them; `queues.rs` holds every function that takes from them. The KV
+//! manager lives under `scheduler/` rather than beside `pool.rs` because it
+//! works on a `Request`'s pages and block names, which are the scheduler's.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
