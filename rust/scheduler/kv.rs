@@ -261,11 +261,45 @@ impl Scheduler {
         self.tenants.get_mut(tid).drop_pages(pages.len());
     }
 
+    /// `slab` is about to enter the running set. Over-committed, it shares its
+    /// cached prefix now (it held no page while it waited); reserved, it got
+    /// its hits at submit and keeps its KV across a preemption: nothing to do.
+    pub(super) fn prepare_entry(&mut self, slab: usize) {
+        if self.kv.admission.preempts_for_pages() && self.requests.get(slab).pages.is_empty() {
+            self.acquire_prefix(slab);
+        }
+    }
+
+    /// `slab` did not enter after all (no room for a chunk): undo `prepare_entry`.
+    pub(super) fn abandon_entry(&mut self, slab: usize) {
+        if self.kv.admission.preempts_for_pages() {
+            self.release_prefix(slab);
+        }
+    }
+
+    /// `slab` enters: over-committed, with caching on, its first entry is
+    /// when its prefix lookup counts (hit rates, `cached_tokens`); reserved,
+    /// it counted at submit.
+    pub(super) fn count_entry_lookup(&mut self, slab: usize) {
+        let r = self.requests.get_mut(slab);
+        if !(self.kv.admission.preempts_for_pages()
+            && self.kv.caching()
+            && r.first_scheduled.is_none())
+        {
+            return;
+        }
+        r.cached_tokens = r.num_computed;
+        let (tid, prompt_len, hit) = (r.tenant, r.prompt_len, r.num_computed);
+        self.tenants
+            .get_mut(tid)
+            .count_prefix_lookup(prompt_len, hit, self.kv.block_size);
+    }
+
     /// Over-committed entry: `slab` shares its cached prefix (see
     /// `KvManager::acquire_prefix`). No admission credit for sharing here:
     /// over-committed, a preemption would take it back and push the promise
     /// past the pool.
-    pub(super) fn acquire_prefix(&mut self, slab: usize) {
+    fn acquire_prefix(&mut self, slab: usize) {
         let r = self.requests.get_mut(slab);
         let taken = self.kv.acquire_prefix(r);
         let tid = r.tenant;
@@ -273,7 +307,7 @@ impl Scheduler {
     }
 
     /// Undo `acquire_prefix` for a request that did not enter after all.
-    pub(super) fn release_prefix(&mut self, slab: usize) {
+    fn release_prefix(&mut self, slab: usize) {
         let r = self.requests.get_mut(slab);
         if r.pages.is_empty() {
             return;

@@ -159,15 +159,12 @@ impl Scheduler {
     /// New sequences enter while there are slots and budget. The best waiting
     /// request holds the line: nothing of lower priority passes it.
     fn enter_waiting(&mut self, batch: &mut Batch, now: f64) -> KvResult<()> {
-        let overcommit = self.config.admission.preempts_for_pages();
         let max_running = self.max_running();
         while self.running.len() < max_running {
             let Some((slab, from)) = self.peek_waiting() else {
                 break;
             };
-            if overcommit && self.requests.get(slab).pages.is_empty() {
-                self.acquire_prefix(slab);
-            }
+            self.prepare_entry(slab);
             let cap = self
                 .tenants
                 .get(self.requests.get(slab).tenant)
@@ -177,23 +174,10 @@ impl Scheduler {
             let room = self.prefill_room(entry_budget, batch.scheduled, batch.num_decode);
             let chunk = self.prefill_chunk(slab, room);
             if chunk == 0 {
-                if overcommit {
-                    self.release_prefix(slab);
-                }
+                self.abandon_entry(slab);
                 break;
             }
-            if overcommit && self.kv.caching() && self.requests.get(slab).first_scheduled.is_none()
-            {
-                // Over-committed, hit rates count a request's lookup when it first enters.
-                let r = self.requests.get_mut(slab);
-                r.cached_tokens = r.num_computed;
-                let (tid, prompt_len, hit) = (r.tenant, r.prompt_len, r.num_computed);
-                self.tenants.get_mut(tid).count_prefix_lookup(
-                    prompt_len,
-                    hit,
-                    self.config.block_size,
-                );
-            }
+            self.count_entry_lookup(slab);
             batch.budget = entry_budget;
             self.pop_waiting(slab, from);
             self.enter_running(slab, now);
