@@ -41,6 +41,8 @@
 //! manager lives under `scheduler/` rather than beside `pool.rs` because it
 //! works on a `Request`'s pages and block names, which are the scheduler's.
 
+// The files under scheduler/ start with `use super::*`: these imports are
+// theirs too, so each of them reads with the same names.
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 
