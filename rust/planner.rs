@@ -386,3 +386,38 @@ pub fn validate(
     }
     Ok(())
 }
+
+/// Prefill tokens a step still has room for, of `budget` with `scheduled`
+/// tokens placed (`num_decode` of them decodes). When decodes alone fill a
+/// (capped) step, the first prefill still moves by up to the cap: a cap below
+/// the number of running decodes must not stall prefill, and with it the entry
+/// of new requests, until those decodes finish. `max_batched_tokens` still bounds it.
+#[inline]
+pub fn prefill_room(
+    budget: usize,
+    scheduled: usize,
+    num_decode: usize,
+    max_batched_tokens: usize,
+) -> usize {
+    let room = budget.saturating_sub(scheduled);
+    if room == 0 && scheduled == num_decode {
+        budget.min(max_batched_tokens.saturating_sub(scheduled))
+    } else {
+        room
+    }
+}
+
+/// Tokens of one prefill chunk: what the sequence still `need`s, at most
+/// `long_prefill_chunk`, the step's `room` and, where pages are not promised
+/// in advance (over-commit), the `coverable` tokens its pages and the free
+/// ones can hold.
+#[inline]
+pub fn prefill_chunk(
+    need: usize,
+    long_prefill_chunk: usize,
+    room: usize,
+    coverable: Option<usize>,
+) -> usize {
+    let chunk = need.min(long_prefill_chunk).min(room);
+    coverable.map_or(chunk, |c| chunk.min(c))
+}

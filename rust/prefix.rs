@@ -117,6 +117,23 @@ impl PrefixHasher {
         write_tokens(&mut h, tokens);
         h.finish128().into()
     }
+
+    /// The key of the next block of a chain: block `chain.len()` of `tokens`
+    /// (blocks of `block_size` tokens), following the last key of `chain`, or
+    /// the namespace `root` for the first block. Every chain is extended
+    /// through this one function, so each block is named alike wherever it is.
+    #[inline]
+    pub fn next_in_chain(
+        &self,
+        root: BlockKey,
+        chain: &[BlockKey],
+        tokens: &[i32],
+        block_size: usize,
+    ) -> BlockKey {
+        let b = chain.len();
+        let parent = chain.last().copied().unwrap_or(root);
+        self.block(parent, &tokens[b * block_size..(b + 1) * block_size])
+    }
 }
 
 #[cfg(target_endian = "little")]

@@ -250,6 +250,123 @@ impl Tenant {
             .max(self.config.kv_floor_blocks)
     }
 
+    // -- usage ------------------------------------------------------------------
+    // The scheduler changes a tenant's usage and counters through these, one
+    // method per event, so each event is counted the same way everywhere.
+    // (Reservations and shared pages change `committed` too: see `Tenants`.)
+
+    /// A request of this tenant was refused for `reason`.
+    pub fn count_rejection(&mut self, reason: RejectReason) {
+        self.counters.rejected[reason.index()] += 1;
+    }
+
+    /// A request was admitted at `now`: `prompt_len` tokens in, `rate_cost`
+    /// taken from its rate-limit bucket.
+    pub fn admit(&mut self, prompt_len: usize, rate_cost: f64, now: f64) {
+        if let Some(bucket) = self.bucket.as_mut() {
+            bucket.take(rate_cost, now);
+        }
+        self.live_requests += 1;
+        self.counters.admitted += 1;
+        self.metrics.tokens_in += prompt_len as u64;
+    }
+
+    /// One prefix-cache lookup of a prompt of `prompt_len` tokens that found
+    /// `hit_tokens` (whole blocks) cached. All but the last prompt token can hit.
+    pub fn count_prefix_lookup(&mut self, prompt_len: usize, hit_tokens: usize, block_size: usize) {
+        let m = &mut self.metrics;
+        m.prefix_query_blocks += (prompt_len.saturating_sub(1) / block_size) as u64;
+        m.prefix_hit_blocks += (hit_tokens / block_size) as u64;
+        m.prefix_query_tokens += prompt_len as u64;
+        m.prefix_hit_tokens += hit_tokens as u64;
+    }
+
+    /// Its requests took `pages` more page references.
+    #[inline]
+    pub fn hold_pages(&mut self, pages: usize) {
+        self.used_blocks += pages;
+    }
+
+    /// Its requests gave back `pages` page references.
+    #[inline]
+    pub fn drop_pages(&mut self, pages: usize) {
+        self.used_blocks -= pages;
+    }
+
+    /// One of its requests entered the running set; `queued_for`: seconds it
+    /// waited, on its first entry only.
+    pub fn start_running(&mut self, queued_for: Option<f64>) {
+        self.running += 1;
+        if let Some(q) = queued_for {
+            self.metrics.queue_time.observe(q);
+        }
+    }
+
+    /// One of its sequences left the running set.
+    pub fn stop_running(&mut self) {
+        self.running -= 1;
+    }
+
+    /// One of its running sequences was preempted into its tier's resume queue.
+    pub fn preempted(&mut self) {
+        self.metrics.preemptions += 1;
+        self.resuming += 1;
+    }
+
+    /// One of its requests left a resume queue (to run again, or to end).
+    pub fn left_resume_queue(&mut self) {
+        self.resuming -= 1;
+    }
+
+    /// One of its requests ended (its pages go back through `drop_pages`, its
+    /// reservation through `Tenants::release`).
+    pub fn request_ended(&mut self) {
+        self.live_requests -= 1;
+    }
+
+    /// How a request that ended is counted: finished (with its end-to-end
+    /// latency `e2e_s`) or cancelled.
+    pub fn count_end(&mut self, finished: bool, e2e_s: f64) {
+        if finished {
+            self.counters.finished += 1;
+            self.metrics.e2e.observe(e2e_s);
+        } else {
+            self.counters.cancelled += 1;
+        }
+    }
+
+    /// Prompt tokens one of its sequences computed in a step.
+    #[inline]
+    pub fn count_prefill(&mut self, tokens: usize) {
+        self.metrics.prefill_tokens += tokens as u64;
+    }
+
+    /// One of its requests got a token at `now`: time to first token from its
+    /// `arrival` when it had none (`last_token` None), else the inter-token gap.
+    #[inline]
+    pub fn count_token(&mut self, last_token: Option<f64>, arrival: f64, now: f64) {
+        match last_token {
+            None => self.metrics.ttft.observe(now - arrival),
+            Some(last) => self.metrics.inter_token.observe(now - last),
+        }
+        self.metrics.tokens_out += 1;
+    }
+
+    /// Weighted fair share: `tokens` served advance its virtual time by tokens / weight.
+    #[inline]
+    pub fn serve(&mut self, tokens: usize) {
+        self.vtime += tokens as f64 / self.config.weight;
+    }
+
+    /// An idle tenant rejoins at `floor`, the lowest virtual time of its tier's
+    /// active tenants (when there is one): a fair share from now on, no credit
+    /// for the time it was idle.
+    pub fn rejoin(&mut self, floor: f64) {
+        if floor.is_finite() {
+            self.vtime = self.vtime.max(floor);
+        }
+    }
+
     fn apply_config(&mut self, config: TenantConfig, now: f64) {
         self.bucket = match (config.bucket_size(), self.bucket.take()) {
             (None, _) => None,

@@ -49,8 +49,8 @@ impl Scheduler {
         reason: FinishReason,
         now: f64,
     ) -> KvResult<Option<Request>> {
-        let Some(&slab) = self.index.get(&id) else {
-            if id == 0 || id >= self.next_id || self.caller_ended.contains(id) {
+        let Some(slab) = self.requests.slot_of(id) else {
+            if !self.requests.issued(id) || self.caller_ended.contains(id) {
                 return Err(KvError::UnknownRequest(id));
             }
             return Ok(None);
@@ -58,22 +58,14 @@ impl Scheduler {
         self.clock = self.clock.max(now);
         let req = self.release(slab);
         let record = self.finished_record(&req, reason, now);
-        let t = self.tenants.get_mut(req.tenant);
-        if reason.is_finished() {
-            t.counters.finished += 1;
-            t.metrics.e2e.observe(now - req.arrival);
-        } else {
-            t.counters.cancelled += 1;
-        }
+        self.tenants
+            .get_mut(req.tenant)
+            .count_end(reason.is_finished(), now - req.arrival);
         self.caller_ended.insert(id);
-        if self.lifecycle == Lifecycle::Draining {
-            if reason.is_finished() {
-                self.drain_finished.push(record.clone());
-            }
-            if self.index.is_empty() && self.pending.is_none() {
-                self.lifecycle = Lifecycle::Drained;
-            }
+        if self.lifecycle == Lifecycle::Draining && reason.is_finished() {
+            self.drain_finished.push(record.clone());
         }
+        self.maybe_drained();
         self.ended.push(record);
         Ok(Some(req))
     }
@@ -90,5 +82,27 @@ impl Scheduler {
     /// Terminal events waiting for delivery (see `take_finished`).
     pub fn pending_finished(&self) -> usize {
         self.ended.len()
+    }
+
+    /// The terminal event of `req` (released) ending at `now` for `reason`.
+    pub(super) fn finished_record(
+        &self,
+        req: &Request,
+        reason: FinishReason,
+        now: f64,
+    ) -> FinishedRequest {
+        FinishedRequest {
+            id: req.id,
+            tenant: self.tenants.get(req.tenant).config.name.clone(),
+            reason,
+            prompt_len: req.prompt_len,
+            output: req.output().to_vec(),
+            arrival: req.arrival,
+            first_scheduled: req.first_scheduled.unwrap_or(now),
+            first_token: req.first_token.unwrap_or(now),
+            finished: now,
+            preemptions: req.preemptions,
+            cached_tokens: req.cached_tokens,
+        }
     }
 }

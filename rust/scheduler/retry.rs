@@ -45,8 +45,9 @@ impl Scheduler {
         let own = matches!(room, Room::TenantBlocks(_) | Room::TenantRequests(_));
         let mut ends: Vec<(usize, u64, TenantId, usize)> = self
             .running
+            .slots()
             .iter()
-            .map(|&s| self.req(s))
+            .map(|&s| self.requests.get(s))
             .filter(|r| !own || r.tenant == tid)
             .map(|r| (self.steps_left(r), r.id, r.tenant, r.reserved_blocks))
             .collect();

@@ -1,0 +1,169 @@
+//! The scheduler's configuration: every knob, its defaults and checks, the
+//! admission mode and the secret that keys prefix-cache block names.
+
+use super::*;
+
+/// Over-commit's default watermark: reserve the prompt plus one block of growth.
+pub const DEFAULT_WATERMARK_BLOCKS: usize = 1;
+
+/// How admission reserves memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AdmissionMode {
+    /// Reserve the final length: the engine can never run out of KV pages.
+    Reserve,
+    /// Reserve the prompt plus `watermark_blocks`; when pages run out, preempt
+    /// the lowest-tier, most recently admitted sequence and recompute it later.
+    Overcommit { watermark_blocks: usize },
+}
+
+impl AdmissionMode {
+    /// Blocks of growth admission reserves beyond the prompt; None: it
+    /// reserves the final length (prompt + max_tokens).
+    pub fn watermark_blocks(self) -> Option<usize> {
+        match self {
+            AdmissionMode::Reserve => None,
+            AdmissionMode::Overcommit { watermark_blocks } => Some(watermark_blocks),
+        }
+    }
+
+    /// Whether running out of pages preempts running sequences (over-commit).
+    /// Reserved requests never run out: admission promised their pages.
+    #[inline]
+    pub fn preempts_for_pages(self) -> bool {
+        matches!(self, AdmissionMode::Overcommit { .. })
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct SchedulerConfig {
+    /// Pages in the pool, the null page included. Restart-only.
+    pub num_blocks: usize,
+    /// Tokens per page. Restart-only.
+    pub block_size: usize,
+    /// Most sequences in one step (the S dimension of a step plan).
+    pub max_num_seqs: usize,
+    /// Token budget of one step.
+    pub max_batched_tokens: usize,
+    /// Longest prompt + max_tokens a request may ask for.
+    pub max_seq_len: usize,
+    /// Share of the pool kept out of admission, for what the estimate missed.
+    pub overhead_reserve: f64,
+    /// Admitted requests that may wait beyond the `max_num_seqs` that run.
+    pub max_waiting: usize,
+    /// Most prompt tokens one sequence gets in one step.
+    pub long_prefill_chunk: usize,
+    /// Token buckets; None: powers of two from 16 to max_batched_tokens.
+    pub token_buckets: Option<Vec<usize>>,
+    pub admission: AdmissionMode,
+    /// A waiting request of a higher tier that finds no slot (or, over-committed,
+    /// no pages) preempts the lowest-tier, most recently admitted running one.
+    pub preempt_lower_tiers: bool,
+    /// Re-read every plan in full after writing it (always on in debug builds).
+    /// The cheap checks run on every plan regardless.
+    pub full_validation: bool,
+    /// Reuse the KV of full blocks already computed for the same prefix (in
+    /// the same namespace). Restart-only.
+    pub prefix_caching: bool,
+    /// The secret that keys block names; None: random for this scheduler.
+    /// Hosts that must name blocks alike configure the same one. Restart-only.
+    pub prefix_cache_key: Option<SecretKey>,
+    /// The degradation ladder (no rungs: never degrade). Live.
+    pub ladder: LadderConfig,
+    /// Start cold: refuse requests (`not_ready`) until the engine has warmed up
+    /// and calls `mark_ready`. False: ready at once (no engine to wait for).
+    pub require_warmup: bool,
+    /// Seconds of `retry_after` given where nothing better is known: to refusals
+    /// while not ready or draining, and to capacity refusals (pool_full,
+    /// tenant_budget, concurrency) before a step rate has been measured. Live.
+    pub retry_after_hint_s: f64,
+}
+
+/// A 128-bit secret that never shows in Debug output.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct SecretKey(pub [u8; 16]);
+
+impl std::fmt::Debug for SecretKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SecretKey(<redacted>)")
+    }
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            num_blocks: 8192,
+            block_size: 16,
+            max_num_seqs: 256,
+            max_batched_tokens: 2048,
+            max_seq_len: 8192,
+            overhead_reserve: 0.10,
+            max_waiting: 0,
+            long_prefill_chunk: 512,
+            token_buckets: None,
+            admission: AdmissionMode::Reserve,
+            preempt_lower_tiers: false,
+            full_validation: false,
+            prefix_caching: true,
+            prefix_cache_key: None,
+            ladder: LadderConfig::off(),
+            require_warmup: false,
+            retry_after_hint_s: 1.0,
+        }
+    }
+}
+
+impl SchedulerConfig {
+    pub fn validate(&self) -> KvResult<()> {
+        let bad = |m: &str| Err(KvError::InvalidConfig(m.to_owned()));
+        crate::pool::validate_shape(self.num_blocks, self.block_size)?;
+        if self.max_num_seqs == 0 {
+            return bad("max_num_seqs must be at least 1");
+        }
+        if self.max_batched_tokens < self.max_num_seqs {
+            return bad(
+                "max_batched_tokens must be at least max_num_seqs (every running \
+                        sequence decodes one token per step)",
+            );
+        }
+        if self.max_seq_len < 2 {
+            return bad("max_seq_len must be at least 2 (one prompt token and one new token)");
+        }
+        if self.max_seq_len > i32::MAX as usize {
+            return bad("max_seq_len must fit int32 positions");
+        }
+        if !(self.overhead_reserve.is_finite() && (0.0..1.0).contains(&self.overhead_reserve)) {
+            return bad("overhead_reserve must be in [0, 1)");
+        }
+        if self.long_prefill_chunk == 0 {
+            return bad("long_prefill_chunk must be at least 1");
+        }
+        if !(self.retry_after_hint_s.is_finite() && self.retry_after_hint_s >= 0.0) {
+            return bad("retry_after_hint_s must be a non-negative number");
+        }
+        self.buckets()?;
+        self.ladder.validate()?;
+        Ok(())
+    }
+
+    /// Blocks kept back by the overhead reserve, of `total` allocatable pages.
+    pub fn reserve_blocks(&self, total: usize) -> usize {
+        (total as f64 * self.overhead_reserve).ceil() as usize
+    }
+
+    pub fn buckets(&self) -> KvResult<TokenBuckets> {
+        match &self.token_buckets {
+            None => Ok(TokenBuckets::powers_of_two(self.max_batched_tokens)),
+            Some(list) => TokenBuckets::from_list(list.clone(), self.max_batched_tokens),
+        }
+    }
+
+    pub fn plan_shape(&self) -> KvResult<PlanShape> {
+        Ok(PlanShape {
+            max_tokens: self.buckets()?.largest(),
+            max_seqs: self.max_num_seqs,
+            pages_per_seq: self.max_seq_len.div_ceil(self.block_size),
+            block_size: crate::pool::BlockSize::new(self.block_size),
+            pad_slot: (self.num_blocks * self.block_size) as i32,
+        })
+    }
+}

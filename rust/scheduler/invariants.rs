@@ -1,0 +1,165 @@
+//! `check_invariants`: every cross-structure invariant, for tests.
+
+use super::*;
+
+impl Scheduler {
+    /// Every cross-structure invariant, for tests: pages conserved and owned once,
+    /// usage within reservations (reserve mode), reservations within the usable
+    /// pool, floors honoured, the running set and queues consistent.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        self.kv.pool().check_invariants()?;
+        self.requests.check_invariants()?;
+        let reserve_mode = !self.config.admission.preempts_for_pages();
+        let n_tenants = self.tenants.iter().map(|(id, _)| id + 1).max().unwrap_or(0);
+        let mut reserved = vec![0usize; n_tenants];
+        let mut used = vec![0usize; n_tenants];
+        let mut live = vec![0u32; n_tenants];
+        let mut running = vec![0u32; n_tenants];
+        let mut resuming = vec![0u32; n_tenants];
+        // References each page gets from requests, and from which tenant's
+        // requests (for the shared-page accounting).
+        let mut refs = vec![0u32; self.kv.pool().num_blocks()];
+        let mut refs_by_scope_tenant = vec![0u32; self.kv.pool().num_blocks()];
+        if self.running.num_decode() > self.running.len() {
+            return Err("num_decode exceeds the running set".into());
+        }
+        for (slab, r) in self.requests.iter() {
+            if reserve_mode && r.pages.len() > r.reserved_blocks {
+                return Err(format!("request {} holds more pages than reserved", r.id));
+            }
+            let bs = self.config.block_size;
+            if r.pages.len() < r.num_computed.div_ceil(bs)
+                || r.pages.len() > r.tokens.len().div_ceil(bs)
+            {
+                return Err(format!("request {} pages do not match its KV", r.id));
+            }
+            match r.place {
+                Place::Running(pos) => {
+                    if self.running.slots().get(pos) != Some(&slab) {
+                        return Err(format!("request {} is not where it thinks it runs", r.id));
+                    }
+                    if pos < self.running.num_decode() && !(r.need() == 1 && r.generated() > 0) {
+                        return Err(format!("request {} is in the decode region", r.id));
+                    }
+                    running[r.tenant] += 1;
+                }
+                Place::Queued | Place::Resuming(_) => {
+                    // Waiting, it holds cache hits or (preempted in reserve
+                    // mode) the KV it computed; never a page beyond that.
+                    if r.pages.len() != r.num_computed.div_ceil(bs) {
+                        return Err(format!(
+                            "waiting request {} holds pages it has not filled",
+                            r.id
+                        ));
+                    }
+                    let queued = match r.place {
+                        Place::Resuming(tier) => {
+                            resuming[r.tenant] += 1;
+                            self.resume.contains(tier, slab)
+                        }
+                        _ => self.tenants.get(r.tenant).waiting.contains(&slab),
+                    };
+                    if !queued {
+                        return Err(format!("request {} is not in the queue it names", r.id));
+                    }
+                }
+            }
+            let cache = self.kv.pool().cache();
+            for (b, &p) in r.pages.iter().enumerate() {
+                refs[p as usize] += 1;
+                if cache.scope(p) == Some(Scope::Tenant(r.tenant)) {
+                    refs_by_scope_tenant[p as usize] += 1;
+                }
+                // A cached page holds exactly the block the request's chain names.
+                match (cache.key_of(p), r.block_keys.get(b)) {
+                    (Some(k), Some(&mine)) if k != mine => {
+                        return Err(format!(
+                            "request {} page {p} is cached under another name",
+                            r.id
+                        ))
+                    }
+                    (Some(_), None) => {
+                        return Err(format!("request {} shares page {p} it has not named", r.id))
+                    }
+                    _ => {}
+                }
+            }
+            if self.kv.caching() && !r.pages.is_empty() && r.block_keys.len() != r.num_computed / bs
+            {
+                return Err(format!(
+                    "request {} names {} blocks, has computed {}",
+                    r.id,
+                    r.block_keys.len(),
+                    r.num_computed
+                ));
+            }
+            reserved[r.tenant] += r.reserved_blocks;
+            used[r.tenant] += r.pages.len();
+            live[r.tenant] += 1;
+        }
+        for (p, &n) in refs.iter().enumerate() {
+            if n != self.kv.pool().refcount(p as u32) {
+                return Err(format!(
+                    "page {p}: requests hold {n} references, the pool counts {}",
+                    self.kv.pool().refcount(p as u32)
+                ));
+            }
+        }
+        let mut shared = vec![0usize; n_tenants];
+        // Sharing earns admission room in reserve mode only.
+        for (p, &n) in refs_by_scope_tenant
+            .iter()
+            .enumerate()
+            .filter(|_| reserve_mode)
+        {
+            if let Some(Scope::Tenant(t)) = self.kv.pool().cache().scope(p as u32) {
+                if t < n_tenants {
+                    shared[t] += n.saturating_sub(1) as usize;
+                }
+            }
+        }
+        let queued: usize = self
+            .tenants
+            .iter()
+            .map(|(_, t)| t.waiting.len())
+            .sum::<usize>()
+            + self.resume.len();
+        if queued + self.running.len() != self.requests.len() {
+            return Err("queues and running set do not cover the live requests".into());
+        }
+        let usable = self.usable_blocks();
+        let mut committed = 0;
+        for (id, t) in self.tenants.iter() {
+            let name = &t.config.name;
+            if (
+                t.reserved_blocks,
+                t.used_blocks,
+                t.shared_blocks,
+                t.live_requests,
+                t.running,
+                t.resuming,
+            ) != (
+                reserved[id],
+                used[id],
+                shared[id],
+                live[id],
+                running[id],
+                resuming[id],
+            ) {
+                return Err(format!(
+                    "tenant {name:?} accounting differs from its requests"
+                ));
+            }
+            committed += t.footprint();
+        }
+        if committed != self.tenants.committed() {
+            return Err("committed blocks drifted".into());
+        }
+        if committed > usable {
+            return Err(format!(
+                "reservations and floors ({committed}) exceed the usable pool ({usable})"
+            ));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,332 @@
+//! The KV manager: the page pool, the prefix cache's block naming and the
+//! admission mode, behind one boundary. The scheduler asks it for a request's
+//! pages (grow, drop, share a cached prefix, name the blocks a step filled)
+//! and never touches a refcount or a hash itself.
+//!
+//! The two modes that change how pages behave are decided here, once:
+//! - prefix caching off: nothing is named, every lookup misses, and sharing
+//!   never happens, so the calls below are no-ops or plain page moves;
+//! - the admission mode (`AdmissionMode`): reserved requests may hold cache
+//!   hits while they wait and count pages shared within a tenant as admission
+//!   room; over-committed ones look their prefix up only when they enter the
+//!   running set (nothing could preempt a waiting request to take its pages).
+//!
+//! What a request's pages cost its tenant (`used_blocks`, shared pages) the
+//! scheduler applies from what these calls return (the `impl Scheduler`
+//! helpers at the end).
+
+use super::*;
+
+pub(super) struct KvManager {
+    pool: BlockPool,
+    /// Names full blocks (None: prefix caching off).
+    names: Option<PrefixHasher>,
+    admission: AdmissionMode,
+    block_size: usize,
+    /// `block_size` with the shift its hot loops divide by.
+    block: BlockSize,
+}
+
+impl KvManager {
+    pub(super) fn new(config: &SchedulerConfig) -> KvResult<Self> {
+        let pool = BlockPool::new(config.num_blocks, config.block_size)?;
+        let names = if config.prefix_caching {
+            let key = match config.prefix_cache_key {
+                Some(SecretKey(k)) => k,
+                None => PrefixHasher::random_key().map_err(KvError::Internal)?,
+            };
+            Some(PrefixHasher::new(&key))
+        } else {
+            None
+        };
+        Ok(KvManager {
+            pool,
+            names,
+            admission: config.admission,
+            block_size: config.block_size,
+            block: BlockSize::new(config.block_size),
+        })
+    }
+
+    #[inline]
+    pub(super) fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    /// Whether prefix caching is on.
+    pub(super) fn caching(&self) -> bool {
+        self.names.is_some()
+    }
+
+    /// Whether admission looks the prompt up and shares its cached prefix at
+    /// submit (reserve mode with caching on); over-committed, the lookup waits
+    /// for entry (`acquire_prefix`).
+    pub(super) fn shares_at_submit(&self) -> bool {
+        self.caching() && !self.admission.preempts_for_pages()
+    }
+
+    /// Free pages, evictable cached ones included.
+    #[inline]
+    pub(super) fn available(&self) -> usize {
+        self.pool.available()
+    }
+
+    #[inline]
+    pub(super) fn blocks_for(&self, tokens: usize) -> usize {
+        self.pool.blocks_for(tokens)
+    }
+
+    /// Forget a removed tenant's evictable cached pages.
+    pub(super) fn forget_tenant(&mut self, tid: TenantId) {
+        self.pool.forget_tenant(tid);
+    }
+
+    /// The namespace a request of `tid` names its blocks in (a fixed one when
+    /// caching is off: nothing is named in it).
+    pub(super) fn namespace(
+        &self,
+        tid: TenantId,
+        tenant: &crate::tenant::Tenant,
+        salt: Option<&[u8]>,
+    ) -> Namespace {
+        match &self.names {
+            Some(h) => h.namespace(
+                tid,
+                &tenant.config.name,
+                tenant.config.prefix_namespace.as_deref(),
+                salt,
+            ),
+            None => Namespace {
+                root: 0,
+                scope: Scope::Tenant(tid),
+            },
+        }
+    }
+
+    /// The longest cached prefix of `tokens`, at most `max_blocks` full blocks:
+    /// appends the page of each hit to `pages` (empty on entry) until the first
+    /// miss. `keys` is the chain named so far (from `root`); names it lacks are
+    /// computed and kept, and it is cut to the hits on return.
+    fn match_prefix(
+        &self,
+        root: BlockKey,
+        tokens: &[i32],
+        max_blocks: usize,
+        keys: &mut Vec<BlockKey>,
+        pages: &mut Vec<u32>,
+    ) {
+        debug_assert!(pages.is_empty());
+        let Some(names) = &self.names else { return };
+        for b in 0..max_blocks {
+            // Keys named before (a preemption) are still right: they follow content.
+            let key = match keys.get(b) {
+                Some(&k) => k,
+                None => {
+                    let k = names.next_in_chain(root, keys, tokens, self.block_size);
+                    keys.push(k);
+                    k
+                }
+            };
+            match self.pool.cache().lookup(key) {
+                Some(p) => pages.push(p),
+                None => break,
+            }
+        }
+        keys.truncate(pages.len());
+    }
+
+    /// Admission's prefix lookup for a prompt of tenant `tid` (see
+    /// `shares_at_submit`; nothing otherwise): the pages of its cached prefix
+    /// (all but its last token at most, so there are logits to sample) into
+    /// `hits`, their names into `keys`. Returns how many of the hits are pages
+    /// of the tenant's own namespace that another of its requests holds: they
+    /// are shared, so admission does not charge them twice.
+    pub(super) fn lookup_at_submit(
+        &self,
+        tid: TenantId,
+        root: BlockKey,
+        prompt: &[i32],
+        hits: &mut Vec<u32>,
+        keys: &mut Vec<BlockKey>,
+    ) -> usize {
+        if !self.shares_at_submit() {
+            return 0;
+        }
+        let max_blocks = prompt.len().saturating_sub(1) / self.block_size;
+        hits.reserve_exact(max_blocks);
+        keys.reserve_exact(max_blocks);
+        self.match_prefix(root, prompt, max_blocks, keys, hits);
+        hits.iter()
+            .filter(|&&p| {
+                self.pool.refcount(p) > 0 && self.pool.cache().scope(p) == Some(Scope::Tenant(tid))
+            })
+            .count()
+    }
+
+    /// Take a reference on each of `hits` (cached pages `lookup_at_submit` found).
+    pub(super) fn share_hits(&mut self, hits: &[u32]) -> KvResult<()> {
+        self.pool
+            .retain(hits)
+            .map_err(|e| KvError::Internal(format!("a cache hit is not a cached page: {e}")))
+    }
+
+    /// Drop a request of `tid`'s references on `pages` (last to first).
+    /// Returns how many of them were shared with another of its requests in
+    /// its own namespace (reserve mode only: sharing earns admission room there).
+    fn drop_pages(&mut self, tid: TenantId, pages: &[u32]) -> usize {
+        let shared = if self.shares_at_submit() {
+            pages
+                .iter()
+                .filter(|&&p| {
+                    self.pool.refcount(p) >= 2
+                        && self.pool.cache().scope(p) == Some(Scope::Tenant(tid))
+                })
+                .count()
+        } else {
+            0
+        };
+        self.pool
+            .free(pages)
+            .expect("a request's pages are allocated and its own");
+        shared
+    }
+
+    /// Over-committed, a request shares the cached prefix of its tokens when it
+    /// is about to enter the running set (first entry, or back after a
+    /// preemption: its own blocks, released tail first, are likely still
+    /// cached), so only the rest is computed. Returns the pages it took.
+    fn acquire_prefix(&mut self, r: &mut Request) -> usize {
+        if !self.caching() {
+            return 0;
+        }
+        debug_assert!(r.pages.is_empty() && r.num_computed == 0);
+        let limit = r.tokens.len().saturating_sub(1) / self.block_size;
+        let mut pages = Vec::new();
+        self.match_prefix(
+            r.namespace.root,
+            &r.tokens,
+            limit,
+            &mut r.block_keys,
+            &mut pages,
+        );
+        self.pool.retain(&pages).expect("cached pages");
+        r.num_computed = pages.len() * self.block_size;
+        r.pages = pages;
+        r.pages.len()
+    }
+
+    /// Pages so that `r` covers `len` tokens; returns how many were added.
+    fn grow(&mut self, r: &mut Request, len: usize) -> KvResult<usize> {
+        let need = self.pool.blocks_for(len).saturating_sub(r.pages.len());
+        if need == 0 {
+            return Ok(0);
+        }
+        if !self.admission.preempts_for_pages() && r.pages.len() + need > r.reserved_blocks {
+            return Err(KvError::Internal(format!(
+                "request {} would exceed its reservation",
+                r.id
+            )));
+        }
+        self.pool
+            .allocate_into(need, &mut r.pages)
+            .map_err(|e| KvError::Internal(format!("a page the plan counted on is gone: {e}")))?;
+        Ok(need)
+    }
+
+    /// Name the full blocks of `r` that its committed tokens filled since it
+    /// last named one; the first copy of a block stays the cached one.
+    #[inline]
+    pub(super) fn name_filled_blocks(&mut self, r: &mut Request) {
+        let Some(names) = &self.names else { return };
+        let (full, _) = self.block.split(r.num_computed);
+        while r.block_keys.len() < full {
+            let key =
+                names.next_in_chain(r.namespace.root, &r.block_keys, &r.tokens, self.block_size);
+            let page = r.pages[r.block_keys.len()];
+            if !self.pool.cache().is_cached(page) {
+                self.pool.register(page, key, r.namespace.scope);
+            }
+            r.block_keys.push(key);
+        }
+    }
+}
+
+impl Scheduler {
+    /// Give back `pages` of a request of `tid`, with the tenant's usage.
+    pub(super) fn drop_pages(&mut self, tid: TenantId, pages: &[u32]) {
+        let shared = self.kv.drop_pages(tid, pages);
+        if shared > 0 {
+            self.tenants.share(tid, 0, shared);
+        }
+        self.tenants.get_mut(tid).drop_pages(pages.len());
+    }
+
+    /// `slab` is about to enter the running set. Over-committed, it shares its
+    /// cached prefix now (it held no page while it waited); reserved, it got
+    /// its hits at submit and keeps its KV across a preemption: nothing to do.
+    pub(super) fn prepare_entry(&mut self, slab: usize) {
+        if self.kv.admission.preempts_for_pages() && self.requests.get(slab).pages.is_empty() {
+            self.acquire_prefix(slab);
+        }
+    }
+
+    /// `slab` did not enter after all (no room for a chunk): undo `prepare_entry`.
+    pub(super) fn abandon_entry(&mut self, slab: usize) {
+        if self.kv.admission.preempts_for_pages() {
+            self.release_prefix(slab);
+        }
+    }
+
+    /// `slab` enters: over-committed, with caching on, its first entry is
+    /// when its prefix lookup counts (hit rates, `cached_tokens`); reserved,
+    /// it counted at submit.
+    pub(super) fn count_entry_lookup(&mut self, slab: usize) {
+        let r = self.requests.get_mut(slab);
+        if !(self.kv.admission.preempts_for_pages()
+            && self.kv.caching()
+            && r.first_scheduled.is_none())
+        {
+            return;
+        }
+        r.cached_tokens = r.num_computed;
+        let (tid, prompt_len, hit) = (r.tenant, r.prompt_len, r.num_computed);
+        self.tenants
+            .get_mut(tid)
+            .count_prefix_lookup(prompt_len, hit, self.kv.block_size);
+    }
+
+    /// Over-committed entry: `slab` shares its cached prefix (see
+    /// `KvManager::acquire_prefix`). No admission credit for sharing here:
+    /// over-committed, a preemption would take it back and push the promise
+    /// past the pool.
+    fn acquire_prefix(&mut self, slab: usize) {
+        let r = self.requests.get_mut(slab);
+        let taken = self.kv.acquire_prefix(r);
+        let tid = r.tenant;
+        self.tenants.get_mut(tid).hold_pages(taken);
+    }
+
+    /// Undo `acquire_prefix` for a request that did not enter after all.
+    fn release_prefix(&mut self, slab: usize) {
+        let r = self.requests.get_mut(slab);
+        if r.pages.is_empty() {
+            return;
+        }
+        let pages = std::mem::take(&mut r.pages);
+        r.num_computed = 0;
+        let tid = r.tenant;
+        self.drop_pages(tid, &pages);
+    }
+
+    /// Pages so that `slab` covers `len` tokens.
+    #[inline]
+    pub(super) fn grow_pages(&mut self, slab: usize, len: usize) -> KvResult<()> {
+        let r = self.requests.get_mut(slab);
+        let added = self.kv.grow(r, len)?;
+        if added > 0 {
+            let tid = r.tenant;
+            self.tenants.get_mut(tid).hold_pages(added);
+        }
+        Ok(())
+    }
+}

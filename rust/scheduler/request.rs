@@ -1,0 +1,274 @@
+//! One admitted request: its tokens, pages and place, how it ended, and its
+//! terminal event; and `RequestTable`, the live requests by slot and by id.
+//!
+//! The queues and the running set hold slots (indices into the table), not
+//! requests: a slot is stable while its request lives and is reused after.
+
+use super::*;
+
+/// How a request ended. Every admitted request ends exactly once, with one
+/// `FinishedRequest` carrying one of these.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// max_tokens reached.
+    Length,
+    /// A stop token was sampled (it is part of the output), or the host ended
+    /// it with `Scheduler::stop` (it matched a stop string in the text).
+    Stop,
+    /// Cancelled by the caller (`cancel`); its output is what it had generated.
+    Cancelled,
+    /// Still unfinished when the drain's deadline came: handed back (see
+    /// `checkpoint`) with what it had generated.
+    DrainDeadline,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Length => "length",
+            FinishReason::Stop => "stop",
+            FinishReason::Cancelled => "cancelled",
+            FinishReason::DrainDeadline => "drain_deadline",
+        }
+    }
+
+    /// Counted as finished (per-tenant `finished`, the e2e histogram), not as
+    /// cancelled.
+    pub fn is_finished(self) -> bool {
+        matches!(self, FinishReason::Length | FinishReason::Stop)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Place {
+    /// In its tenant's queue.
+    Queued,
+    /// Preempted, in the resume queue of this tier (its tier when it was
+    /// preempted: a tenant's tier may change while it waits).
+    Resuming(u32),
+    /// In the running set at this position.
+    Running(usize),
+}
+
+/// One admitted, unfinished request.
+///
+/// `repr(C)` and 64-byte alignment keep what a decode step touches in the first
+/// cache line and what its commit touches in the second: a step visits every
+/// running request, so lines per request are the cost of a step.
+#[derive(Clone, Debug)]
+#[repr(C, align(64))]
+pub struct Request {
+    // Line 1: read by step().
+    /// Prompt followed by the tokens generated so far.
+    pub tokens: Vec<i32>,
+    /// Pages holding its KV, in order.
+    pub pages: Vec<u32>,
+    /// Tokens whose KV is written (committed steps only).
+    pub num_computed: usize,
+    /// Identifies this page list in the plan's row caches; renewed on (re)entry.
+    pub(super) row_key: u64,
+    // Line 2: read by commit().
+    pub id: u64,
+    pub tenant: TenantId,
+    pub(super) place: Place,
+    pub max_tokens: usize,
+    pub prompt_len: usize,
+    pub last_token: Option<f64>,
+    // Colder.
+    pub stop_token_ids: Vec<i32>,
+    pub first_token: Option<f64>,
+    /// Blocks reserved at admission, held until it ends.
+    pub reserved_blocks: usize,
+    /// Prefix-cache names of its first full blocks, in order (the chain so far).
+    pub block_keys: Vec<BlockKey>,
+    /// The namespace its blocks are named in.
+    pub namespace: Namespace,
+    pub arrival: f64,
+    pub first_scheduled: Option<f64>,
+    pub preemptions: u32,
+    pub cached_tokens: usize,
+    pub cache_salt: Option<Vec<u8>>,
+    /// Since when it waits to (re)enter the running set: its arrival, or its
+    /// last preemption. The ladder's oldest-wait signal reads this.
+    pub waiting_since: f64,
+}
+
+impl Request {
+    pub fn generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+
+    pub fn output(&self) -> &[i32] {
+        &self.tokens[self.prompt_len..]
+    }
+
+    pub fn is_running(&self) -> bool {
+        matches!(self.place, Place::Running(_))
+    }
+
+    /// Tokens still to run before the next token can be sampled.
+    pub(super) fn need(&self) -> usize {
+        self.tokens.len() - self.num_computed
+    }
+}
+
+/// A request's terminal event: how it ended, its output (the tokens generated
+/// until then) and timings (seconds, from `now` values). `first_scheduled` and
+/// `first_token` are `finished` for a request that ended before it got there.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FinishedRequest {
+    pub id: u64,
+    pub tenant: String,
+    pub reason: FinishReason,
+    pub prompt_len: usize,
+    pub output: Vec<i32>,
+    pub arrival: f64,
+    pub first_scheduled: f64,
+    pub first_token: f64,
+    pub finished: f64,
+    pub preemptions: u32,
+    /// Prompt tokens served from the prefix cache at submit.
+    pub cached_tokens: usize,
+}
+
+/// A growable set of request ids, one bit each (ids are dense from 1).
+#[derive(Clone, Debug, Default)]
+pub(super) struct IdSet {
+    words: Vec<u64>,
+}
+
+impl IdSet {
+    pub(super) fn insert(&mut self, id: u64) {
+        let (w, b) = ((id / 64) as usize, id % 64);
+        if w >= self.words.len() {
+            self.words.resize(w + 1, 0);
+        }
+        self.words[w] |= 1 << b;
+    }
+
+    pub(super) fn contains(&self, id: u64) -> bool {
+        let (w, b) = ((id / 64) as usize, id % 64);
+        self.words.get(w).is_some_and(|x| x & (1 << b) != 0)
+    }
+}
+
+/// The live requests: a slab whose slots are reused once a request ends, the
+/// index from request id to slot, and the ids issued so far (dense from 1).
+#[derive(Debug)]
+pub(super) struct RequestTable {
+    slab: Vec<Option<Request>>,
+    free: Vec<usize>,
+    index: HashMap<u64, usize>,
+    next_id: u64,
+}
+
+impl Default for RequestTable {
+    fn default() -> Self {
+        RequestTable {
+            slab: Vec::new(),
+            free: Vec::new(),
+            index: HashMap::new(),
+            next_id: 1,
+        }
+    }
+}
+
+impl RequestTable {
+    /// The id the next admitted request gets.
+    pub(super) fn next_id(&self) -> u64 {
+        self.next_id
+    }
+
+    /// Whether `id` was ever issued (live or ended).
+    pub(super) fn issued(&self, id: u64) -> bool {
+        id != 0 && id < self.next_id
+    }
+
+    /// Store a new request (its id must be `next_id()`); returns its slot.
+    pub(super) fn insert(&mut self, req: Request) -> usize {
+        debug_assert_eq!(req.id, self.next_id);
+        self.next_id += 1;
+        let id = req.id;
+        let slot = match self.free.pop() {
+            Some(s) => {
+                self.slab[s] = Some(req);
+                s
+            }
+            None => {
+                self.slab.push(Some(req));
+                self.slab.len() - 1
+            }
+        };
+        self.index.insert(id, slot);
+        slot
+    }
+
+    /// Take the request out of `slot`; the slot is free for reuse.
+    pub(super) fn remove(&mut self, slot: usize) -> Request {
+        let req = self.slab[slot].take().expect("live slab entry");
+        self.free.push(slot);
+        self.index.remove(&req.id);
+        req
+    }
+
+    #[inline]
+    pub(super) fn get(&self, slot: usize) -> &Request {
+        self.slab[slot].as_ref().expect("live slab entry")
+    }
+
+    #[inline]
+    pub(super) fn get_mut(&mut self, slot: usize) -> &mut Request {
+        self.slab[slot].as_mut().expect("live slab entry")
+    }
+
+    /// The request in `slot` if it is still request `id` (a plan may name a
+    /// request cancelled since, whose slot now holds a newer one).
+    #[inline]
+    pub(super) fn get_mut_if(&mut self, slot: usize, id: u64) -> Option<&mut Request> {
+        self.slab[slot].as_mut().filter(|r| r.id == id)
+    }
+
+    pub(super) fn slot_of(&self, id: u64) -> Option<usize> {
+        self.index.get(&id).copied()
+    }
+
+    pub(super) fn by_id(&self, id: u64) -> Option<&Request> {
+        self.slot_of(id).map(|s| self.get(s))
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    pub(super) fn is_empty(&self) -> bool {
+        self.index.is_empty()
+    }
+
+    /// Live request ids, in no order.
+    pub(super) fn ids(&self) -> impl Iterator<Item = u64> + '_ {
+        self.index.keys().copied()
+    }
+
+    /// Live requests with their slots, in slot order.
+    pub(super) fn iter(&self) -> impl Iterator<Item = (usize, &Request)> {
+        self.slab
+            .iter()
+            .enumerate()
+            .filter_map(|(s, r)| r.as_ref().map(|r| (s, r)))
+    }
+
+    /// The slab and the index agree: every live request is indexed at its slot.
+    pub(super) fn check_invariants(&self) -> Result<(), String> {
+        let mut seen = 0;
+        for (slot, r) in self.iter() {
+            seen += 1;
+            if self.index.get(&r.id) != Some(&slot) {
+                return Err(format!("request {} missing from the index", r.id));
+            }
+        }
+        if seen != self.index.len() {
+            return Err("index and slab disagree".into());
+        }
+        Ok(())
+    }
+}

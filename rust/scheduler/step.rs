@@ -1,0 +1,402 @@
+//! One step: plan the running set's next tokens (decodes first, then prefill
+//! chunks, then new entries), preempting where the admission mode says so,
+//! and hand the arrays to `planner::write_plan`. The chunk arithmetic itself
+//! is the planner's (`planner::prefill_room`, `planner::prefill_chunk`).
+
+use super::*;
+
+/// What one `step()` decided, beside the arrays it wrote.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepOutcome {
+    pub step_id: u64,
+    /// Which of the two buffer sets holds this plan's arrays.
+    pub parity: usize,
+    pub num_seqs: usize,
+    pub num_decode: usize,
+    pub num_tokens: usize,
+    pub bucket: usize,
+    /// Request id of each sequence, in plan order.
+    pub request_ids: Vec<u64>,
+    /// Whether the token sampled for each sequence is used (its prompt, or its
+    /// recompute, is complete); false for a prefill chunk that stops short.
+    pub samples: Vec<bool>,
+    /// Requests preempted while planning this step (back in their queue).
+    pub preempted: Vec<u64>,
+}
+
+/// One sequence of a pending plan.
+#[derive(Clone, Debug)]
+pub(super) struct PendingSeq {
+    pub(super) slab: usize,
+    pub(super) id: u64,
+    pub(super) q_len: usize,
+    pub(super) samples: bool,
+    pub(super) decode: bool,
+}
+
+/// The step being planned: tokens per sequence in plan order (decodes first),
+/// tokens placed so far, and the budget they must fit.
+struct Batch {
+    q_lens: Vec<usize>,
+    scheduled: usize,
+    num_decode: usize,
+    budget: usize,
+}
+
+/// A plan handed out and not yet committed: what `commit` needs of it.
+#[derive(Clone, Debug)]
+pub(super) struct Pending {
+    pub(super) step_id: u64,
+    pub(super) seqs: Vec<PendingSeq>,
+    pub(super) preempted: Vec<u64>,
+}
+
+impl Scheduler {
+    // -- one step -------------------------------------------------------------------
+
+    /// Plan the next step into `bufs`, which must be the buffer set
+    /// `next_parity()` names: each set's page-table rows are updated against
+    /// what that set held two steps ago, so passing any other buffer leaves stale
+    /// rows (only `full_validation` would catch it). Returns None when nothing can
+    /// run. The plan must be committed before the next step.
+    ///
+    /// In order: the drain deadline and the ladder; priority preemption; a
+    /// page for every decode; the running prefills' next chunks; new entries
+    /// while there are slots and budget; then the arrays (`planner::write_plan`).
+    pub fn step(&mut self, now: f64, bufs: &mut PlanBuffers<'_>) -> KvResult<Option<StepOutcome>> {
+        if self.pending.is_some() {
+            return Err(KvError::StalePlan(
+                "the previous plan was not committed; commit it first".into(),
+            ));
+        }
+        if let Some(last) = self.last_step_at {
+            self.step_gap.observe((now - last).max(0.0));
+        }
+        self.last_step_at = Some(now);
+        self.clock = self.clock.max(now);
+        if self.lifecycle == Lifecycle::Draining && now >= self.drain_deadline {
+            self.hand_back_all(now);
+        }
+        self.maybe_drained();
+        self.update_ladder(now);
+        let mut preempted = Vec::new();
+        if self.config.preempt_lower_tiers {
+            self.preempt_for_higher_tiers(&mut preempted);
+        }
+
+        // Decodes first: every running decode sequence gets its token.
+        self.decode_pages(&mut preempted)?;
+        let num_decode = self.running.num_decode();
+        let mut batch = Batch {
+            q_lens: vec![1; num_decode],
+            scheduled: num_decode,
+            num_decode,
+            budget: self.step_budget(),
+        };
+        if self.continue_prefills(&mut batch, &mut preempted)? {
+            self.enter_waiting(&mut batch, now)?;
+        }
+
+        if batch.q_lens.is_empty() {
+            // Preemptions of a step that runs nothing are reported with the next plan.
+            self.unreported_preempted.extend(preempted);
+            self.last_plan_at = None;
+            return Ok(None);
+        }
+        if !self.unreported_preempted.is_empty() {
+            let mut all = std::mem::take(&mut self.unreported_preempted);
+            all.extend(preempted);
+            preempted = all;
+        }
+        self.write_step(&batch.q_lens, num_decode, preempted, bufs, now)
+            .map(Some)
+    }
+
+    /// The step's token budget: max_batched_tokens, shrunk to the smallest
+    /// max_step_tokens of the tenants with a sequence running.
+    fn step_budget(&self) -> usize {
+        let budget_cap = self
+            .tenants
+            .iter()
+            .filter(|(_, t)| t.running > 0)
+            .filter_map(|(_, t)| t.config.max_step_tokens)
+            .min();
+        self.config
+            .max_batched_tokens
+            .min(budget_cap.unwrap_or(usize::MAX))
+    }
+
+    /// Prefills already running resume where they stopped, in entry order,
+    /// each by the chunk that fits. Returns whether every one of them moved
+    /// (only then may new sequences enter).
+    fn continue_prefills(&mut self, batch: &mut Batch, preempted: &mut Vec<u64>) -> KvResult<bool> {
+        let overcommit = self.config.admission.preempts_for_pages();
+        let mut pos = batch.num_decode;
+        while pos < self.running.len() {
+            let slab = self.running.at(pos);
+            let room = self.prefill_room(batch.budget, batch.scheduled, batch.num_decode);
+            let chunk = self.prefill_chunk(slab, room);
+            if chunk == 0 {
+                if overcommit && batch.scheduled == 0 {
+                    // Nothing runs and no page is free: the running prefills hold
+                    // the pool between them. Preempt (lowest tier, most recently
+                    // admitted) until the first of them can move.
+                    let victim = self.victim(None).expect("a prefill is running");
+                    self.preempt(victim, preempted);
+                    continue;
+                }
+                break;
+            }
+            let len = self.requests.get(slab).num_computed + chunk;
+            self.grow_pages(slab, len)?;
+            batch.q_lens.push(chunk);
+            batch.scheduled += chunk;
+            pos += 1;
+        }
+        Ok(pos == self.running.len())
+    }
+
+    /// New sequences enter while there are slots and budget. The best waiting
+    /// request holds the line: nothing of lower priority passes it.
+    fn enter_waiting(&mut self, batch: &mut Batch, now: f64) -> KvResult<()> {
+        let max_running = self.max_running();
+        while self.running.len() < max_running {
+            let Some((slab, from)) = self.peek_waiting() else {
+                break;
+            };
+            self.prepare_entry(slab);
+            let cap = self
+                .tenants
+                .get(self.requests.get(slab).tenant)
+                .config
+                .max_step_tokens;
+            let entry_budget = batch.budget.min(cap.unwrap_or(usize::MAX));
+            let room = self.prefill_room(entry_budget, batch.scheduled, batch.num_decode);
+            let chunk = self.prefill_chunk(slab, room);
+            if chunk == 0 {
+                self.abandon_entry(slab);
+                break;
+            }
+            self.count_entry_lookup(slab);
+            batch.budget = entry_budget;
+            self.pop_waiting(slab, from);
+            self.enter_running(slab, now);
+            let len = self.requests.get(slab).num_computed + chunk;
+            self.grow_pages(slab, len)?;
+            batch.q_lens.push(chunk);
+            batch.scheduled += chunk;
+        }
+        Ok(())
+    }
+
+    /// Write the plan of the first `q_lens.len()` running sequences (`q_lens`
+    /// tokens each, the first `num_decode` decodes) into `bufs`, advance the
+    /// tenants' virtual times and the step rate, and keep what `commit` needs.
+    fn write_step(
+        &mut self,
+        q_lens: &[usize],
+        num_decode: usize,
+        preempted: Vec<u64>,
+        bufs: &mut PlanBuffers<'_>,
+        now: f64,
+    ) -> KvResult<StepOutcome> {
+        let parity = self.next_parity();
+        let n = q_lens.len();
+        self.served.resize(self.tenants.slots_len(), 0);
+        let mut seqs = Vec::with_capacity(n);
+        let mut request_ids = Vec::with_capacity(n);
+        let mut samples = Vec::with_capacity(n);
+        let written = {
+            // One pass over the scheduled sequences writes the arrays and records
+            // what commit needs (disjoint fields, so the borrows coexist).
+            let requests = &self.requests;
+            let served = &mut self.served;
+            let scheduled = self.running.slots()[..n]
+                .iter()
+                .zip(q_lens)
+                .enumerate()
+                .map(|(pos, (&s, &q))| {
+                    let r = requests.get(s);
+                    let done = r.num_computed + q == r.tokens.len();
+                    served[r.tenant] += q;
+                    seqs.push(PendingSeq {
+                        slab: s,
+                        id: r.id,
+                        q_len: q,
+                        samples: done,
+                        decode: pos < num_decode,
+                    });
+                    request_ids.push(r.id);
+                    samples.push(done);
+                    SeqSlice {
+                        row_key: r.row_key,
+                        tokens: &r.tokens,
+                        start: r.num_computed,
+                        q_len: q,
+                        pages: &r.pages,
+                    }
+                });
+            planner::write_plan(
+                &self.shape,
+                &self.buckets,
+                bufs,
+                &mut self.rows[parity],
+                num_decode,
+                self.kv.pool(),
+                scheduled,
+            )?
+        };
+        if cfg!(debug_assertions) || self.config.full_validation {
+            planner::validate(&self.shape, bufs, &written, self.kv.pool())?;
+        }
+        // Weighted fair share: virtual time grows by tokens served / weight (summed
+        // per tenant first: one division per tenant, not per sequence).
+        for (tid, tokens) in self.served.iter_mut().enumerate() {
+            if *tokens > 0 {
+                self.tenants.get_mut(tid).serve(*tokens);
+                *tokens = 0;
+            }
+        }
+
+        // The step rate: gaps between consecutive steps that both ran something.
+        if let Some(prev) = self.last_plan_at {
+            let gap = now - prev;
+            if gap > 0.0 {
+                if self.step_gaps.len() == STEP_GAP_WINDOW {
+                    self.step_gaps.pop_front();
+                }
+                self.step_gaps.push_back(gap);
+            }
+        }
+        self.last_plan_at = Some(now);
+        let step_id = (self.instance << STEP_ID_BITS) | (self.steps % (1 << STEP_ID_BITS));
+        self.steps += 1;
+        self.pending = Some(Pending {
+            step_id,
+            seqs,
+            preempted: preempted.clone(),
+        });
+        Ok(StepOutcome {
+            step_id,
+            parity,
+            num_seqs: written.num_seqs,
+            num_decode,
+            num_tokens: written.num_tokens,
+            bucket: written.bucket,
+            request_ids,
+            samples,
+            preempted,
+        })
+    }
+
+    /// Priority preemption: the best waiting request, if of a higher tier than
+    /// some running sequence, takes its slot (or, over-committed, its pages).
+    pub(super) fn preempt_for_higher_tiers(&mut self, preempted: &mut Vec<u64>) {
+        loop {
+            let Some((slab, _)) = self.peek_waiting() else {
+                return;
+            };
+            let tier = self.tenants.get(self.requests.get(slab).tenant).config.tier;
+            let no_slot = self.running.len() >= self.max_running();
+            // Over-committed, a request that cannot get the pages of its
+            // first chunk needs room as much as one without a slot.
+            let no_room = self.config.admission.preempts_for_pages() && {
+                let first = self
+                    .requests
+                    .get(slab)
+                    .need()
+                    .min(self.config.long_prefill_chunk);
+                self.kv.blocks_for(first) > self.kv.available()
+            };
+            if !(no_slot || no_room) {
+                return;
+            }
+            let Some(pos) = self.victim(Some(tier)) else {
+                return;
+            };
+            self.preempt(pos, preempted);
+        }
+    }
+
+    /// Give every decode sequence the page its next token needs. Over-committed,
+    /// preempt (lowest tier, most recently admitted) until they fit.
+    pub(super) fn decode_pages(&mut self, preempted: &mut Vec<u64>) -> KvResult<()> {
+        // Reserve mode needs no count: every page is within a reservation.
+        if self.config.admission.preempts_for_pages() {
+            loop {
+                let need = self.running.slots()[..self.running.num_decode()]
+                    .iter()
+                    .filter(|&&s| {
+                        let r = self.requests.get(s);
+                        self.kv.blocks_for(r.num_computed + 1) > r.pages.len()
+                    })
+                    .count();
+                if need <= self.kv.available() {
+                    break;
+                }
+                let pos = self.victim(None).expect("decodes are running");
+                self.preempt(pos, preempted);
+            }
+        }
+        let bs = self.shape.block_size;
+        for i in 0..self.running.num_decode() {
+            let slab = self.running.at(i);
+            let r = self.requests.get(slab);
+            // Fifteen steps in sixteen (block 16) the page is already there.
+            if bs.blocks_for(r.num_computed + 1) > r.pages.len() {
+                let len = r.num_computed + 1;
+                self.grow_pages(slab, len)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Preempt the running sequence at `pos` and queue it at the head of its
+    /// tier. Over-committed, its pages go back (cached blocks stay evictable,
+    /// tail first) and it is recomputed later from what the cache still holds.
+    /// In reserve mode its pages are reserved anyway: it keeps its KV and only
+    /// gives up its slot.
+    pub(super) fn preempt(&mut self, pos: usize, preempted: &mut Vec<u64>) {
+        let slab = self.running.at(pos);
+        self.remove_running(pos);
+        if self.config.admission.preempts_for_pages() {
+            let r = self.requests.get_mut(slab);
+            let pages = std::mem::take(&mut r.pages);
+            r.num_computed = 0;
+            let tid = r.tenant;
+            self.drop_pages(tid, &pages);
+        }
+        let now = self.last_step_at;
+        let r = self.requests.get_mut(slab);
+        r.preemptions += 1;
+        r.waiting_since = now.unwrap_or(r.waiting_since);
+        let (id, tid) = (r.id, r.tenant);
+        let t = self.tenants.get_mut(tid);
+        t.preempted();
+        let tier = t.config.tier;
+        self.preemptions += 1;
+        self.queue_resuming(slab, tier);
+        preempted.push(id);
+    }
+
+    /// Prefill tokens the step still has room for (see `planner::prefill_room`).
+    #[inline]
+    fn prefill_room(&self, budget: usize, scheduled: usize, num_decode: usize) -> usize {
+        planner::prefill_room(
+            budget,
+            scheduled,
+            num_decode,
+            self.config.max_batched_tokens,
+        )
+    }
+
+    /// Tokens of `slab`'s prefill that fit `room`, the chunk cap and
+    /// (over-committed) the pages it holds plus the free ones.
+    fn prefill_chunk(&self, slab: usize, room: usize) -> usize {
+        let r = self.requests.get(slab);
+        let coverable = self.config.admission.preempts_for_pages().then(|| {
+            (r.pages.len() + self.kv.available()) * self.config.block_size - r.num_computed
+        });
+        planner::prefill_chunk(r.need(), self.config.long_prefill_chunk, room, coverable)
+    }
+}
