@@ -30,6 +30,7 @@ COVERED = (
     "cargo test",
     "python -m pytest",
     "python -m mypy.stubtest kvsched._core",
+    "python -m mypy --strict examples/",  # tests/test_stub.py runs it
     "KVSCHED_HYPOTHESIS=long python -m pytest",
 )
 
