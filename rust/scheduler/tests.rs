@@ -59,17 +59,53 @@ impl Harness {
 
     /// One step and its commit; None when nothing ran.
     fn step(&mut self) -> Option<CommitEvents> {
+        let out = self.plan().unwrap()?;
+        let sampled = self
+            .execute(&out, |_, _| {})
+            .unwrap_or_else(|e| panic!("{e}"));
+        Some(self.commit(out, &sampled).unwrap())
+    }
+
+    /// Plans the next step into the buffer set its parity names; None when
+    /// nothing runs.
+    fn plan(&mut self) -> KvResult<Option<StepOutcome>> {
         let parity = self.s.next_parity();
-        let out = self
-            .s
-            .step(self.now, &mut self.bufs[parity].as_mut())
-            .unwrap()?;
-        assert_eq!(out.parity, parity);
-        let b = &self.bufs[parity];
+        let out = self.s.step(self.now, &mut self.bufs[parity].as_mut())?;
+        if let Some(out) = &out {
+            assert_eq!(out.parity, parity);
+        }
+        Ok(out)
+    }
+
+    /// The fake engine runs a planned step: it writes each scheduled token at
+    /// its slot (telling `wrote` which request wrote which slot), reads every
+    /// sequence back through its page row, checks what it read against the
+    /// scheduler's own tokens, records what ran, and returns the token it
+    /// samples for each sequence. Err names the request that read wrong KV.
+    fn execute(
+        &mut self,
+        out: &StepOutcome,
+        mut wrote: impl FnMut(u64, usize),
+    ) -> Result<Vec<i32>, String> {
+        let b = &self.bufs[out.parity];
         let bs = self.s.config().block_size;
         let pps = self.s.plan_shape().pages_per_seq;
-        for t in 0..out.num_tokens {
-            self.kv[b.slot_mapping[t] as usize] = b.token_ids[t];
+        if b.cu_q_lens[out.num_seqs] as usize != out.num_tokens {
+            return Err(format!(
+                "the sequences do not run all {} tokens",
+                out.num_tokens
+            ));
+        }
+        for i in 0..out.num_seqs {
+            let (lo, hi) = (b.cu_q_lens[i] as usize, b.cu_q_lens[i + 1] as usize);
+            let id = out.request_ids[i];
+            for t in lo..hi {
+                let slot = b.slot_mapping[t] as usize;
+                self.kv[slot] = b.token_ids[t];
+                wrote(id, slot);
+            }
+            let ran = self.ran.entry(id).or_default();
+            ran.extend((lo..hi).map(|t| (b.positions[t], b.token_ids[t])));
         }
         let mut sampled = Vec::with_capacity(out.num_seqs);
         for i in 0..out.num_seqs {
@@ -79,14 +115,21 @@ impl Harness {
                 .map(|p| self.kv[row[p / bs] as usize * bs + p % bs])
                 .collect();
             let id = out.request_ids[i];
-            let truth = &self.s.request(id).unwrap().tokens[..kv_len];
-            assert_eq!(read, truth, "request {id} attends to the wrong KV");
+            let truth = &self.s.request(id).map_err(|e| e.to_string())?.tokens[..kv_len];
+            if read != truth {
+                return Err(format!(
+                    "request {id} attends to the wrong KV: read {read:?}, not {truth:?}"
+                ));
+            }
             sampled.push(sample_of(&read));
-            let (lo, hi) = (b.cu_q_lens[i] as usize, b.cu_q_lens[i + 1] as usize);
-            let ran = self.ran.entry(id).or_default();
-            ran.extend((lo..hi).map(|t| (b.positions[t], b.token_ids[t])));
         }
-        let ev = self.s.commit(out.step_id, &sampled, self.now).unwrap();
+        Ok(sampled)
+    }
+
+    /// Commits a step with what `execute` sampled, records what finished and
+    /// was preempted, moves the clock on and checks the invariants.
+    fn commit(&mut self, out: StepOutcome, sampled: &[i32]) -> KvResult<CommitEvents> {
+        let ev = self.s.commit(out.step_id, sampled, self.now)?;
         self.preempted += ev.preempted.len() as u64;
         for f in &ev.finished {
             self.finished.insert(f.id, f.clone());
@@ -94,7 +137,7 @@ impl Harness {
         self.outcomes.push(out);
         self.now += self.dt;
         self.s.check_invariants().unwrap();
-        Some(ev)
+        Ok(ev)
     }
 
     fn run(&mut self, max_steps: usize) {
@@ -1056,10 +1099,7 @@ mod review_fuzz {
                     cancel_mid,
                     submit_mid,
                 } => {
-                    let parity = h.s.next_parity();
-                    let out =
-                        h.s.step(h.now, &mut h.bufs[parity].as_mut())
-                            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                    let out = h.plan().map_err(|e| TestCaseError::fail(e.to_string()))?;
                     let Some(out) = out else {
                         if h.s.live_requests() > 0 {
                             nones += 1;
@@ -1068,24 +1108,8 @@ mod review_fuzz {
                         continue;
                     };
                     nones = 0;
-                    check_rows(&h.s, &h.bufs[parity], &out).map_err(TestCaseError::fail)?;
-                    let b = &h.bufs[parity];
-                    let bsz = bs;
-                    let pps = h.s.plan_shape().pages_per_seq;
-                    for t in 0..out.num_tokens {
-                        h.kv[b.slot_mapping[t] as usize] = b.token_ids[t];
-                    }
-                    let mut sampled = Vec::new();
-                    for i in 0..out.num_seqs {
-                        let kv_len = b.kv_lens[i] as usize;
-                        let row = &b.page_indices[i * pps..(i + 1) * pps];
-                        let read: Vec<i32> = (0..kv_len)
-                            .map(|p| h.kv[row[p / bsz] as usize * bsz + p % bsz])
-                            .collect();
-                        let truth = &h.s.request(out.request_ids[i]).unwrap().tokens[..kv_len];
-                        prop_assert_eq!(&read[..], truth);
-                        sampled.push(sample_of(&read));
-                    }
+                    check_rows(&h.s, &h.bufs[out.parity], &out).map_err(TestCaseError::fail)?;
+                    let sampled = h.execute(&out, |_, _| {}).map_err(TestCaseError::fail)?;
                     if let Some(pick) = cancel_mid {
                         let ids: Vec<u64> = (1..=k as u64 + 1)
                             .filter(|&id| h.s.request(id).is_ok())
@@ -1099,9 +1123,8 @@ mod review_fuzz {
                         k += 1;
                         let _ = h.s.submit(NAMES[0], &prompt(5, k), 5, h.now);
                     }
-                    h.s.commit(out.step_id, &sampled, h.now)
+                    h.commit(out, &sampled)
                         .map_err(|e| TestCaseError::fail(e.to_string()))?;
-                    h.now += 0.01;
                 }
                 FOp::Cancel { pick } => {
                     let ids: Vec<u64> = (1..=k as u64 + 1)

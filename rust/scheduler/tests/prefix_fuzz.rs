@@ -127,6 +127,14 @@ impl Fz {
         }
         Ok(())
     }
+    /// Runs a planned step on the fake engine, noting who wrote each page.
+    fn execute(&mut self, out: &StepOutcome) -> Result<Vec<i32>, TestCaseError> {
+        let bs = self.h.s.config().block_size;
+        let (ident, owner) = (&self.ident, &mut self.owner);
+        self.h
+            .execute(out, |id, slot| owner[slot / bs] = Some(ident[&id].clone()))
+            .map_err(TestCaseError::fail)
+    }
     fn check_owners(&self) -> Result<(), TestCaseError> {
         for (&id, ident) in &self.ident {
             let Ok(r) = self.h.s.request(id) else {
@@ -224,10 +232,8 @@ fn run(
                 cancel_mid,
                 submit_mid,
             } => {
-                let parity = f.h.s.next_parity();
                 let out =
-                    f.h.s
-                        .step(f.h.now, &mut f.h.bufs[parity].as_mut())
+                    f.h.plan()
                         .map_err(|e| TestCaseError::fail(format!("step: {e}")))?;
                 let Some(out) = out else {
                     if f.h.s.live_requests() > 0 {
@@ -240,34 +246,7 @@ fn run(
                     continue;
                 };
                 nones = 0;
-                let b = &f.h.bufs[parity];
-                let pps = f.h.s.plan_shape().pages_per_seq;
-                for i in 0..out.num_seqs {
-                    let (lo, hi) = (b.cu_q_lens[i] as usize, b.cu_q_lens[i + 1] as usize);
-                    let id = out.request_ids[i];
-                    let ident = f.ident[&id].clone();
-                    for t in lo..hi {
-                        let slot = b.slot_mapping[t] as usize;
-                        f.h.kv[slot] = b.token_ids[t];
-                        f.owner[slot / bs] = Some(ident.clone());
-                    }
-                }
-                let mut sampled = Vec::new();
-                for i in 0..out.num_seqs {
-                    let kv_len = b.kv_lens[i] as usize;
-                    let row = &b.page_indices[i * pps..(i + 1) * pps];
-                    let read: Vec<i32> = (0..kv_len)
-                        .map(|p| f.h.kv[row[p / bs] as usize * bs + p % bs])
-                        .collect();
-                    let truth = &f.h.s.request(out.request_ids[i]).unwrap().tokens[..kv_len];
-                    prop_assert_eq!(
-                        &read[..],
-                        truth,
-                        "request {} read wrong KV",
-                        out.request_ids[i]
-                    );
-                    sampled.push(sample_of(&read));
-                }
+                let sampled = f.execute(&out)?;
                 f.check_owners()?;
                 if let Some(pick) = cancel_mid {
                     let ids = f.live_ids();
@@ -282,10 +261,8 @@ fn run(
                     f.check_owners()?;
                     f.h.s.check_invariants().map_err(TestCaseError::fail)?;
                 }
-                f.h.s
-                    .commit(out.step_id, &sampled, f.h.now)
+                f.h.commit(out, &sampled)
                     .map_err(|e| TestCaseError::fail(format!("commit: {e}")))?;
-                f.h.now += 0.01;
             }
             POp::Cancel { pick } => {
                 let ids = f.live_ids();
@@ -344,42 +321,17 @@ fn run(
         if f.h.s.live_requests() == 0 {
             break;
         }
-        let parity = f.h.s.next_parity();
         let out =
-            f.h.s
-                .step(f.h.now, &mut f.h.bufs[parity].as_mut())
+            f.h.plan()
                 .map_err(|e| TestCaseError::fail(format!("drain step: {e}")))?;
         let Some(out) = out else {
             prop_assert!(false, "drain stalled: {:?}", f.h.s.stats(f.h.now).pool);
             unreachable!()
         };
-        let b = &f.h.bufs[parity];
-        let pps = f.h.s.plan_shape().pages_per_seq;
-        for i in 0..out.num_seqs {
-            let (lo, hi) = (b.cu_q_lens[i] as usize, b.cu_q_lens[i + 1] as usize);
-            let ident = f.ident[&out.request_ids[i]].clone();
-            for t in lo..hi {
-                let slot = b.slot_mapping[t] as usize;
-                f.h.kv[slot] = b.token_ids[t];
-                f.owner[slot / bs] = Some(ident.clone());
-            }
-        }
-        let mut sampled = Vec::new();
-        for i in 0..out.num_seqs {
-            let kv_len = b.kv_lens[i] as usize;
-            let row = &b.page_indices[i * pps..(i + 1) * pps];
-            let read: Vec<i32> = (0..kv_len)
-                .map(|p| f.h.kv[row[p / bs] as usize * bs + p % bs])
-                .collect();
-            let truth = &f.h.s.request(out.request_ids[i]).unwrap().tokens[..kv_len];
-            prop_assert_eq!(&read[..], truth);
-            sampled.push(sample_of(&read));
-        }
+        let sampled = f.execute(&out)?;
         f.check_owners()?;
-        f.h.s
-            .commit(out.step_id, &sampled, f.h.now)
+        f.h.commit(out, &sampled)
             .map_err(|e| TestCaseError::fail(format!("drain commit: {e}")))?;
-        f.h.now += 0.01;
         f.h.s.check_invariants().map_err(TestCaseError::fail)?;
     }
     prop_assert_eq!(f.h.s.live_requests(), 0);
