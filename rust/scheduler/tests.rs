@@ -1,6 +1,7 @@
 use super::*;
 use crate::planner::OwnedPlanBuffers;
 use proptest::prelude::*;
+use random_ops::{ops, Mix, Op};
 use std::collections::{BTreeMap, BTreeSet};
 
 // ---------------------------------------------------------------------------
@@ -669,32 +670,20 @@ fn priority_preemption_frees_a_slot_and_the_victim_keeps_its_place() {
 
 const NAMES: [&str; 4] = ["t0", "t1", "t2", "ghost"];
 
-#[derive(Clone, Debug)]
-enum Op {
-    Submit {
-        tenant: usize,
-        prompt: usize,
-        max_tokens: usize,
-    },
-    Step,
-    Cancel {
-        pick: usize,
-    },
-    SetFloor {
-        tenant: usize,
-        floor: usize,
-    },
-}
-
-fn op() -> impl Strategy<Value = Op> {
-    prop_oneof![
-        4 => (0usize..4, 0usize..90, 0usize..60)
-            .prop_map(|(tenant, prompt, max_tokens)| Op::Submit { tenant, prompt, max_tokens }),
-        6 => Just(Op::Step),
-        1 => any::<usize>().prop_map(|pick| Op::Cancel { pick }),
-        1 => (0usize..3, 0usize..12).prop_map(|(tenant, floor)| Op::SetFloor { tenant, floor }),
-    ]
-}
+/// Submits (to a ghost tenant too, and empty or zero-length), steps, cancels
+/// and floor changes.
+const ADMISSION_MIX: Mix = Mix {
+    submit: 4,
+    step: 6,
+    cancel: 1,
+    update: 1,
+    submit_tenants: 0..4,
+    prompt_len: 0..90,
+    max_tokens: 0..60,
+    tenants: 0..3,
+    floor: Some(0..12),
+    ..Mix::NONE
+};
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
@@ -705,7 +694,7 @@ proptest! {
     /// request ends finished, cancelled or rejected.
     #[test]
     fn scheduler_matches_naive_admission_and_never_starves_an_admitted_request(
-        ops in prop::collection::vec(op(), 1..150),
+        ops in ops(&ADMISSION_MIX, 1..150),
         chunk in 4usize..40,
     ) {
         const BS: usize = 8;
@@ -734,7 +723,7 @@ proptest! {
                 live.values().filter(|r| r.0 == t).map(|r| r.1).sum()
             };
             match op {
-                Op::Submit { tenant: t, prompt: n, max_tokens } => {
+                Op::Submit { t, n, m: max_tokens, .. } => {
                     let final_len = n + max_tokens;
                     let blocks = final_len.div_ceil(BS);
                     let expect = if t == 3 { Some("unknown_tenant") }
@@ -759,7 +748,7 @@ proptest! {
                         _ => prop_assert!(false, "submit {:?}: got {:?}, model says {:?}", op, got, expect),
                     }
                 }
-                Op::Step => {
+                Op::Step { .. } => {
                     if let Some(ev) = h.step() {
                         for f in &ev.finished {
                             if f.reason == FinishReason::Cancelled {
@@ -779,9 +768,8 @@ proptest! {
                     cancel_events.insert(id);
                     ended += 1;
                 }
-                Op::SetFloor { tenant: t, floor } => {
-                    let mut c = h.s.tenants().by_name(NAMES[t]).unwrap().config.clone();
-                    c.kv_floor_blocks = floor;
+                Op::Update { t, floor: Some(floor), .. } => {
+                    let c = op.updated(h.s.tenants().by_name(NAMES[t]).unwrap().config.clone());
                     let others: usize = (0..3).filter(|&u| u != t)
                         .map(|u| reserved(&live, u).max(floors[u])).sum();
                     let fits = caps[t].is_none_or(|cap| floor <= cap)
@@ -789,7 +777,8 @@ proptest! {
                     prop_assert_eq!(h.s.update_tenant(c, h.now).is_ok(), fits);
                     if fits { floors[t] = floor; }
                 }
-                _ => {}
+                Op::Cancel { .. } => {}
+                op => unreachable!("not in this mix: {op:?}"),
             }
             let st = h.s.stats(h.now);
             prop_assert_eq!(st.live_requests, live.len());
@@ -980,41 +969,26 @@ mod review {
 mod review_fuzz {
     use super::*;
 
-    #[derive(Clone, Debug)]
-    enum FOp {
-        Submit {
-            t: usize,
-            n: usize,
-            m: usize,
-            stop: bool,
-        },
-        Step {
-            cancel_mid: Option<usize>,
-            submit_mid: bool,
-        },
-        Cancel {
-            pick: usize,
-        },
-        Update {
-            t: usize,
-            floor: usize,
-            step_cap: Option<usize>,
-            weight: u8,
-            tier: u32,
-        },
-    }
-
-    fn fop(tiers: bool) -> impl Strategy<Value = FOp> {
-        prop_oneof![
-            4 => (0usize..3, 1usize..50, 1usize..40, any::<bool>())
-                .prop_map(|(t, n, m, stop)| FOp::Submit { t, n, m, stop }),
-            8 => (prop::option::weighted(0.3, any::<usize>()), prop::bool::weighted(0.2))
-                .prop_map(|(cancel_mid, submit_mid)| FOp::Step { cancel_mid, submit_mid }),
-            1 => any::<usize>().prop_map(|pick| FOp::Cancel { pick }),
-            1 => (0usize..3, 0usize..6, prop::option::of(1usize..20), 1u8..4, 0u32..3)
-                .prop_map(move |(t, floor, step_cap, weight, tier)| FOp::Update { t, floor, step_cap, weight, tier: if tiers { tier } else { t as u32 } }),
-        ]
-    }
+    /// Submits (with stop tokens or not), steps with a cancel or a submit
+    /// between plan and commit, cancels, and tenant updates (floor, per-step
+    /// cap, weight).
+    const ROWS_MIX: Mix = Mix {
+        submit: 4,
+        step: 8,
+        cancel: 1,
+        update: 1,
+        submit_tenants: 0..3,
+        prompt_len: 1..50,
+        max_tokens: 1..40,
+        stop: 0.5,
+        cancel_mid: 0.3,
+        submit_mid: Some((0.2, (0..1, 0..1, 5..6))),
+        tenants: 0..3,
+        floor: Some(0..6),
+        step_cap: Some((0.5, 1..20)),
+        weight: Some(1..4),
+        ..Mix::NONE
+    };
 
     fn check_rows(s: &Scheduler, b: &OwnedPlanBuffers, out: &StepOutcome) -> Result<(), String> {
         let pps = s.plan_shape().pages_per_seq;
@@ -1044,7 +1018,7 @@ mod review_fuzz {
     }
 
     fn run(
-        ops: Vec<FOp>,
+        ops: Vec<Op>,
         over: bool,
         preempt: bool,
         bs: usize,
@@ -1083,7 +1057,7 @@ mod review_fuzz {
         let mut nones = 0;
         for op in ops {
             match op {
-                FOp::Submit { t, n, m, stop } => {
+                Op::Submit { t, n, m, stop, .. } => {
                     k += 1;
                     // Three families of prompts: each one a prefix of the longer
                     // ones of its family, so the prefix cache is hit all the time.
@@ -1095,7 +1069,7 @@ mod review_fuzz {
                     };
                     let _ = h.s.submit_with_stops(NAMES[t], &p, m, &stops, h.now);
                 }
-                FOp::Step {
+                Op::Step {
                     cancel_mid,
                     submit_mid,
                 } => {
@@ -1119,14 +1093,14 @@ mod review_fuzz {
                         }
                         h.s.check_invariants().map_err(TestCaseError::fail)?;
                     }
-                    if submit_mid {
+                    if let Some((t, _, n)) = submit_mid {
                         k += 1;
-                        let _ = h.s.submit(NAMES[0], &prompt(5, k), 5, h.now);
+                        let _ = h.s.submit(NAMES[t], &prompt(n, k), 5, h.now);
                     }
                     h.commit(out, &sampled)
                         .map_err(|e| TestCaseError::fail(e.to_string()))?;
                 }
-                FOp::Cancel { pick } => {
+                Op::Cancel { pick } => {
                     let ids: Vec<u64> = (1..=k as u64 + 1)
                         .filter(|&id| h.s.request(id).is_ok())
                         .collect();
@@ -1134,20 +1108,12 @@ mod review_fuzz {
                         h.s.cancel(ids[pick % ids.len()]).unwrap();
                     }
                 }
-                FOp::Update {
-                    t,
-                    floor,
-                    step_cap,
-                    weight,
-                    tier,
-                } => {
-                    let mut c = h.s.tenants().by_name(NAMES[t]).unwrap().config.clone();
-                    c.kv_floor_blocks = floor;
-                    c.max_step_tokens = step_cap;
-                    c.weight = weight as f64;
-                    c.tier = tier;
+                Op::Update { t, .. } => {
+                    // Each tenant stays on its own tier (the one it was added with).
+                    let c = op.updated(h.s.tenants().by_name(NAMES[t]).unwrap().config.clone());
                     let _ = h.s.update_tenant(c, h.now);
                 }
+                op => unreachable!("not in this mix: {op:?}"),
             }
             h.s.check_invariants().map_err(TestCaseError::fail)?;
         }
@@ -1157,12 +1123,12 @@ mod review_fuzz {
     proptest! {
         #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
         #[test]
-        fn fuzz_reserve(ops in prop::collection::vec(fop(false), 1..200), preempt in any::<bool>(),
+        fn fuzz_reserve(ops in ops(&ROWS_MIX, 1..200), preempt in any::<bool>(),
                         bs in prop::sample::select(vec![1usize, 2, 4, 8]), seqs in 1usize..6, chunk in 1usize..30) {
             run(ops, false, preempt, bs, 200, seqs, chunk)?;
         }
         #[test]
-        fn fuzz_over(ops in prop::collection::vec(fop(false), 1..200), preempt in any::<bool>(),
+        fn fuzz_over(ops in ops(&ROWS_MIX, 1..200), preempt in any::<bool>(),
                         bs in prop::sample::select(vec![1usize, 2, 4, 8]), seqs in 1usize..6, chunk in 1usize..30, pages in 8usize..40) {
             run(ops, true, preempt, bs, pages, seqs, chunk)?;
         }
@@ -1236,4 +1202,5 @@ mod ops;
 mod ops_fuzz;
 mod prefix;
 mod prefix_fuzz;
+mod random_ops;
 mod terminal;
