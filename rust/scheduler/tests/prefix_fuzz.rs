@@ -1,4 +1,4 @@
-//! A fuzzer for the prefix cache (written in review): random submits from a
+//! A fuzzer for the prefix cache: random submits from a
 //! few prompt families, salts and divergent prompts; steps with a cancel or a
 //! submit between step and commit; cancels; tenant updates (floor, cap,
 //! namespace, tier); removal and re-adding. After every operation: the
@@ -310,13 +310,13 @@ fn run(
 proptest! {
     #![proptest_config(ProptestConfig { cases: 100, ..ProptestConfig::default() })]
     #[test]
-    fn pfuzz_reserve(ops in ops(&PREFIX_MIX, 1..200), preempt in any::<bool>(),
+    fn a_request_reads_only_kv_of_its_namespace_and_salt_in_reserve_mode(ops in ops(&PREFIX_MIX, 1..200), preempt in any::<bool>(),
                      bs in 1usize..9, seqs in 1usize..6, chunk in 1usize..30, pages in 10usize..60,
                      tiers in prop::array::uniform4(0u32..3), ns0 in prop::array::uniform4(0u8..3), ovh in prop::sample::select(vec![0.0, 0.1, 0.3]), mbt in prop::sample::select(vec![4usize, 8, 24, 64]), one_fam in any::<bool>()) {
         run(ops, one_fam, false, 0, ovh, mbt, preempt, bs, pages, seqs, chunk, tiers, ns0)?;
     }
     #[test]
-    fn pfuzz_over(ops in ops(&PREFIX_MIX, 1..200), preempt in any::<bool>(),
+    fn a_request_reads_only_kv_of_its_namespace_and_salt_over_committed(ops in ops(&PREFIX_MIX, 1..200), preempt in any::<bool>(),
                   bs in 1usize..9, seqs in 1usize..6, chunk in 1usize..30, pages in 8usize..40,
                   tiers in prop::array::uniform4(0u32..3), ns0 in prop::array::uniform4(0u8..3), wm in 0usize..3, ovh in prop::sample::select(vec![0.0, 0.1, 0.3]), mbt in prop::sample::select(vec![4usize, 8, 24, 64]), one_fam in any::<bool>()) {
         run(ops, one_fam, true, wm, ovh, mbt, preempt, bs, pages, seqs, chunk, tiers, ns0)?;
@@ -326,7 +326,7 @@ proptest! {
 proptest! {
     #![proptest_config(ProptestConfig { cases: 100, ..ProptestConfig::default() })]
     #[test]
-    fn pfuzz_small(ops in ops(&PREFIX_MIX, 1..250), preempt in any::<bool>(), over in any::<bool>(),
+    fn a_request_reads_only_kv_of_its_namespace_and_salt_in_a_tiny_pool(ops in ops(&PREFIX_MIX, 1..250), preempt in any::<bool>(), over in any::<bool>(),
                      bs in 1usize..5, seqs in 1usize..8, chunk in 1usize..30, pages in 4usize..16,
                      tiers in prop::array::uniform4(0u32..3), ns0 in prop::array::uniform4(0u8..2), wm in 0usize..3, mbt in prop::sample::select(vec![8usize, 24, 64])) {
         run(ops, true, over, wm, 0.0, mbt, preempt, bs, pages, seqs, chunk, tiers, ns0)?;

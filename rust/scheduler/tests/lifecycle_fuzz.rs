@@ -1,4 +1,4 @@
-//! A fuzzer for operations (written in review): submits with stop tokens,
+//! A fuzzer for operations: submits with stop tokens,
 //! steps, cancels, live reconfiguration (raising and lowering the shape-bound
 //! knobs while sequences run, overhead reserve, ladder on and off), drains with
 //! deadlines past and future, tier changes and idle time, in both admission
@@ -56,7 +56,7 @@ const NAMES: [&str; 3] = ["t0", "t1", "t2"];
 proptest! {
     #![proptest_config(ProptestConfig { cases: 150, ..ProptestConfig::default() })]
     #[test]
-    fn ops_account_for_every_request(ops in ops(&LIFECYCLE_MIX, 1..200), over in any::<bool>(), pc in any::<bool>()) {
+    fn every_admitted_request_ends_exactly_once_under_random_operations(ops in ops(&LIFECYCLE_MIX, 1..200), over in any::<bool>(), pc in any::<bool>()) {
         let base = SchedulerConfig {
             num_blocks: 61, block_size: 8, max_num_seqs: 6, max_batched_tokens: 48,
             max_seq_len: 128, overhead_reserve: 0.0, max_waiting: 6, long_prefill_chunk: 16,
