@@ -136,7 +136,7 @@ fn cancel_releases_and_unknown_ids_are_typed() {
 
 /// Submits (to a ghost tenant too, and empty or zero-length), steps, cancels
 /// and floor changes.
-const ADMISSION_MIX: Mix = Mix {
+pub(super) const ADMISSION_MIX: Mix = Mix {
     submit: 4,
     step: 6,
     cancel: 1,

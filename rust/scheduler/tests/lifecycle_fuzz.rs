@@ -22,7 +22,7 @@ fn rung(signal: Signal, engage: f64, release: f64, action: Action) -> Rung {
 
 /// Submits (with stop tokens or not), steps, cancels, live reconfiguration,
 /// drains, tier changes and idle time.
-const LIFECYCLE_MIX: Mix = Mix {
+pub(super) const LIFECYCLE_MIX: Mix = Mix {
     submit: 5,
     step: 8,
     cancel: 1,

@@ -7,7 +7,7 @@ use super::*;
 /// Submits (with stop tokens or not), steps with a cancel or a submit
 /// between plan and commit, cancels, and tenant updates (floor, per-step
 /// cap, weight).
-const ROWS_MIX: Mix = Mix {
+pub(super) const ROWS_MIX: Mix = Mix {
     submit: 4,
     step: 8,
     cancel: 1,

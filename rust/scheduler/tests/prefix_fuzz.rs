@@ -14,7 +14,7 @@ use std::collections::HashMap as Map;
 /// Submits from prompt families (with stop tokens, a salt, a divergent
 /// token), steps with a cancel or a submit between plan and commit, cancels,
 /// tenant updates (floor, cap, namespace, tier), removal and re-adding.
-const PREFIX_MIX: Mix = Mix {
+pub(super) const PREFIX_MIX: Mix = Mix {
     submit: 5,
     step: 10,
     cancel: 1,

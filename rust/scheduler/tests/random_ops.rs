@@ -339,3 +339,289 @@ pub fn op(mix: &Mix) -> impl Strategy<Value = Op> {
 pub fn ops(mix: &Mix, len: Range<usize>) -> impl Strategy<Value = Vec<Op>> {
     prop::collection::vec(op(mix), len)
 }
+
+/// Which of `Mix`'s weights an operation is drawn by.
+fn kind(op: &Op) -> usize {
+    match op {
+        Op::Submit { .. } => 0,
+        Op::Step { .. } => 1,
+        Op::Cancel { .. } => 2,
+        Op::Update { .. } => 3,
+        Op::Reconf { .. } => 4,
+        Op::Drain { .. } => 5,
+        Op::Wait { .. } => 6,
+        Op::Remove { .. } => 7,
+    }
+}
+
+/// The smallest and largest value seen of each ranged argument.
+#[derive(Default)]
+struct Seen {
+    lo: BTreeMap<&'static str, i64>,
+    hi: BTreeMap<&'static str, i64>,
+    some: BTreeMap<&'static str, (u32, u32)>,
+}
+
+impl Seen {
+    fn value(&mut self, name: &'static str, v: i64) {
+        let lo = self.lo.entry(name).or_insert(v);
+        *lo = (*lo).min(v);
+        let hi = self.hi.entry(name).or_insert(v);
+        *hi = (*hi).max(v);
+    }
+    /// A value that must lie in `r` (when drawn at all).
+    fn within<T: Into<i64> + Copy>(&mut self, name: &'static str, v: T, r: &Range<T>) {
+        let (v, lo, hi) = (v.into(), r.start.into(), r.end.into());
+        assert!(lo <= v && v < hi, "{name} = {v} outside {lo}..{hi}");
+        self.value(name, v);
+    }
+    /// Counts how often an optional or boolean argument was drawn.
+    fn drawn(&mut self, name: &'static str, yes: bool) {
+        let e = self.some.entry(name).or_default();
+        e.0 += yes as u32;
+        e.1 += 1;
+    }
+    /// Every value of `r` was reachable: its ends were both drawn.
+    fn covers<T: Into<i64> + Copy>(&self, name: &'static str, r: &Range<T>) {
+        let (lo, hi) = (r.start.into(), r.end.into() - 1);
+        assert_eq!(
+            (self.lo.get(name), self.hi.get(name)),
+            (Some(&lo), Some(&hi)),
+            "{name}"
+        );
+    }
+    /// Drawn with probability `p` (within sampling error).
+    fn rate(&self, name: &'static str, p: f64) {
+        let (yes, all) = self.some.get(name).copied().unwrap_or((0, 1));
+        let got = yes as f64 / all as f64;
+        assert!((got - p).abs() < 0.03, "{name}: {got} drawn, {p} asked");
+    }
+}
+
+fn usize_range(r: &Range<usize>) -> Range<i64> {
+    r.start as i64..r.end as i64
+}
+
+fn check_op(mix: &Mix, op: &Op, seen: &mut Seen) {
+    let ur = usize_range;
+    match *op {
+        Op::Submit {
+            t,
+            n,
+            m,
+            fam,
+            stop,
+            salt,
+            divergent,
+        } => {
+            seen.within("submit t", t as i64, &ur(&mix.submit_tenants));
+            seen.within("n", n as i64, &ur(&mix.prompt_len));
+            seen.within("m", m as i64, &ur(&mix.max_tokens));
+            seen.within("fam", fam, &mix.families);
+            seen.drawn("stop", stop);
+            seen.drawn("salt", salt.is_some());
+            seen.drawn("divergent", divergent.is_some());
+            if let Some(s) = salt {
+                seen.within("salt", s, &mix.salt.clone().unwrap().1);
+            }
+            if let Some(d) = divergent {
+                seen.within(
+                    "divergent",
+                    d as i64,
+                    &ur(&mix.divergent.clone().unwrap().1),
+                );
+            }
+        }
+        Op::Step {
+            cancel_mid,
+            submit_mid,
+        } => {
+            seen.drawn("cancel_mid", cancel_mid.is_some());
+            seen.drawn("submit_mid", submit_mid.is_some());
+            if let Some((t, fam, n)) = submit_mid {
+                let (_, (rt, rf, rn)) = mix.submit_mid.clone().unwrap();
+                seen.within("mid t", t as i64, &ur(&rt));
+                seen.within("mid fam", fam, &rf);
+                seen.within("mid n", n as i64, &ur(&rn));
+            }
+        }
+        Op::Cancel { .. } => {}
+        Op::Update {
+            t,
+            floor,
+            cap,
+            step_cap,
+            weight,
+            tier,
+            ns,
+        } => {
+            seen.within("update t", t as i64, &ur(&mix.tenants));
+            assert_eq!(floor.is_some(), mix.floor.is_some());
+            assert_eq!(cap.is_some(), mix.cap.is_some());
+            assert_eq!(step_cap.is_some(), mix.step_cap.is_some());
+            assert_eq!(weight.is_some(), mix.weight.is_some());
+            assert_eq!(tier.is_some(), mix.tier.is_some());
+            assert_eq!(ns.is_some(), mix.ns.is_some());
+            if let Some(f) = floor {
+                seen.within("floor", f as i64, &ur(mix.floor.as_ref().unwrap()));
+            }
+            if let Some(c) = cap {
+                seen.drawn("cap", c.is_some());
+                if let Some(c) = c {
+                    seen.within("cap", c as i64, &ur(&mix.cap.clone().unwrap().1));
+                }
+            }
+            if let Some(c) = step_cap {
+                seen.drawn("step_cap", c.is_some());
+                if let Some(c) = c {
+                    seen.within("step_cap", c as i64, &ur(&mix.step_cap.clone().unwrap().1));
+                }
+            }
+            if let Some(w) = weight {
+                seen.within("weight", w, mix.weight.as_ref().unwrap());
+            }
+            if let Some(x) = tier {
+                seen.within("tier", x, mix.tier.as_ref().unwrap());
+            }
+            if let Some(x) = ns {
+                seen.within("ns", x, mix.ns.as_ref().unwrap());
+            }
+        }
+        Op::Reconf {
+            seqs,
+            mbt,
+            msl,
+            reserve,
+            ladder,
+            preempt,
+        } => {
+            seen.within("seqs", seqs as i64, &(1..7));
+            seen.within("mbt", mbt as i64, &(6..49));
+            seen.within("msl", msl as i64, &(2..129));
+            seen.within("reserve", reserve, &(0..4));
+            seen.drawn("ladder", ladder);
+            seen.drawn("preempt", preempt);
+        }
+        Op::Drain { delta } => seen.within("delta", delta, &(-5..40)),
+        Op::Wait { dt } => seen.within("dt", dt, &(0..40)),
+        Op::Remove {
+            t,
+            cancel_all,
+            readd,
+            ns,
+        } => {
+            seen.within("remove t", t as i64, &ur(&mix.tenants));
+            seen.drawn("cancel_all", cancel_all);
+            seen.drawn("readd", readd);
+            seen.within("remove ns", ns, &(0..3));
+        }
+    }
+}
+
+/// The generator draws a mix's operations at its weights, each argument over
+/// exactly its range (both ends reached, nothing outside) and each optional
+/// one at its probability; an operation or argument the mix leaves out is
+/// never drawn.
+#[test]
+fn each_mix_draws_exactly_its_operations_weights_and_ranges() {
+    use proptest::strategy::ValueTree;
+    use proptest::test_runner::TestRunner;
+    let mixes = [
+        ("admission", &super::admission::ADMISSION_MIX),
+        ("plan rows", &super::plan_rows_fuzz::ROWS_MIX),
+        ("lifecycle", &super::lifecycle_fuzz::LIFECYCLE_MIX),
+        ("prefix", &super::prefix_fuzz::PREFIX_MIX),
+    ];
+    const N: usize = 20_000;
+    for (name, mix) in mixes {
+        let mut runner = TestRunner::deterministic();
+        let strategy = op(mix);
+        let mut counts = [0usize; 8];
+        let mut seen = Seen::default();
+        for _ in 0..N {
+            let op = strategy.new_tree(&mut runner).unwrap().current();
+            counts[kind(&op)] += 1;
+            check_op(mix, &op, &mut seen);
+        }
+        let weights = [
+            mix.submit, mix.step, mix.cancel, mix.update, mix.reconf, mix.drain, mix.wait,
+            mix.remove,
+        ];
+        let total: u32 = weights.iter().sum();
+        for (k, (&w, &c)) in weights.iter().zip(&counts).enumerate() {
+            let want = w as f64 / total as f64;
+            let got = c as f64 / N as f64;
+            assert!(
+                (got - want).abs() < 0.01,
+                "{name}: kind {k} drawn {got}, weight {want}"
+            );
+            assert_eq!(w == 0, c == 0, "{name}: kind {k}");
+        }
+        if mix.submit > 0 {
+            seen.covers("submit t", &usize_range(&mix.submit_tenants));
+            seen.covers("n", &usize_range(&mix.prompt_len));
+            seen.covers("m", &usize_range(&mix.max_tokens));
+            seen.covers("fam", &mix.families);
+            seen.rate("stop", mix.stop);
+            seen.rate("salt", mix.salt.as_ref().map_or(0.0, |o| o.0));
+            seen.rate("divergent", mix.divergent.as_ref().map_or(0.0, |o| o.0));
+            if let Some((_, r)) = &mix.salt {
+                seen.covers("salt", r);
+            }
+            if let Some((_, r)) = &mix.divergent {
+                seen.covers("divergent", &usize_range(r));
+            }
+        }
+        if mix.step > 0 {
+            seen.rate("cancel_mid", mix.cancel_mid);
+            seen.rate("submit_mid", mix.submit_mid.as_ref().map_or(0.0, |m| m.0));
+            if let Some((_, (t, fam, n))) = &mix.submit_mid {
+                seen.covers("mid t", &usize_range(t));
+                seen.covers("mid fam", fam);
+                seen.covers("mid n", &usize_range(n));
+            }
+        }
+        if mix.update > 0 {
+            seen.covers("update t", &usize_range(&mix.tenants));
+            if let Some(r) = &mix.floor {
+                seen.covers("floor", &usize_range(r));
+            }
+            if let Some((p, r)) = &mix.cap {
+                seen.rate("cap", *p);
+                seen.covers("cap", &usize_range(r));
+            }
+            if let Some((p, r)) = &mix.step_cap {
+                seen.rate("step_cap", *p);
+                seen.covers("step_cap", &usize_range(r));
+            }
+            for (arg, r) in [("weight", &mix.weight), ("ns", &mix.ns)] {
+                if let Some(r) = r {
+                    seen.covers(arg, r);
+                }
+            }
+            if let Some(r) = &mix.tier {
+                seen.covers("tier", r);
+            }
+        }
+        if mix.reconf > 0 {
+            for (arg, r) in [("seqs", 1..7), ("mbt", 6..49), ("msl", 2..129)] {
+                seen.covers(arg, &r);
+            }
+            seen.covers("reserve", &(0u8..4));
+            seen.rate("ladder", 0.5);
+            seen.rate("preempt", 0.5);
+        }
+        if mix.drain > 0 {
+            seen.covers("delta", &(-5..40));
+        }
+        if mix.wait > 0 {
+            seen.covers("dt", &(0u8..40));
+        }
+        if mix.remove > 0 {
+            seen.covers("remove t", &usize_range(&mix.tenants));
+            seen.covers("remove ns", &(0u8..3));
+            seen.rate("cancel_all", 0.5);
+            seen.rate("readd", 0.8);
+        }
+    }
+}
