@@ -168,3 +168,28 @@ proptest! {
         run(ops, true, preempt, bs, pages, seqs, chunk)?;
     }
 }
+
+/// The case the over-committed run once shrank to (saved as a proptest seed,
+/// which the shared generator no longer maps to the same operations): two
+/// prompts, then a one-token one, in one-token blocks, two slots.
+#[test]
+fn rows_stay_right_in_a_case_the_over_committed_fuzzer_once_found() {
+    let submit = |n, m| Op::Submit {
+        t: 0,
+        n,
+        m,
+        fam: 0,
+        stop: false,
+        salt: None,
+        divergent: None,
+    };
+    let step = || Op::Step {
+        cancel_mid: None,
+        submit_mid: None,
+    };
+    let mut ops = vec![submit(15, 6), step(), submit(11, 4)];
+    ops.extend(std::iter::repeat_with(step).take(3));
+    ops.push(submit(1, 1));
+    ops.extend(std::iter::repeat_with(step).take(5));
+    run(ops, true, false, 1, 28, 2, 15).unwrap();
+}
