@@ -24,7 +24,7 @@ fn live_knobs_take_effect_next_step_and_restart_only_ones_say_which() {
         h.submit("a", &prompt(8, k), 30);
     }
     h.step();
-    assert_eq!(h.s.running.len(), 6);
+    assert_eq!(h.s.stats(h.now).running, 6);
 
     let restart = |f: &dyn Fn(&mut SchedulerConfig)| {
         let mut n = c.clone();
@@ -94,7 +94,7 @@ fn live_knobs_take_effect_next_step_and_restart_only_ones_say_which() {
         h.submit("a", &prompt(8, 20 + k), 4);
     }
     h.step();
-    assert_eq!(h.s.running.len(), 3);
+    assert_eq!(h.s.stats(h.now).running, 3);
     h.run(100);
 }
 
