@@ -287,3 +287,6 @@ pub fn decide(
 
     Ok(Admission { blocks, rate_cost })
 }
+
+#[cfg(test)]
+mod tests;

@@ -421,3 +421,6 @@ pub fn prefill_chunk(
     let chunk = need.min(long_prefill_chunk).min(room);
     coverable.map_or(chunk, |c| chunk.min(c))
 }
+
+#[cfg(test)]
+mod tests;

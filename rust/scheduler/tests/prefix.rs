@@ -410,7 +410,7 @@ proptest! {
     }
 }
 
-// Found in review: a tenant that left a shared namespace kept hitting and
+// A regression: a tenant that left a shared namespace kept hitting and
 // naming blocks in it through requests admitted before it left.
 #[test]
 fn a_namespace_change_waits_until_the_tenant_is_idle() {
@@ -446,7 +446,7 @@ fn a_namespace_change_waits_until_the_tenant_is_idle() {
     h.run(50);
 }
 
-// Found in review: over-committed, sharing found at entry lowered the pool's
+// A regression: over-committed, sharing found at entry lowered the pool's
 // promise, a preemption raised it past the pool, and from then on every
 // tenant update and every floor was refused. Sharing earns admission room in
 // reserve mode only.

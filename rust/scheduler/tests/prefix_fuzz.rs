@@ -1,4 +1,4 @@
-//! A fuzzer for the prefix cache (written in review): random submits from a
+//! A fuzzer for the prefix cache: random submits from a
 //! few prompt families, salts and divergent prompts; steps with a cancel or a
 //! submit between step and commit; cancels; tenant updates (floor, cap,
 //! namespace, tier); removal and re-adding. After every operation: the
@@ -8,64 +8,36 @@
 //! floors promised.
 
 use super::*;
+use random_ops::namespace;
 use std::collections::HashMap as Map;
 
-#[derive(Clone, Debug)]
-pub enum POp {
-    Submit {
-        t: usize,
-        fam: i32,
-        n: usize,
-        m: usize,
-        stop: bool,
-        salt: Option<u8>,
-        divergent: Option<usize>,
-    },
-    Step {
-        cancel_mid: Option<usize>,
-        submit_mid: Option<(usize, i32, usize)>,
-    },
-    Cancel {
-        pick: usize,
-    },
-    Update {
-        t: usize,
-        floor: usize,
-        cap: Option<usize>,
-        ns: u8,
-        tier: u32,
-    },
-    Remove {
-        t: usize,
-        cancel_all: bool,
-        readd: bool,
-        ns: u8,
-    },
-}
-
-fn pop() -> impl Strategy<Value = POp> {
-    prop_oneof![
-        5 => (0usize..4, 0i32..3, 1usize..60, 1usize..30, prop::bool::weighted(0.2), prop::option::weighted(0.2, 0u8..3), prop::option::weighted(0.2, 0usize..60))
-            .prop_map(|(t, fam, n, m, stop, salt, divergent)| POp::Submit { t, fam, n, m, stop, salt, divergent }),
-        10 => (prop::option::weighted(0.2, any::<usize>()), prop::option::weighted(0.2, (0usize..4, 0i32..3, 1usize..40)))
-            .prop_map(|(cancel_mid, submit_mid)| POp::Step { cancel_mid, submit_mid }),
-        1 => any::<usize>().prop_map(|pick| POp::Cancel { pick }),
-        2 => (0usize..4, 0usize..8, prop::option::weighted(0.3, 4usize..40), 0u8..3, 0u32..3)
-            .prop_map(|(t, floor, cap, ns, tier)| POp::Update { t, floor, cap, ns, tier }),
-        1 => (0usize..4, any::<bool>(), prop::bool::weighted(0.8), 0u8..3)
-            .prop_map(|(t, cancel_all, readd, ns)| POp::Remove { t, cancel_all, readd, ns }),
-    ]
-}
+/// Submits from prompt families (with stop tokens, a salt, a divergent
+/// token), steps with a cancel or a submit between plan and commit, cancels,
+/// tenant updates (floor, cap, namespace, tier), removal and re-adding.
+pub(super) const PREFIX_MIX: Mix = Mix {
+    submit: 5,
+    step: 10,
+    cancel: 1,
+    update: 2,
+    remove: 1,
+    submit_tenants: 0..4,
+    prompt_len: 1..60,
+    max_tokens: 1..30,
+    families: 0..3,
+    stop: 0.2,
+    salt: Some((0.2, 0..3)),
+    divergent: Some((0.2, 0..60)),
+    cancel_mid: 0.2,
+    submit_mid: Some((0.2, (0..4, 0..3, 1..40))),
+    tenants: 0..4,
+    floor: Some(0..8),
+    cap: Some((0.3, 4..40)),
+    tier: Some(0..3),
+    ns: Some(0..3),
+    ..Mix::NONE
+};
 
 const TN: [&str; 4] = ["p0", "p1", "p2", "p3"];
-
-fn ns_name(ns: u8) -> Option<String> {
-    match ns {
-        0 => None,
-        1 => Some("g".into()),
-        _ => Some("h".into()),
-    }
-}
 
 /// Namespace identity: (private incarnation or shared name, salt).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -127,6 +99,14 @@ impl Fz {
         }
         Ok(())
     }
+    /// Runs a planned step on the fake engine, noting who wrote each page.
+    fn execute(&mut self, out: &StepOutcome) -> Result<Vec<i32>, TestCaseError> {
+        let bs = self.h.s.config().block_size;
+        let (ident, owner) = (&self.ident, &mut self.owner);
+        self.h
+            .execute(out, |id, slot| owner[slot / bs] = Some(ident[&id].clone()))
+            .map_err(TestCaseError::fail)
+    }
     fn check_owners(&self) -> Result<(), TestCaseError> {
         for (&id, ident) in &self.ident {
             let Ok(r) = self.h.s.request(id) else {
@@ -150,7 +130,7 @@ impl Fz {
 
 #[allow(clippy::too_many_arguments)]
 fn run(
-    ops: Vec<POp>,
+    ops: Vec<Op>,
     one_fam: bool,
     over: bool,
     wm: usize,
@@ -194,7 +174,7 @@ fn run(
     for t in 0..4 {
         let mut tc = TenantConfig::new(TN[t]);
         tc.tier = tiers[t];
-        tc.prefix_namespace = ns_name(ns0[t]);
+        tc.prefix_namespace = namespace(ns0[t]);
         f.h.s.add_tenant(tc).unwrap();
         f.incarnation[t] = f.next_inc;
         f.next_inc += 1;
@@ -202,7 +182,7 @@ fn run(
     let mut nones = 0;
     for op in ops {
         match op {
-            POp::Submit {
+            Op::Submit {
                 t,
                 fam,
                 n,
@@ -220,14 +200,12 @@ fn run(
                 }
                 f.submit(t, &p, m, stop, salt)?;
             }
-            POp::Step {
+            Op::Step {
                 cancel_mid,
                 submit_mid,
             } => {
-                let parity = f.h.s.next_parity();
                 let out =
-                    f.h.s
-                        .step(f.h.now, &mut f.h.bufs[parity].as_mut())
+                    f.h.plan()
                         .map_err(|e| TestCaseError::fail(format!("step: {e}")))?;
                 let Some(out) = out else {
                     if f.h.s.live_requests() > 0 {
@@ -240,34 +218,7 @@ fn run(
                     continue;
                 };
                 nones = 0;
-                let b = &f.h.bufs[parity];
-                let pps = f.h.s.plan_shape().pages_per_seq;
-                for i in 0..out.num_seqs {
-                    let (lo, hi) = (b.cu_q_lens[i] as usize, b.cu_q_lens[i + 1] as usize);
-                    let id = out.request_ids[i];
-                    let ident = f.ident[&id].clone();
-                    for t in lo..hi {
-                        let slot = b.slot_mapping[t] as usize;
-                        f.h.kv[slot] = b.token_ids[t];
-                        f.owner[slot / bs] = Some(ident.clone());
-                    }
-                }
-                let mut sampled = Vec::new();
-                for i in 0..out.num_seqs {
-                    let kv_len = b.kv_lens[i] as usize;
-                    let row = &b.page_indices[i * pps..(i + 1) * pps];
-                    let read: Vec<i32> = (0..kv_len)
-                        .map(|p| f.h.kv[row[p / bs] as usize * bs + p % bs])
-                        .collect();
-                    let truth = &f.h.s.request(out.request_ids[i]).unwrap().tokens[..kv_len];
-                    prop_assert_eq!(
-                        &read[..],
-                        truth,
-                        "request {} read wrong KV",
-                        out.request_ids[i]
-                    );
-                    sampled.push(sample_of(&read));
-                }
+                let sampled = f.execute(&out)?;
                 f.check_owners()?;
                 if let Some(pick) = cancel_mid {
                     let ids = f.live_ids();
@@ -282,34 +233,22 @@ fn run(
                     f.check_owners()?;
                     f.h.s.check_invariants().map_err(TestCaseError::fail)?;
                 }
-                f.h.s
-                    .commit(out.step_id, &sampled, f.h.now)
+                f.h.commit(out, &sampled)
                     .map_err(|e| TestCaseError::fail(format!("commit: {e}")))?;
-                f.h.now += 0.01;
             }
-            POp::Cancel { pick } => {
+            Op::Cancel { pick } => {
                 let ids = f.live_ids();
                 if !ids.is_empty() {
                     f.h.s.cancel(ids[pick % ids.len()]).unwrap();
                 }
             }
-            POp::Update {
-                t,
-                floor,
-                cap,
-                ns,
-                tier,
-            } => {
+            Op::Update { t, .. } => {
                 if let Ok(tc) = f.h.s.tenants().by_name(TN[t]) {
-                    let mut c = tc.config.clone();
-                    c.kv_floor_blocks = floor;
-                    c.kv_cap_blocks = cap.map(|c| c.max(floor));
-                    c.prefix_namespace = ns_name(ns);
-                    c.tier = tier;
+                    let c = op.updated(tc.config.clone());
                     let _ = f.h.s.update_tenant(c, f.h.now);
                 }
             }
-            POp::Remove {
+            Op::Remove {
                 t,
                 cancel_all,
                 readd,
@@ -327,7 +266,7 @@ fn run(
                 f.h.s.check_invariants().map_err(TestCaseError::fail)?;
                 if readd && f.h.s.tenants().id(TN[t]).is_none() {
                     let mut tc = TenantConfig::new(TN[t]);
-                    tc.prefix_namespace = ns_name(ns);
+                    tc.prefix_namespace = namespace(ns);
                     tc.tier = tiers[t];
                     if f.h.s.add_tenant(tc).is_ok() {
                         f.incarnation[t] = f.next_inc;
@@ -335,6 +274,7 @@ fn run(
                     f.next_inc += 1;
                 }
             }
+            op => unreachable!("not in this mix: {op:?}"),
         }
         f.check_owners()?;
         f.h.s.check_invariants().map_err(TestCaseError::fail)?;
@@ -344,42 +284,17 @@ fn run(
         if f.h.s.live_requests() == 0 {
             break;
         }
-        let parity = f.h.s.next_parity();
         let out =
-            f.h.s
-                .step(f.h.now, &mut f.h.bufs[parity].as_mut())
+            f.h.plan()
                 .map_err(|e| TestCaseError::fail(format!("drain step: {e}")))?;
         let Some(out) = out else {
             prop_assert!(false, "drain stalled: {:?}", f.h.s.stats(f.h.now).pool);
             unreachable!()
         };
-        let b = &f.h.bufs[parity];
-        let pps = f.h.s.plan_shape().pages_per_seq;
-        for i in 0..out.num_seqs {
-            let (lo, hi) = (b.cu_q_lens[i] as usize, b.cu_q_lens[i + 1] as usize);
-            let ident = f.ident[&out.request_ids[i]].clone();
-            for t in lo..hi {
-                let slot = b.slot_mapping[t] as usize;
-                f.h.kv[slot] = b.token_ids[t];
-                f.owner[slot / bs] = Some(ident.clone());
-            }
-        }
-        let mut sampled = Vec::new();
-        for i in 0..out.num_seqs {
-            let kv_len = b.kv_lens[i] as usize;
-            let row = &b.page_indices[i * pps..(i + 1) * pps];
-            let read: Vec<i32> = (0..kv_len)
-                .map(|p| f.h.kv[row[p / bs] as usize * bs + p % bs])
-                .collect();
-            let truth = &f.h.s.request(out.request_ids[i]).unwrap().tokens[..kv_len];
-            prop_assert_eq!(&read[..], truth);
-            sampled.push(sample_of(&read));
-        }
+        let sampled = f.execute(&out)?;
         f.check_owners()?;
-        f.h.s
-            .commit(out.step_id, &sampled, f.h.now)
+        f.h.commit(out, &sampled)
             .map_err(|e| TestCaseError::fail(format!("drain commit: {e}")))?;
-        f.h.now += 0.01;
         f.h.s.check_invariants().map_err(TestCaseError::fail)?;
     }
     prop_assert_eq!(f.h.s.live_requests(), 0);
@@ -395,13 +310,13 @@ fn run(
 proptest! {
     #![proptest_config(ProptestConfig { cases: 100, ..ProptestConfig::default() })]
     #[test]
-    fn pfuzz_reserve(ops in prop::collection::vec(pop(), 1..200), preempt in any::<bool>(),
+    fn a_request_reads_only_kv_of_its_namespace_and_salt_in_reserve_mode(ops in ops(&PREFIX_MIX, 1..200), preempt in any::<bool>(),
                      bs in 1usize..9, seqs in 1usize..6, chunk in 1usize..30, pages in 10usize..60,
                      tiers in prop::array::uniform4(0u32..3), ns0 in prop::array::uniform4(0u8..3), ovh in prop::sample::select(vec![0.0, 0.1, 0.3]), mbt in prop::sample::select(vec![4usize, 8, 24, 64]), one_fam in any::<bool>()) {
         run(ops, one_fam, false, 0, ovh, mbt, preempt, bs, pages, seqs, chunk, tiers, ns0)?;
     }
     #[test]
-    fn pfuzz_over(ops in prop::collection::vec(pop(), 1..200), preempt in any::<bool>(),
+    fn a_request_reads_only_kv_of_its_namespace_and_salt_over_committed(ops in ops(&PREFIX_MIX, 1..200), preempt in any::<bool>(),
                   bs in 1usize..9, seqs in 1usize..6, chunk in 1usize..30, pages in 8usize..40,
                   tiers in prop::array::uniform4(0u32..3), ns0 in prop::array::uniform4(0u8..3), wm in 0usize..3, ovh in prop::sample::select(vec![0.0, 0.1, 0.3]), mbt in prop::sample::select(vec![4usize, 8, 24, 64]), one_fam in any::<bool>()) {
         run(ops, one_fam, true, wm, ovh, mbt, preempt, bs, pages, seqs, chunk, tiers, ns0)?;
@@ -411,7 +326,7 @@ proptest! {
 proptest! {
     #![proptest_config(ProptestConfig { cases: 100, ..ProptestConfig::default() })]
     #[test]
-    fn pfuzz_small(ops in prop::collection::vec(pop(), 1..250), preempt in any::<bool>(), over in any::<bool>(),
+    fn a_request_reads_only_kv_of_its_namespace_and_salt_in_a_tiny_pool(ops in ops(&PREFIX_MIX, 1..250), preempt in any::<bool>(), over in any::<bool>(),
                      bs in 1usize..5, seqs in 1usize..8, chunk in 1usize..30, pages in 4usize..16,
                      tiers in prop::array::uniform4(0u32..3), ns0 in prop::array::uniform4(0u8..2), wm in 0usize..3, mbt in prop::sample::select(vec![8usize, 24, 64])) {
         run(ops, true, over, wm, 0.0, mbt, preempt, bs, pages, seqs, chunk, tiers, ns0)?;

@@ -1,4 +1,4 @@
-//! A fuzzer for operations (written in review): submits with stop tokens,
+//! A fuzzer for operations: submits with stop tokens,
 //! steps, cancels, live reconfiguration (raising and lowering the shape-bound
 //! knobs while sequences run, overhead reserve, ladder on and off), drains with
 //! deadlines past and future, tier changes and idle time, in both admission
@@ -8,6 +8,7 @@
 
 use super::*;
 use crate::ladder::{Action, Rung, Signal};
+use random_ops::RESERVES;
 use std::collections::BTreeSet;
 
 fn rung(signal: Signal, engage: f64, release: f64, action: Action) -> Rung {
@@ -19,50 +20,24 @@ fn rung(signal: Signal, engage: f64, release: f64, action: Action) -> Rung {
     }
 }
 
-#[derive(Clone, Debug)]
-enum Op {
-    Submit {
-        t: usize,
-        n: usize,
-        m: usize,
-        stop: bool,
-    },
-    Step,
-    Cancel {
-        pick: usize,
-    },
-    Reconf {
-        seqs: usize,
-        mbt: usize,
-        msl: usize,
-        reserve: u8,
-        ladder: bool,
-        preempt: bool,
-    },
-    Drain {
-        delta: i32,
-    },
-    Tier {
-        t: usize,
-        tier: u32,
-    },
-    Wait {
-        dt: u8,
-    },
-}
-
-fn op() -> impl Strategy<Value = Op> {
-    prop_oneof![
-        5 => (0usize..3, 1usize..50, 1usize..40, any::<bool>()).prop_map(|(t, n, m, stop)| Op::Submit { t, n, m, stop }),
-        8 => Just(Op::Step),
-        1 => any::<usize>().prop_map(|pick| Op::Cancel { pick }),
-        1 => (1usize..=6, 6usize..=48, 2usize..=128, 0u8..4, any::<bool>(), any::<bool>())
-            .prop_map(|(seqs, mbt, msl, reserve, ladder, preempt)| Op::Reconf { seqs, mbt, msl, reserve, ladder, preempt }),
-        1 => (-5i32..40).prop_map(|delta| Op::Drain { delta }),
-        1 => (0usize..3, 0u32..3).prop_map(|(t, tier)| Op::Tier { t, tier }),
-        1 => (0u8..40).prop_map(|dt| Op::Wait { dt }),
-    ]
-}
+/// Submits (with stop tokens or not), steps, cancels, live reconfiguration,
+/// drains, tier changes and idle time.
+pub(super) const LIFECYCLE_MIX: Mix = Mix {
+    submit: 5,
+    step: 8,
+    cancel: 1,
+    update: 1,
+    reconf: 1,
+    drain: 1,
+    wait: 1,
+    submit_tenants: 0..3,
+    prompt_len: 1..50,
+    max_tokens: 1..40,
+    stop: 0.5,
+    tenants: 0..3,
+    tier: Some(0..3),
+    ..Mix::NONE
+};
 
 fn lad() -> LadderConfig {
     LadderConfig {
@@ -81,7 +56,7 @@ const NAMES: [&str; 3] = ["t0", "t1", "t2"];
 proptest! {
     #![proptest_config(ProptestConfig { cases: 150, ..ProptestConfig::default() })]
     #[test]
-    fn ops_account_for_every_request(ops in prop::collection::vec(op(), 1..200), over in any::<bool>(), pc in any::<bool>()) {
+    fn every_admitted_request_ends_exactly_once_under_random_operations(ops in ops(&LIFECYCLE_MIX, 1..200), over in any::<bool>(), pc in any::<bool>()) {
         let base = SchedulerConfig {
             num_blocks: 61, block_size: 8, max_num_seqs: 6, max_batched_tokens: 48,
             max_seq_len: 128, overhead_reserve: 0.0, max_waiting: 6, long_prefill_chunk: 16,
@@ -104,7 +79,7 @@ proptest! {
         let mut k = 0i32;
         for op in ops {
             match op {
-                Op::Submit { t, n, m, stop } => {
+                Op::Submit { t, n, m, stop, .. } => {
                     k += 1;
                     let p = prompt(n, k);
                     let stops = if stop { vec![p[0] % 7 + 3] } else { vec![] };
@@ -112,7 +87,7 @@ proptest! {
                         admitted.insert(id);
                     }
                 }
-                Op::Step => {
+                Op::Step { .. } => {
                     if let Some(ev) = h.step() {
                         for f in ev.finished {
                             match f.reason {
@@ -136,7 +111,7 @@ proptest! {
                     c.max_num_seqs = seqs;
                     c.max_batched_tokens = mbt.max(seqs);
                     c.max_seq_len = msl;
-                    c.overhead_reserve = [0.0, 0.1, 0.3, 0.6][reserve as usize];
+                    c.overhead_reserve = RESERVES[reserve as usize];
                     c.ladder = if ladder { lad() } else { LadderConfig::off() };
                     c.preempt_lower_tiers = preempt;
                     let before = (h.s.config().clone(), h.s.stats(h.now));
@@ -146,12 +121,12 @@ proptest! {
                     }
                 }
                 Op::Drain { delta } => { h.s.drain(h.now + delta as f64 * 0.01).unwrap(); }
-                Op::Tier { t, tier } => {
-                    let mut c = h.s.tenants().by_name(NAMES[t]).unwrap().config.clone();
-                    c.tier = tier;
+                Op::Update { t, .. } => {
+                    let c = op.updated(h.s.tenants().by_name(NAMES[t]).unwrap().config.clone());
                     h.s.update_tenant(c, h.now).unwrap();
                 }
                 Op::Wait { dt } => h.now += dt as f64 * 0.01,
+                op => unreachable!("not in this mix: {op:?}"),
             }
             h.s.check_invariants().map_err(TestCaseError::fail)?;
             prop_assert!(h.s.ladder().level() <= h.s.ladder().config().rungs.len());

@@ -1,162 +1,10 @@
-//! Operations: the degradation ladder under a burst, live knobs, lifecycle and drain.
+//! Lifecycle and live operations: warm-up and drain refuse new requests,
+//! live knobs take effect next step (restart-only ones say which), a drain
+//! deadline hands back what is unfinished and a restore finishes it alike.
 
+use super::overload::ladder;
 use super::*;
 use crate::ladder::{Action, Rung, Signal};
-
-const DT: f64 = 0.01;
-
-fn ladder() -> LadderConfig {
-    let rung = |signal, engage, release, action| Rung {
-        signal,
-        engage,
-        release,
-        action,
-    };
-    LadderConfig {
-        rungs: vec![
-            rung(Signal::ReservedShare, 0.9, 0.6, Action::ShedLowestTier),
-            rung(Signal::QueueDepth, 8.0, 2.0, Action::CapMaxTokens(8)),
-            rung(Signal::OldestWaitS, 0.5, 0.1, Action::MaxRunning(4)),
-            rung(Signal::OldestWaitS, 1.0, 0.2, Action::RejectFast),
-        ],
-        retry_after_s: 0.25,
-    }
-}
-
-struct Run {
-    gold_ttft: Vec<f64>,
-    gold_rejected: usize,
-    bulk_reasons: BTreeMap<&'static str, usize>,
-    moves: Vec<(usize, bool, f64)>,
-    capped: usize,
-    level_at_end: usize,
-}
-
-/// Gold (tier 0) sends one request every 10 steps throughout; bulk (tier 1)
-/// sends three per step from step 100 to 200 (ten times what 8 slots of
-/// 24-token requests sustain: ~0.3 per step), then one every 10 steps.
-fn burst(with_ladder: bool) -> Run {
-    let mut c = SchedulerConfig {
-        num_blocks: 241,
-        block_size: 8,
-        max_num_seqs: 8,
-        max_batched_tokens: 64,
-        max_seq_len: 128,
-        overhead_reserve: 0.0,
-        max_waiting: 64,
-        long_prefill_chunk: 64,
-        preempt_lower_tiers: true,
-        ..SchedulerConfig::default()
-    };
-    if with_ladder {
-        c.ladder = ladder();
-    }
-    let mut h = Harness::new(c);
-    h.dt = DT;
-    let mut gold = TenantConfig::new("gold");
-    gold.tier = 0;
-    h.tenant(gold);
-    let mut bulk = TenantConfig::new("bulk");
-    bulk.tier = 1;
-    h.tenant(bulk);
-    let mut gold_ids = Vec::new();
-    let mut run = Run {
-        gold_ttft: Vec::new(),
-        gold_rejected: 0,
-        bulk_reasons: BTreeMap::new(),
-        moves: Vec::new(),
-        capped: 0,
-        level_at_end: 0,
-    };
-    for step in 0..900 {
-        let mut sends: Vec<(&str, i32)> = Vec::new();
-        if step % 10 == 0 && step < 700 {
-            sends.push(("gold", 1));
-        }
-        let bulk_n = match step {
-            100..200 => 3,
-            _ if step < 700 && step % 10 == 5 => 1,
-            _ => 0,
-        };
-        sends.extend(std::iter::repeat_n(("bulk", 2), bulk_n));
-        for (k, (t, fam)) in sends.into_iter().enumerate() {
-            let p = prompt(24, fam * 1000 + step * 7 + k as i32);
-            match h.s.submit(t, &p, 24, h.now) {
-                Ok(id) if t == "gold" => gold_ids.push(id),
-                Ok(_) => *run.bulk_reasons.entry("admitted").or_default() += 1,
-                Err(e) => {
-                    let r = e.reason().unwrap().as_str();
-                    if t == "gold" {
-                        run.gold_rejected += 1;
-                    } else {
-                        *run.bulk_reasons.entry(r).or_default() += 1;
-                    }
-                }
-            }
-        }
-        if h.step().is_none() {
-            h.now += DT;
-        }
-        for e in h.s.take_events() {
-            match e {
-                SchedulerEvent::Ladder(m) => run.moves.push((m.rung, m.up, m.at)),
-                SchedulerEvent::MaxTokensCapped { admitted, .. } => {
-                    assert_eq!(admitted, 8);
-                    run.capped += 1;
-                }
-            }
-        }
-    }
-    h.run(2000);
-    run.level_at_end = h.s.ladder().level();
-    for id in gold_ids {
-        let f = &h.finished[&id];
-        run.gold_ttft.push(f.first_token - f.arrival);
-    }
-    run
-}
-
-fn p99(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[(v.len() * 99 / 100).min(v.len() - 1)]
-}
-
-#[test]
-fn a_ten_times_burst_climbs_the_rungs_in_order_keeps_tier_0_fast_and_descends() {
-    let mut on = burst(true);
-    let mut off = burst(false);
-
-    // Every rung engaged, in order, and all were released once the burst was
-    // absorbed, in reverse order.
-    let ups: Vec<usize> = on.moves.iter().filter(|m| m.1).map(|m| m.0).collect();
-    assert_eq!(&ups[..4], &[0, 1, 2, 3], "moves: {:?}", on.moves);
-    let first_release = on.moves.iter().position(|m| !m.1).unwrap();
-    assert!(
-        on.moves[first_release].2 > 1.0,
-        "nothing released during the burst"
-    );
-    assert_eq!(on.level_at_end, 0, "moves: {:?}", on.moves);
-    let downs: Vec<usize> = on.moves.iter().filter(|m| !m.1).map(|m| m.0).collect();
-    assert_eq!(downs.last(), Some(&0));
-    assert!(on.capped > 0, "rung 1 capped max_tokens");
-    assert!(on.bulk_reasons.get("shed").copied().unwrap_or(0) > 0);
-
-    // Tier 0: never refused, first token within 0.1 s (10 steps) at p99.
-    assert_eq!(on.gold_rejected, 0);
-    let p = p99(&mut on.gold_ttft);
-    assert!(p <= 0.1, "gold p99 ttft {p}");
-    // Without the ladder the burst fills the pool and gold is refused.
-    assert!(off.gold_rejected > 0, "{:?}", off.bulk_reasons);
-    let p_off = p99(&mut off.gold_ttft);
-    eprintln!(
-        "ladder on: gold p99 ttft {p:.3} s, 0 refused, bulk {:?}, {} capped, moves {:?}",
-        on.bulk_reasons, on.capped, on.moves
-    );
-    eprintln!(
-        "ladder off: gold p99 ttft {p_off:.3} s, {} refused, bulk {:?}",
-        off.gold_rejected, off.bulk_reasons
-    );
-}
 
 #[test]
 fn live_knobs_take_effect_next_step_and_restart_only_ones_say_which() {
@@ -176,7 +24,7 @@ fn live_knobs_take_effect_next_step_and_restart_only_ones_say_which() {
         h.submit("a", &prompt(8, k), 30);
     }
     h.step();
-    assert_eq!(h.s.running.len(), 6);
+    assert_eq!(h.s.stats(h.now).running, 6);
 
     let restart = |f: &dyn Fn(&mut SchedulerConfig)| {
         let mut n = c.clone();
@@ -246,7 +94,7 @@ fn live_knobs_take_effect_next_step_and_restart_only_ones_say_which() {
         h.submit("a", &prompt(8, 20 + k), 4);
     }
     h.step();
-    assert_eq!(h.s.running.len(), 3);
+    assert_eq!(h.s.stats(h.now).running, 3);
     h.run(100);
 }
 
@@ -358,50 +206,6 @@ fn a_drain_deadline_hands_back_what_is_unfinished_and_a_restore_finishes_it_alik
     }
 }
 
-// Found in review (older than the prefix cache): a preempted request whose
-// tenant moved up a tier waited in its old tier's resume queue, so priority
-// preemption made room for it every step and the victim took the room back.
-#[test]
-fn a_retiered_tenants_preempted_request_waits_in_its_new_tiers_queue() {
-    for admission in [
-        AdmissionMode::Overcommit {
-            watermark_blocks: 1,
-        },
-        AdmissionMode::Reserve,
-    ] {
-        let mut h = Harness::new(SchedulerConfig {
-            max_num_seqs: 1,
-            long_prefill_chunk: 2,
-            preempt_lower_tiers: true,
-            admission,
-            ..config(64, 4)
-        });
-        let mut lo = TenantConfig::new("lo");
-        lo.tier = 2;
-        h.tenant(lo.clone());
-        let mut mid = TenantConfig::new("mid");
-        mid.tier = 1;
-        h.tenant(mid);
-        let r = h.submit("lo", &prompt(6, 1), 4);
-        h.step();
-        let m = h.submit("mid", &prompt(6, 2), 4);
-        h.step(); // r is preempted into resume queue 2; m runs
-        lo.tier = 0;
-        h.s.update_tenant(lo, h.now).unwrap();
-        h.run(60);
-        assert_eq!(
-            h.finished[&m].preemptions, 1,
-            "{admission:?}: preempted once for r"
-        );
-        assert!(
-            h.finished[&r].finished < h.finished[&m].finished,
-            "{admission:?}"
-        );
-    }
-}
-
-// -- found in review ------------------------------------------------------------
-
 fn record(prompt_: Vec<i32>, generated: Vec<i32>, max_tokens: usize, stops: Vec<i32>) -> InFlight {
     InFlight {
         id: 77,
@@ -464,51 +268,6 @@ fn a_record_that_had_finished_is_refused_and_changes_nothing() {
         ));
     }
     assert_eq!(h.s.stats(h.now), before);
-}
-
-#[test]
-fn oldest_wait_counts_from_the_preemption_not_the_arrival() {
-    let mut c = config(200, 8);
-    c.max_num_seqs = 1;
-    c.preempt_lower_tiers = true;
-    let mut h = Harness::new(c);
-    h.dt = 0.1;
-    let mut lo = TenantConfig::new("lo");
-    lo.tier = 1;
-    h.tenant(lo);
-    h.tenant(TenantConfig::new("hi"));
-    h.submit("lo", &prompt(8, 1), 200);
-    for _ in 0..100 {
-        h.step(); // lo runs for 10 s while nobody waits
-    }
-    h.submit("hi", &prompt(8, 2), 4);
-    h.step(); // lo is preempted for hi
-    let wait = h.s.pressure(h.now).oldest_wait_s;
-    assert!(wait <= 0.1 + 1e-9, "oldest wait {wait}");
-}
-
-#[test]
-fn a_refused_invalid_request_does_not_move_the_ladder() {
-    let mut c = config(200, 8);
-    c.ladder = LadderConfig {
-        rungs: vec![Rung {
-            signal: Signal::QueueDepth,
-            engage: 1.0,
-            release: 0.5,
-            action: Action::RejectFast,
-        }],
-        retry_after_s: 1.0,
-    };
-    let mut h = Harness::new(c);
-    h.tenant(TenantConfig::new("a"));
-    h.submit("a", &prompt(8, 1), 4);
-    assert_eq!(reason(h.s.submit("a", &[], 4, h.now)), Some("invalid"));
-    assert_eq!(
-        reason(h.s.submit("a", &prompt(300, 1), 4, h.now)),
-        Some("too_long")
-    );
-    assert_eq!(h.s.ladder().level(), 0);
-    assert!(h.s.take_events().is_empty());
 }
 
 #[test]
