@@ -1,14 +1,17 @@
-//! Prefix cache: full KV blocks named by a keyed, chained 128-bit hash, so a
-//! prompt that starts like an earlier one reuses those pages instead of
-//! recomputing them.
+//! Prefix cache: full KV blocks named by a keyed 128-bit hash of everything
+//! before their end, so a prompt that starts like an earlier one reuses those
+//! pages instead of recomputing them.
 //!
-//! Naming. Block i of a sequence is named `key_i = H(key_{i-1}, tokens of block i)`
-//! and `key_{-1}` is the root of the request's namespace, `H(namespace, salt)`.
-//! Every key therefore depends on the namespace, the salt and every token before
-//! it: equal keys mean equal content at equal positions. H is SipHash-1-3 with
-//! 128-bit output under a 128-bit secret key (random per scheduler unless
-//! configured): without the key nobody can construct two prompts whose blocks
-//! collide, so a 2^-128 chance per pair is what an adversary gets too.
+//! Naming. Block i of a sequence (blocks of B tokens) is named
+//! `key_i = SipHash-1-3-128_K(root || t_0 || ... || t_{(i+1)B-1})`: one keyed
+//! stream over the request's namespace root (16 bytes) and its token ids (each
+//! a little-endian int32), block i's name being the finalization of the stream
+//! after its last token (see `naming`). The root is `SipHash-1-3-128_K(namespace,
+//! salt)`. Every key therefore depends on the namespace, the salt and every
+//! token up to the end of its block: equal keys mean equal content at equal
+//! positions. K is a 128-bit secret (random per scheduler unless configured):
+//! without it nobody can construct two prompts whose blocks collide, so a
+//! 2^-128 chance per pair is what an adversary gets too.
 //!
 //! Namespaces. By default a request's namespace is its tenant: one tenant's
 //! blocks never serve another, so a cache hit (and the time it saves) can reveal
@@ -21,12 +24,16 @@
 //! left. A request releases its pages last to first, so a chain's tail is
 //! evicted before its head: the head is the part other prompts share.
 
+mod naming;
+
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
 use siphasher::sip128::{Hasher128, SipHasher13};
 
 use crate::tenant::TenantId;
+
+pub use naming::{BlockChain, BlockNamer};
 
 /// A block's name.
 pub type BlockKey = u128;
@@ -50,7 +57,10 @@ pub struct Namespace {
 /// secret (token ids are hashed as little-endian int32 whatever the host).
 #[derive(Clone)]
 pub struct PrefixHasher {
+    /// Names namespaces (their roots).
     base: SipHasher13,
+    /// Names blocks, streaming from a root.
+    namer: BlockNamer,
 }
 
 impl std::fmt::Debug for PrefixHasher {
@@ -67,6 +77,7 @@ impl PrefixHasher {
     pub fn new(key: &[u8; 16]) -> Self {
         PrefixHasher {
             base: SipHasher13::new_with_key(key),
+            namer: BlockNamer::new(key),
         }
     }
 
@@ -109,49 +120,12 @@ impl PrefixHasher {
         }
     }
 
-    /// The key of a block of `tokens` that follows the block named `parent`.
+    /// A request's naming stream, started at its namespace root: push its
+    /// blocks in order to get their names.
     #[inline]
-    pub fn block(&self, parent: BlockKey, tokens: &[i32]) -> BlockKey {
-        let mut h = self.base;
-        h.write(&parent.to_le_bytes());
-        write_tokens(&mut h, tokens);
-        h.finish128().into()
+    pub fn chain(&self, root: BlockKey) -> BlockChain {
+        self.namer.chain(root)
     }
-
-    /// The key of the next block of a chain: block `chain.len()` of `tokens`
-    /// (blocks of `block_size` tokens), following the last key of `chain`, or
-    /// the namespace `root` for the first block. Every chain is extended
-    /// through this one function, so each block is named alike wherever it is.
-    #[inline]
-    pub fn next_in_chain(
-        &self,
-        root: BlockKey,
-        chain: &[BlockKey],
-        tokens: &[i32],
-        block_size: usize,
-    ) -> BlockKey {
-        let b = chain.len();
-        let parent = chain.last().copied().unwrap_or(root);
-        self.block(parent, &tokens[b * block_size..(b + 1) * block_size])
-    }
-}
-
-#[cfg(target_endian = "little")]
-#[inline]
-fn write_tokens(h: &mut SipHasher13, tokens: &[i32]) {
-    // SAFETY: i32 has no padding and any byte pattern is a valid u8; the slice
-    // covers exactly the tokens' memory, which outlives the borrow.
-    let bytes = unsafe {
-        std::slice::from_raw_parts(tokens.as_ptr().cast::<u8>(), std::mem::size_of_val(tokens))
-    };
-    h.write(bytes);
-}
-
-#[cfg(not(target_endian = "little"))]
-#[inline]
-fn write_tokens(h: &mut SipHasher13, tokens: &[i32]) {
-    let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
-    h.write(&bytes);
 }
 
 /// The map's own hasher: keys are already uniformly distributed and unknown to
@@ -404,15 +378,27 @@ mod tests {
         let a = PrefixHasher::new(&[1; 16]);
         let b = PrefixHasher::new(&[2; 16]);
         let toks = [5, 6, 7, 8];
+        // The name of the first block of `toks` in the stream from `root`.
+        let block = |h: &PrefixHasher, root: BlockKey, toks: &[i32]| h.chain(root).push(toks);
         let ns = a.namespace(0, "t", None, None);
-        assert_eq!(a.block(ns.root, &toks), a.block(ns.root, &toks));
-        assert_ne!(a.block(ns.root, &toks), b.block(ns.root, &toks), "secret");
+        assert_eq!(block(&a, ns.root, &toks), block(&a, ns.root, &toks));
         assert_ne!(
-            a.block(ns.root, &toks),
-            a.block(ns.root + 1, &toks),
+            block(&a, ns.root, &toks),
+            block(&b, ns.root, &toks),
+            "secret"
+        );
+        assert_ne!(
+            block(&a, ns.root, &toks),
+            block(&a, ns.root + 1, &toks),
             "parent"
         );
-        assert_ne!(a.block(ns.root, &toks), a.block(ns.root, &[5, 6, 7, 9]));
+        assert_ne!(block(&a, ns.root, &toks), block(&a, ns.root, &[5, 6, 7, 9]));
+        // And a later block depends on the one before it (the chain).
+        let mut c = a.chain(ns.root);
+        c.push(&toks);
+        let mut d = a.chain(ns.root);
+        d.push(&[5, 6, 7, 9]);
+        assert_ne!(c.push(&toks), d.push(&toks), "earlier block");
         let other = a.namespace(0, "u", None, None);
         assert_ne!(ns.root, other.root, "tenant name");
         let shared = a.namespace(0, "t", Some("t"), None);

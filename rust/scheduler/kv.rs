@@ -16,6 +16,7 @@
 //! helpers at the end).
 
 use super::*;
+use crate::prefix::BlockChain;
 
 pub(super) struct KvManager {
     pool: BlockPool,
@@ -103,59 +104,61 @@ impl KvManager {
         }
     }
 
+    /// A request's naming stream at its namespace `root`, before its first
+    /// block (a placeholder that names nothing when caching is off).
+    pub(super) fn chain(&self, root: BlockKey) -> BlockChain {
+        match &self.names {
+            Some(h) => h.chain(root),
+            None => BlockChain::default(),
+        }
+    }
+
     /// The longest cached prefix of `tokens`, at most `max_blocks` full blocks:
     /// appends the page of each hit to `pages` (empty on entry) until the first
-    /// miss. `keys` is the chain named so far (from `root`); names it lacks are
-    /// computed and kept, and it is cut to the hits on return.
+    /// miss. `chain` is the stream at the start of `tokens`; on return it has
+    /// absorbed the hits (a miss's block is named, then forgotten).
     fn match_prefix(
         &self,
-        root: BlockKey,
+        chain: &mut BlockChain,
         tokens: &[i32],
         max_blocks: usize,
-        keys: &mut Vec<BlockKey>,
         pages: &mut Vec<u32>,
     ) {
-        debug_assert!(pages.is_empty());
-        let Some(names) = &self.names else { return };
-        for b in 0..max_blocks {
-            // Keys named before (a preemption) are still right: they follow content.
-            let key = match keys.get(b) {
-                Some(&k) => k,
-                None => {
-                    let k = names.next_in_chain(root, keys, tokens, self.block_size);
-                    keys.push(k);
-                    k
-                }
-            };
-            match self.pool.cache().lookup(key) {
+        debug_assert!(pages.is_empty() && chain.tokens() == 0);
+        if self.names.is_none() {
+            return;
+        }
+        let cache = self.pool.cache();
+        for block in tokens.chunks_exact(self.block_size).take(max_blocks) {
+            let mut next = *chain;
+            match cache.lookup(next.push(block)) {
                 Some(p) => pages.push(p),
                 None => break,
             }
+            *chain = next;
         }
-        keys.truncate(pages.len());
     }
 
     /// Admission's prefix lookup for a prompt of tenant `tid` (see
     /// `shares_at_submit`; nothing otherwise): the pages of its cached prefix
     /// (all but its last token at most, so there are logits to sample) into
-    /// `hits`, their names into `keys`. Returns how many of the hits are pages
-    /// of the tenant's own namespace that another of its requests holds: they
-    /// are shared, so admission does not charge them twice.
+    /// `hits`, and `chain` (at the namespace root on entry) past them. Returns
+    /// how many of the hits are pages of the tenant's own namespace that
+    /// another of its requests holds: they are shared, so admission does not
+    /// charge them twice.
     pub(super) fn lookup_at_submit(
         &self,
         tid: TenantId,
-        root: BlockKey,
         prompt: &[i32],
         hits: &mut Vec<u32>,
-        keys: &mut Vec<BlockKey>,
+        chain: &mut BlockChain,
     ) -> usize {
         if !self.shares_at_submit() {
             return 0;
         }
         let max_blocks = prompt.len().saturating_sub(1) / self.block_size;
         hits.reserve_exact(max_blocks);
-        keys.reserve_exact(max_blocks);
-        self.match_prefix(root, prompt, max_blocks, keys, hits);
+        self.match_prefix(chain, prompt, max_blocks, hits);
         hits.iter()
             .filter(|&&p| {
                 self.pool.refcount(p) > 0 && self.pool.cache().scope(p) == Some(Scope::Tenant(tid))
@@ -202,13 +205,10 @@ impl KvManager {
         debug_assert!(r.pages.is_empty() && r.num_computed == 0);
         let limit = r.tokens.len().saturating_sub(1) / self.block_size;
         let mut pages = Vec::new();
-        self.match_prefix(
-            r.namespace.root,
-            &r.tokens,
-            limit,
-            &mut r.block_keys,
-            &mut pages,
-        );
+        // Names follow content: the blocks named before a preemption are named
+        // alike again, from the root.
+        r.chain = self.chain(r.namespace.root);
+        self.match_prefix(&mut r.chain, &r.tokens, limit, &mut pages);
         self.pool.retain(&pages).expect("cached pages");
         r.num_computed = pages.len() * self.block_size;
         r.pages = pages;
@@ -237,16 +237,19 @@ impl KvManager {
     /// last named one; the first copy of a block stays the cached one.
     #[inline]
     pub(super) fn name_filled_blocks(&mut self, r: &mut Request) {
-        let Some(names) = &self.names else { return };
+        if self.names.is_none() {
+            return;
+        }
         let (full, _) = self.block.split(r.num_computed);
-        while r.block_keys.len() < full {
-            let key =
-                names.next_in_chain(r.namespace.root, &r.block_keys, &r.tokens, self.block_size);
-            let page = r.pages[r.block_keys.len()];
+        let (mut named, _) = self.block.split(r.chain.tokens());
+        while named < full {
+            let start = named * self.block_size;
+            let key = r.chain.push(&r.tokens[start..start + self.block_size]);
+            let page = r.pages[named];
             if !self.pool.cache().is_cached(page) {
                 self.pool.register(page, key, r.namespace.scope);
             }
-            r.block_keys.push(key);
+            named += 1;
         }
     }
 }
