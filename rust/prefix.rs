@@ -26,8 +26,7 @@
 
 mod naming;
 
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+use std::hash::Hasher;
 
 use siphasher::sip128::{Hasher128, SipHasher13};
 
@@ -128,28 +127,6 @@ impl PrefixHasher {
     }
 }
 
-/// The map's own hasher: keys are already uniformly distributed and unknown to
-/// anyone without the secret, so their low 64 bits are the hash.
-#[derive(Default)]
-pub struct KeyHasher(u64);
-
-impl Hasher for KeyHasher {
-    #[inline]
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        // Only u128 keys are hashed here; this path keeps other uses correct.
-        for &b in bytes {
-            self.0 = self.0.rotate_left(8) ^ b as u64;
-        }
-    }
-    #[inline]
-    fn write_u128(&mut self, v: u128) {
-        self.0 = v as u64;
-    }
-}
-
 /// Page 0 is never cached, so it terminates the LRU list (a sentinel).
 const END: u32 = 0;
 const NOT_CACHED: u32 = u32::MAX;
@@ -160,7 +137,11 @@ const SHARED: u32 = u32::MAX - 1;
 /// `evict_lru` as pages change hands.
 #[derive(Clone, Debug)]
 pub struct PrefixCache {
-    map: HashMap<BlockKey, u32, BuildHasherDefault<KeyHasher>>,
+    /// The cached pages, found by name. A slot holds a page id (4 bytes, not
+    /// the 32 of a (u128, u32) pair): the name itself is stored once, in
+    /// `key`. Names are uniform and secret, so their low 64 bits are the hash.
+    /// Sized once for every page, it never grows (no rehash, no transient).
+    map: hashbrown::HashTable<u32>,
     /// Per page: its key while cached.
     key: Vec<BlockKey>,
     /// Per page: NOT_CACHED, SHARED or the owning tenant's id.
@@ -174,9 +155,11 @@ pub struct PrefixCache {
 }
 
 impl PrefixCache {
+    /// A cache for `num_blocks` pages; 0 for a pool that caches nothing (all
+    /// its queries then answer "not cached").
     pub fn new(num_blocks: usize) -> Self {
         PrefixCache {
-            map: HashMap::default(),
+            map: hashbrown::HashTable::with_capacity(num_blocks),
             key: vec![0; num_blocks],
             scope: vec![NOT_CACHED; num_blocks],
             prev: vec![END; num_blocks],
@@ -190,18 +173,23 @@ impl PrefixCache {
     /// The page cached under `key`.
     #[inline]
     pub fn lookup(&self, key: BlockKey) -> Option<u32> {
-        self.map.get(&key).copied()
+        let names = &self.key;
+        self.map
+            .find(key as u64, |&p| names[p as usize] == key)
+            .copied()
     }
 
     #[inline]
     pub fn is_cached(&self, page: u32) -> bool {
-        self.scope[page as usize] != NOT_CACHED
+        self.scope
+            .get(page as usize)
+            .is_some_and(|&s| s != NOT_CACHED)
     }
 
     /// Whose namespace named `page` (None: not cached).
     #[inline]
     pub fn scope(&self, page: u32) -> Option<Scope> {
-        match self.scope[page as usize] {
+        match self.scope.get(page as usize).copied().unwrap_or(NOT_CACHED) {
             NOT_CACHED => None,
             SHARED => Some(Scope::Shared),
             t => Some(Scope::Tenant(t as TenantId)),
@@ -214,7 +202,7 @@ impl PrefixCache {
 
     #[inline]
     pub fn is_parked(&self, page: u32) -> bool {
-        self.parked[page as usize]
+        self.parked.get(page as usize).copied().unwrap_or(false)
     }
 
     /// Pages cached (referenced or evictable).
@@ -235,12 +223,17 @@ impl PrefixCache {
     /// Name a (referenced, uncached) page. False, and nothing changes, when the
     /// key already names another page: the first copy stays the cached one.
     pub fn register(&mut self, page: u32, key: BlockKey, scope: Scope) -> bool {
+        if page as usize >= self.key.len() {
+            return false; // a cache of no pages (caching off) names nothing
+        }
         debug_assert!(page != END && !self.is_cached(page) && !self.is_parked(page));
-        if self.map.contains_key(&key) {
+        if self.lookup(key).is_some() {
             return false;
         }
-        self.map.insert(key, page);
         self.key[page as usize] = key;
+        let names = &self.key;
+        self.map
+            .insert_unique(key as u64, page, |&p| names[p as usize] as u64);
         self.scope[page as usize] = match scope {
             Scope::Shared => SHARED,
             Scope::Tenant(t) => {
@@ -275,9 +268,16 @@ impl PrefixCache {
         self.evictable -= 1;
     }
 
+    /// The least recently released evictable page (END: none; a cache of no
+    /// pages has no list at all).
+    #[inline]
+    fn oldest(&self) -> u32 {
+        self.next.first().copied().unwrap_or(END)
+    }
+
     /// Take the least recently released evictable page out of the cache.
     pub(crate) fn evict_lru(&mut self) -> Option<u32> {
-        let page = self.next[END as usize];
+        let page = self.oldest();
         if page == END {
             return None;
         }
@@ -289,7 +289,9 @@ impl PrefixCache {
 
     fn forget(&mut self, page: u32) {
         let p = page as usize;
-        self.map.remove(&self.key[p]);
+        if let Ok(slot) = self.map.find_entry(self.key[p] as u64, |&q| q == page) {
+            slot.remove();
+        }
         self.scope[p] = NOT_CACHED;
     }
 
@@ -297,7 +299,7 @@ impl PrefixCache {
     /// when the tenant is removed).
     pub(crate) fn parked_of(&self, tenant: TenantId) -> Vec<u32> {
         let mut out = Vec::new();
-        let mut p = self.next[END as usize];
+        let mut p = self.oldest();
         while p != END {
             if self.scope[p as usize] == tenant as u32 {
                 out.push(p);
@@ -315,8 +317,20 @@ impl PrefixCache {
 
     /// Consistency of names, scopes and the LRU list, for tests.
     pub fn check_invariants(&self, refcount: &[u32]) -> Result<(), String> {
-        for (&key, &page) in &self.map {
-            if self.scope[page as usize] == NOT_CACHED || self.key[page as usize] != key {
+        if self.key.is_empty() {
+            // Caching off: nothing may be named or parked.
+            return match (self.map.len(), self.evictable) {
+                (0, 0) => Ok(()),
+                (n, e) => Err(format!("a cache of no pages holds {n} names, {e} parked")),
+            };
+        }
+        for &page in &self.map {
+            if self
+                .scope
+                .get(page as usize)
+                .is_none_or(|&s| s == NOT_CACHED)
+                || self.lookup(self.key[page as usize]) != Some(page)
+            {
                 return Err(format!("map entry for page {page} disagrees with the page"));
             }
         }

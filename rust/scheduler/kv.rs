@@ -30,7 +30,11 @@ pub(super) struct KvManager {
 
 impl KvManager {
     pub(super) fn new(config: &SchedulerConfig) -> KvResult<Self> {
-        let pool = BlockPool::new(config.num_blocks, config.block_size)?;
+        let pool = BlockPool::with_prefix_cache(
+            config.num_blocks,
+            config.block_size,
+            config.prefix_caching,
+        )?;
         let names = if config.prefix_caching {
             let key = match config.prefix_cache_key {
                 Some(SecretKey(k)) => k,
@@ -226,6 +230,13 @@ impl KvManager {
                 "request {} would exceed its reservation",
                 r.id
             )));
+        }
+        if r.pages.capacity() < r.pages.len() + need {
+            // Room for every page it can ever hold, once, rather than doubling
+            // (half of a long request's page list would be slack).
+            let most = self.pool.blocks_for(r.prompt_len + r.max_tokens);
+            r.pages
+                .reserve_exact(need.max(most.saturating_sub(r.pages.len())));
         }
         self.pool
             .allocate_into(need, &mut r.pages)
