@@ -277,6 +277,18 @@ impl BlockPool {
     /// each). All or nothing: the null page, an out-of-range id or a page
     /// without a reference left to drop is an error and changes nothing.
     pub fn free<P: PageId>(&mut self, pages: &[P]) -> KvResult<()> {
+        self.free_counting(pages, None).map(|_| ())
+    }
+
+    /// `free`, and how many of `pages` had another reference besides this
+    /// one and are named in `scope`'s namespace (0 when `scope` is None), in
+    /// the same pass.
+    pub fn free_counting<P: PageId>(
+        &mut self,
+        pages: &[P],
+        scope: Option<Scope>,
+    ) -> KvResult<usize> {
+        let mut counted = 0;
         let free_len = self.free.len();
         let shared = self.shared;
         for (i, &page) in pages.iter().enumerate().rev() {
@@ -297,6 +309,9 @@ impl BlockPool {
                 }
             };
             let rc = &mut self.refcount[id];
+            if *rc >= 2 && scope.is_some() && self.cache.scope(id as u32) == scope {
+                counted += 1;
+            }
             *rc -= 1;
             match *rc {
                 0 if self.cache.is_cached(id as u32) => self.cache.park(id as u32),
@@ -305,7 +320,7 @@ impl BlockPool {
                 _ => {}
             }
         }
-        Ok(())
+        Ok(counted)
     }
 
     /// Add one reference to each listed page: an allocated page, or an
@@ -318,11 +333,10 @@ impl BlockPool {
                 self.check_held(p)?;
             }
         }
+        // Cache hits come back off the evictable list first, a run at a time.
+        self.cache.unpark_all(pages);
         for &page in pages {
             let id = page.to_i64() as usize;
-            if self.refcount[id] == 0 {
-                self.cache.unpark(id as u32);
-            }
             let rc = &mut self.refcount[id];
             *rc += 1;
             if *rc == 2 {

@@ -30,6 +30,7 @@ use std::hash::Hasher;
 
 use siphasher::sip128::{Hasher128, SipHasher13};
 
+use crate::pool::PageId;
 use crate::tenant::TenantId;
 
 pub use naming::{BlockChain, BlockNamer};
@@ -268,6 +269,36 @@ impl PrefixCache {
         self.evictable -= 1;
     }
 
+    /// Each evictable page of `pages` is referenced again (cache hits; the
+    /// others are skipped): `unpark` for each, with a run of pages that lie
+    /// next to each other on the LRU list, newest first, as a prompt's blocks
+    /// do once its request released them last to first, cut out in one splice.
+    pub(crate) fn unpark_all<P: PageId>(&mut self, pages: &[P]) {
+        let page = |i: usize| pages[i].to_i64() as u32;
+        let mut i = 0;
+        while i < pages.len() {
+            let newest = page(i);
+            if !self.is_parked(newest) {
+                i += 1;
+                continue;
+            }
+            // Extend the run while the next listed page is the one just older.
+            let mut oldest = newest;
+            let mut j = i + 1;
+            while j < pages.len() && page(j) != END && self.prev[oldest as usize] == page(j) {
+                self.parked[oldest as usize] = false;
+                oldest = page(j);
+                j += 1;
+            }
+            self.parked[oldest as usize] = false;
+            let (before, after) = (self.prev[oldest as usize], self.next[newest as usize]);
+            self.next[before as usize] = after;
+            self.prev[after as usize] = before;
+            self.evictable -= j - i;
+            i = j;
+        }
+    }
+
     /// The least recently released evictable page (END: none; a cache of no
     /// pages has no list at all).
     #[inline]
@@ -457,6 +488,36 @@ mod tests {
         assert_eq!((c.evictions(), c.cached(), c.evictable()), (3, 1, 0));
         assert_eq!(c.lookup(40), Some(4));
         assert_eq!(c.scope(4), Some(Scope::Tenant(0)));
+        c.check_invariants(&rc).unwrap();
+    }
+
+    #[test]
+    fn unpark_all_cuts_runs_out_of_the_lru_list_and_keeps_the_rest_in_order() {
+        let mut c = PrefixCache::new(12);
+        for p in 1..12u32 {
+            assert!(c.register(p, 100 + p as u128, Scope::Shared));
+        }
+        // Released last to first, as a request does: 5 4 3 2 1, then 10 9 8 7 6,
+        // then 11.
+        for p in [5, 4, 3, 2, 1, 10, 9, 8, 7, 6, 11] {
+            c.park(p);
+        }
+        let mut rc = vec![0u32; 12];
+        // Hits in prompt order: a run (1 2 3), a page not parked (3 again), a
+        // lone page (8), a run broken by order (7 after 8 is older: its own run).
+        c.unpark_all(&[1u32, 2, 3, 3, 8, 7]);
+        for p in [1, 2, 3, 8, 7] {
+            rc[p] = 1;
+            assert!(!c.is_parked(p as u32));
+        }
+        c.check_invariants(&rc).unwrap();
+        assert_eq!(c.evictable(), 6);
+        let order: Vec<u32> = std::iter::from_fn(|| c.evict_lru()).collect();
+        assert_eq!(
+            order,
+            vec![5, 4, 10, 9, 6, 11],
+            "the rest keeps its LRU order"
+        );
         c.check_invariants(&rc).unwrap();
     }
 }

@@ -181,21 +181,10 @@ impl KvManager {
     /// Returns how many of them were shared with another of its requests in
     /// its own namespace (reserve mode only: sharing earns admission room there).
     fn drop_pages(&mut self, tid: TenantId, pages: &[u32]) -> usize {
-        let shared = if self.shares_at_submit() {
-            pages
-                .iter()
-                .filter(|&&p| {
-                    self.pool.refcount(p) >= 2
-                        && self.pool.cache().scope(p) == Some(Scope::Tenant(tid))
-                })
-                .count()
-        } else {
-            0
-        };
+        let scope = self.shares_at_submit().then_some(Scope::Tenant(tid));
         self.pool
-            .free(pages)
-            .expect("a request's pages are allocated and its own");
-        shared
+            .free_counting(pages, scope)
+            .expect("a request's pages are allocated and its own")
     }
 
     /// Over-committed, a request shares the cached prefix of its tokens when it
