@@ -346,6 +346,27 @@ impl BlockPool {
         Ok(())
     }
 
+    /// `retain` for pages the prefix cache names (the hits of a lookup), which
+    /// are valid ids by construction: one check that each is cached, then one
+    /// pass. All or nothing.
+    pub fn retain_cached(&mut self, pages: &[u32]) -> KvResult<()> {
+        if let Some(&p) = pages.iter().find(|&&p| !self.cache.is_cached(p)) {
+            return Err(KvError::InvalidPage {
+                page: p as i64,
+                why: "not a cached page",
+            });
+        }
+        self.cache.unpark_all(pages);
+        for &page in pages {
+            let rc = &mut self.refcount[page as usize];
+            *rc += 1;
+            if *rc == 2 {
+                self.shared += 1;
+            }
+        }
+        Ok(())
+    }
+
     fn check_held(&self, page: i64) -> KvResult<usize> {
         if page == NULL_PAGE as i64 {
             return Err(KvError::InvalidPage {
@@ -553,6 +574,29 @@ mod tests {
             pool.allocate_one().is_err(),
             "page 2 is referenced: never evicted"
         );
+        pool.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn retain_cached_takes_hits_and_refuses_an_unnamed_page_whole() {
+        let mut pool = BlockPool::new(8, 16).unwrap();
+        let mut pages: Vec<u32> = Vec::new();
+        pool.allocate_into(4, &mut pages).unwrap();
+        for (i, &p) in pages[..3].iter().enumerate() {
+            pool.register(p, 50 + i as u128, Scope::Shared);
+        }
+        pool.retain(&pages[..1]).unwrap();
+        pool.free(&pages).unwrap(); // 2 and 3 parked; 1 still held; 4 free
+        let before = pool.clone();
+        assert!(pool.retain_cached(&[2, 4]).is_err(), "page 4 is not cached");
+        assert_eq!(pool.refcount, before.refcount);
+        assert_eq!(pool.cache().evictable(), 2);
+        pool.retain_cached(&[1, 2, 3]).unwrap();
+        assert_eq!(
+            (pool.refcount(1), pool.refcount(2), pool.refcount(3)),
+            (2, 1, 1)
+        );
+        assert_eq!((pool.shared(), pool.cache().evictable()), (1, 0));
         pool.check_invariants().unwrap();
     }
 

@@ -86,13 +86,27 @@ impl BlockNamer {
 }
 
 /// The stream after the root and the tokens absorbed so far.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+///
+/// Its state is secret: SipHash's rounds are invertible, so anyone who saw
+/// it and knows the tokens could walk back to the key. `Debug` shows only how
+/// far it has come.
+#[derive(Clone, Copy, PartialEq, Eq)]
 pub struct BlockChain {
     v: [u64; 4],
     /// Bytes absorbed, root included.
     len: u64,
     /// A token not yet in a word (odd counts), in the low half.
     tail: u64,
+}
+
+impl std::fmt::Debug for BlockChain {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "BlockChain {{ tokens: {}, state: <secret> }}",
+            self.tokens()
+        )
+    }
 }
 
 impl Default for BlockChain {
@@ -266,5 +280,20 @@ mod tests {
         let short = c.name();
         c.absorb(&[0]);
         assert_ne!(short, c.name());
+    }
+
+    #[test]
+    fn debug_output_shows_no_state() {
+        let key = [0xab; 16];
+        let mut c = BlockNamer::new(&key).chain(0);
+        c.push(&[1, 2, 3, 4]);
+        assert_eq!(
+            format!("{c:?}"),
+            "BlockChain { tokens: 4, state: <secret> }"
+        );
+        assert_eq!(
+            format!("{:?}", BlockNamer::new(&key)),
+            "BlockNamer { key: <secret> }"
+        );
     }
 }

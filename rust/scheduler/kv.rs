@@ -120,27 +120,38 @@ impl KvManager {
     /// The longest cached prefix of `tokens`, at most `max_blocks` full blocks:
     /// appends the page of each hit to `pages` (empty on entry) until the first
     /// miss. `chain` is the stream at the start of `tokens`; on return it has
-    /// absorbed the hits (a miss's block is named, then forgotten).
+    /// absorbed the hits (a miss's block is named, then forgotten). Returns how
+    /// many hits are pages that someone references, named in `scope`'s
+    /// namespace (0 when `scope` is None), counted while each page is at hand.
     fn match_prefix(
         &self,
         chain: &mut BlockChain,
         tokens: &[i32],
         max_blocks: usize,
         pages: &mut Vec<u32>,
-    ) {
+        scope: Option<Scope>,
+    ) -> usize {
         debug_assert!(pages.is_empty() && chain.tokens() == 0);
         if self.names.is_none() {
-            return;
+            return 0;
         }
         let cache = self.pool.cache();
+        // A local stream, so that it stays in registers across the lookups.
+        let mut at = *chain;
+        let mut held = 0;
         for block in tokens.chunks_exact(self.block_size).take(max_blocks) {
-            let mut next = *chain;
-            match cache.lookup(next.push(block)) {
-                Some(p) => pages.push(p),
-                None => break,
+            let mut next = at;
+            let Some(p) = cache.lookup(next.push(block)) else {
+                break;
+            };
+            pages.push(p);
+            if scope.is_some() && self.pool.refcount(p) > 0 && cache.scope(p) == scope {
+                held += 1;
             }
-            *chain = next;
+            at = next;
         }
+        *chain = at;
+        held
     }
 
     /// Admission's prefix lookup for a prompt of tenant `tid` (see
@@ -162,18 +173,13 @@ impl KvManager {
         }
         let max_blocks = prompt.len().saturating_sub(1) / self.block_size;
         hits.reserve_exact(max_blocks);
-        self.match_prefix(chain, prompt, max_blocks, hits);
-        hits.iter()
-            .filter(|&&p| {
-                self.pool.refcount(p) > 0 && self.pool.cache().scope(p) == Some(Scope::Tenant(tid))
-            })
-            .count()
+        self.match_prefix(chain, prompt, max_blocks, hits, Some(Scope::Tenant(tid)))
     }
 
     /// Take a reference on each of `hits` (cached pages `lookup_at_submit` found).
     pub(super) fn share_hits(&mut self, hits: &[u32]) -> KvResult<()> {
         self.pool
-            .retain(hits)
+            .retain_cached(hits)
             .map_err(|e| KvError::Internal(format!("a cache hit is not a cached page: {e}")))
     }
 
@@ -201,8 +207,8 @@ impl KvManager {
         // Names follow content: the blocks named before a preemption are named
         // alike again, from the root.
         r.chain = self.chain(r.namespace.root);
-        self.match_prefix(&mut r.chain, &r.tokens, limit, &mut pages);
-        self.pool.retain(&pages).expect("cached pages");
+        self.match_prefix(&mut r.chain, &r.tokens, limit, &mut pages, None);
+        self.pool.retain_cached(&pages).expect("cached pages");
         r.num_computed = pages.len() * self.block_size;
         r.pages = pages;
         r.pages.len()
