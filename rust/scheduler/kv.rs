@@ -136,22 +136,34 @@ impl KvManager {
             return 0;
         }
         let cache = self.pool.cache();
-        // A local stream, so that it stays in registers across the lookups.
+        // Software-pipelined by one block: the lookup of a block's name is
+        // issued before the next block is hashed, so its loads overlap that
+        // work instead of stalling the loop. One block past the first miss is
+        // named in vain (the miss itself was named in vain before, too).
         let mut at = *chain;
+        let mut blocks = tokens.chunks_exact(self.block_size).take(max_blocks);
+        let Some(first) = blocks.next() else {
+            return 0;
+        };
+        let mut name = at.push(first);
+        let mut after = at;
         let mut held = 0;
-        for block in tokens.chunks_exact(self.block_size).take(max_blocks) {
-            let mut next = at;
-            let Some(p) = cache.lookup(next.push(block)) else {
-                break;
+        loop {
+            let found = cache.lookup(name);
+            let next = blocks.next().map(|b| (at.push(b), at));
+            let Some(p) = found else {
+                return held;
             };
             pages.push(p);
+            *chain = after;
             if scope.is_some() && self.pool.refcount(p) > 0 && cache.scope(p) == scope {
                 held += 1;
             }
-            at = next;
+            match next {
+                Some((k, a)) => (name, after) = (k, a),
+                None => return held,
+            }
         }
-        *chain = at;
-        held
     }
 
     /// Admission's prefix lookup for a prompt of tenant `tid` (see
