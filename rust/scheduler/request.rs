@@ -80,16 +80,17 @@ pub struct Request {
     pub first_token: Option<f64>,
     /// Blocks reserved at admission, held until it ends.
     pub reserved_blocks: usize,
+    /// The naming stream after the full blocks it has named so far
+    /// (`chain.tokens()` tokens): the names themselves live once, in the
+    /// prefix cache, so a request keeps 40 bytes instead of 16 per block.
+    /// (Here Request is 384 bytes. Packed to 320, by moving this field,
+    /// step + commit of 1,024 decoding sequences measured 30% slower, as
+    /// main after the split is at 320; the cause is not understood yet.)
+    pub chain: BlockChain,
     /// The namespace its blocks are named in.
     pub namespace: Namespace,
     pub arrival: f64,
     pub first_scheduled: Option<f64>,
-    /// The naming stream after the full blocks it has named so far
-    /// (`chain.tokens()` tokens): the names themselves live once, in the
-    /// prefix cache, so a request keeps 40 bytes instead of 16 per block.
-    /// (Placed here, the cold part pads least: Request stays at five cache
-    /// lines, 320 bytes, as it was with a Vec of names.)
-    pub chain: BlockChain,
     pub preemptions: u32,
     pub cached_tokens: usize,
     pub cache_salt: Option<Vec<u8>>,
