@@ -1,14 +1,17 @@
-//! Prefix cache: full KV blocks named by a keyed, chained 128-bit hash, so a
-//! prompt that starts like an earlier one reuses those pages instead of
-//! recomputing them.
+//! Prefix cache: full KV blocks named by a keyed 128-bit hash of everything
+//! before their end, so a prompt that starts like an earlier one reuses those
+//! pages instead of recomputing them.
 //!
-//! Naming. Block i of a sequence is named `key_i = H(key_{i-1}, tokens of block i)`
-//! and `key_{-1}` is the root of the request's namespace, `H(namespace, salt)`.
-//! Every key therefore depends on the namespace, the salt and every token before
-//! it: equal keys mean equal content at equal positions. H is SipHash-1-3 with
-//! 128-bit output under a 128-bit secret key (random per scheduler unless
-//! configured): without the key nobody can construct two prompts whose blocks
-//! collide, so a 2^-128 chance per pair is what an adversary gets too.
+//! Naming. Block i of a sequence (blocks of B tokens) is named
+//! `key_i = SipHash-1-3-128_K(root || t_0 || ... || t_{(i+1)B-1})`: one keyed
+//! stream over the request's namespace root (16 bytes) and its token ids (each
+//! a little-endian int32), block i's name being the finalization of the stream
+//! after its last token (see `naming`). The root is `SipHash-1-3-128_K(namespace,
+//! salt)`. Every key therefore depends on the namespace, the salt and every
+//! token up to the end of its block: equal keys mean equal content at equal
+//! positions. K is a 128-bit secret (random per scheduler unless configured):
+//! without it nobody can construct two prompts whose blocks collide, so a
+//! 2^-128 chance per pair is what an adversary gets too.
 //!
 //! Namespaces. By default a request's namespace is its tenant: one tenant's
 //! blocks never serve another, so a cache hit (and the time it saves) can reveal
@@ -21,12 +24,16 @@
 //! left. A request releases its pages last to first, so a chain's tail is
 //! evicted before its head: the head is the part other prompts share.
 
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+mod naming;
+
+use std::hash::Hasher;
 
 use siphasher::sip128::{Hasher128, SipHasher13};
 
+use crate::pool::PageId;
 use crate::tenant::TenantId;
+
+pub use naming::{BlockChain, BlockNamer};
 
 /// A block's name.
 pub type BlockKey = u128;
@@ -50,7 +57,10 @@ pub struct Namespace {
 /// secret (token ids are hashed as little-endian int32 whatever the host).
 #[derive(Clone)]
 pub struct PrefixHasher {
+    /// Names namespaces (their roots).
     base: SipHasher13,
+    /// Names blocks, streaming from a root.
+    namer: BlockNamer,
 }
 
 impl std::fmt::Debug for PrefixHasher {
@@ -67,6 +77,7 @@ impl PrefixHasher {
     pub fn new(key: &[u8; 16]) -> Self {
         PrefixHasher {
             base: SipHasher13::new_with_key(key),
+            namer: BlockNamer::new(key),
         }
     }
 
@@ -109,70 +120,11 @@ impl PrefixHasher {
         }
     }
 
-    /// The key of a block of `tokens` that follows the block named `parent`.
+    /// A request's naming stream, started at its namespace root: push its
+    /// blocks in order to get their names.
     #[inline]
-    pub fn block(&self, parent: BlockKey, tokens: &[i32]) -> BlockKey {
-        let mut h = self.base;
-        h.write(&parent.to_le_bytes());
-        write_tokens(&mut h, tokens);
-        h.finish128().into()
-    }
-
-    /// The key of the next block of a chain: block `chain.len()` of `tokens`
-    /// (blocks of `block_size` tokens), following the last key of `chain`, or
-    /// the namespace `root` for the first block. Every chain is extended
-    /// through this one function, so each block is named alike wherever it is.
-    #[inline]
-    pub fn next_in_chain(
-        &self,
-        root: BlockKey,
-        chain: &[BlockKey],
-        tokens: &[i32],
-        block_size: usize,
-    ) -> BlockKey {
-        let b = chain.len();
-        let parent = chain.last().copied().unwrap_or(root);
-        self.block(parent, &tokens[b * block_size..(b + 1) * block_size])
-    }
-}
-
-#[cfg(target_endian = "little")]
-#[inline]
-fn write_tokens(h: &mut SipHasher13, tokens: &[i32]) {
-    // SAFETY: i32 has no padding and any byte pattern is a valid u8; the slice
-    // covers exactly the tokens' memory, which outlives the borrow.
-    let bytes = unsafe {
-        std::slice::from_raw_parts(tokens.as_ptr().cast::<u8>(), std::mem::size_of_val(tokens))
-    };
-    h.write(bytes);
-}
-
-#[cfg(not(target_endian = "little"))]
-#[inline]
-fn write_tokens(h: &mut SipHasher13, tokens: &[i32]) {
-    let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
-    h.write(&bytes);
-}
-
-/// The map's own hasher: keys are already uniformly distributed and unknown to
-/// anyone without the secret, so their low 64 bits are the hash.
-#[derive(Default)]
-pub struct KeyHasher(u64);
-
-impl Hasher for KeyHasher {
-    #[inline]
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        // Only u128 keys are hashed here; this path keeps other uses correct.
-        for &b in bytes {
-            self.0 = self.0.rotate_left(8) ^ b as u64;
-        }
-    }
-    #[inline]
-    fn write_u128(&mut self, v: u128) {
-        self.0 = v as u64;
+    pub fn chain(&self, root: BlockKey) -> BlockChain {
+        self.namer.chain(root)
     }
 }
 
@@ -186,7 +138,11 @@ const SHARED: u32 = u32::MAX - 1;
 /// `evict_lru` as pages change hands.
 #[derive(Clone, Debug)]
 pub struct PrefixCache {
-    map: HashMap<BlockKey, u32, BuildHasherDefault<KeyHasher>>,
+    /// The cached pages, found by name. A slot holds a page id (4 bytes, not
+    /// the 32 of a (u128, u32) pair): the name itself is stored once, in
+    /// `key`. Names are uniform and secret, so their low 64 bits are the hash.
+    /// Sized once for every page, it never grows (no rehash, no transient).
+    map: hashbrown::HashTable<u32>,
     /// Per page: its key while cached.
     key: Vec<BlockKey>,
     /// Per page: NOT_CACHED, SHARED or the owning tenant's id.
@@ -200,9 +156,11 @@ pub struct PrefixCache {
 }
 
 impl PrefixCache {
+    /// A cache for `num_blocks` pages; 0 for a pool that caches nothing (all
+    /// its queries then answer "not cached").
     pub fn new(num_blocks: usize) -> Self {
         PrefixCache {
-            map: HashMap::default(),
+            map: hashbrown::HashTable::with_capacity(num_blocks),
             key: vec![0; num_blocks],
             scope: vec![NOT_CACHED; num_blocks],
             prev: vec![END; num_blocks],
@@ -216,18 +174,23 @@ impl PrefixCache {
     /// The page cached under `key`.
     #[inline]
     pub fn lookup(&self, key: BlockKey) -> Option<u32> {
-        self.map.get(&key).copied()
+        let names = &self.key;
+        self.map
+            .find(key as u64, |&p| names[p as usize] == key)
+            .copied()
     }
 
     #[inline]
     pub fn is_cached(&self, page: u32) -> bool {
-        self.scope[page as usize] != NOT_CACHED
+        self.scope
+            .get(page as usize)
+            .is_some_and(|&s| s != NOT_CACHED)
     }
 
     /// Whose namespace named `page` (None: not cached).
     #[inline]
     pub fn scope(&self, page: u32) -> Option<Scope> {
-        match self.scope[page as usize] {
+        match self.scope.get(page as usize).copied().unwrap_or(NOT_CACHED) {
             NOT_CACHED => None,
             SHARED => Some(Scope::Shared),
             t => Some(Scope::Tenant(t as TenantId)),
@@ -240,7 +203,7 @@ impl PrefixCache {
 
     #[inline]
     pub fn is_parked(&self, page: u32) -> bool {
-        self.parked[page as usize]
+        self.parked.get(page as usize).copied().unwrap_or(false)
     }
 
     /// Pages cached (referenced or evictable).
@@ -261,12 +224,17 @@ impl PrefixCache {
     /// Name a (referenced, uncached) page. False, and nothing changes, when the
     /// key already names another page: the first copy stays the cached one.
     pub fn register(&mut self, page: u32, key: BlockKey, scope: Scope) -> bool {
+        if page as usize >= self.key.len() {
+            return false; // a cache of no pages (caching off) names nothing
+        }
         debug_assert!(page != END && !self.is_cached(page) && !self.is_parked(page));
-        if self.map.contains_key(&key) {
+        if self.lookup(key).is_some() {
             return false;
         }
-        self.map.insert(key, page);
         self.key[page as usize] = key;
+        let names = &self.key;
+        self.map
+            .insert_unique(key as u64, page, |&p| names[p as usize] as u64);
         self.scope[page as usize] = match scope {
             Scope::Shared => SHARED,
             Scope::Tenant(t) => {
@@ -301,9 +269,46 @@ impl PrefixCache {
         self.evictable -= 1;
     }
 
+    /// Each evictable page of `pages` is referenced again (cache hits; the
+    /// others are skipped): `unpark` for each, with a run of pages that lie
+    /// next to each other on the LRU list, newest first, as a prompt's blocks
+    /// do once its request released them last to first, cut out in one splice.
+    pub(crate) fn unpark_all<P: PageId>(&mut self, pages: &[P]) {
+        let page = |i: usize| pages[i].to_i64() as u32;
+        let mut i = 0;
+        while i < pages.len() {
+            let newest = page(i);
+            if !self.is_parked(newest) {
+                i += 1;
+                continue;
+            }
+            // Extend the run while the next listed page is the one just older.
+            let mut oldest = newest;
+            let mut j = i + 1;
+            while j < pages.len() && page(j) != END && self.prev[oldest as usize] == page(j) {
+                self.parked[oldest as usize] = false;
+                oldest = page(j);
+                j += 1;
+            }
+            self.parked[oldest as usize] = false;
+            let (before, after) = (self.prev[oldest as usize], self.next[newest as usize]);
+            self.next[before as usize] = after;
+            self.prev[after as usize] = before;
+            self.evictable -= j - i;
+            i = j;
+        }
+    }
+
+    /// The least recently released evictable page (END: none; a cache of no
+    /// pages has no list at all).
+    #[inline]
+    fn oldest(&self) -> u32 {
+        self.next.first().copied().unwrap_or(END)
+    }
+
     /// Take the least recently released evictable page out of the cache.
     pub(crate) fn evict_lru(&mut self) -> Option<u32> {
-        let page = self.next[END as usize];
+        let page = self.oldest();
         if page == END {
             return None;
         }
@@ -315,7 +320,9 @@ impl PrefixCache {
 
     fn forget(&mut self, page: u32) {
         let p = page as usize;
-        self.map.remove(&self.key[p]);
+        if let Ok(slot) = self.map.find_entry(self.key[p] as u64, |&q| q == page) {
+            slot.remove();
+        }
         self.scope[p] = NOT_CACHED;
     }
 
@@ -323,7 +330,7 @@ impl PrefixCache {
     /// when the tenant is removed).
     pub(crate) fn parked_of(&self, tenant: TenantId) -> Vec<u32> {
         let mut out = Vec::new();
-        let mut p = self.next[END as usize];
+        let mut p = self.oldest();
         while p != END {
             if self.scope[p as usize] == tenant as u32 {
                 out.push(p);
@@ -341,8 +348,20 @@ impl PrefixCache {
 
     /// Consistency of names, scopes and the LRU list, for tests.
     pub fn check_invariants(&self, refcount: &[u32]) -> Result<(), String> {
-        for (&key, &page) in &self.map {
-            if self.scope[page as usize] == NOT_CACHED || self.key[page as usize] != key {
+        if self.key.is_empty() {
+            // Caching off: nothing may be named or parked.
+            return match (self.map.len(), self.evictable) {
+                (0, 0) => Ok(()),
+                (n, e) => Err(format!("a cache of no pages holds {n} names, {e} parked")),
+            };
+        }
+        for &page in &self.map {
+            if self
+                .scope
+                .get(page as usize)
+                .is_none_or(|&s| s == NOT_CACHED)
+                || self.lookup(self.key[page as usize]) != Some(page)
+            {
                 return Err(format!("map entry for page {page} disagrees with the page"));
             }
         }
@@ -404,15 +423,27 @@ mod tests {
         let a = PrefixHasher::new(&[1; 16]);
         let b = PrefixHasher::new(&[2; 16]);
         let toks = [5, 6, 7, 8];
+        // The name of the first block of `toks` in the stream from `root`.
+        let block = |h: &PrefixHasher, root: BlockKey, toks: &[i32]| h.chain(root).push(toks);
         let ns = a.namespace(0, "t", None, None);
-        assert_eq!(a.block(ns.root, &toks), a.block(ns.root, &toks));
-        assert_ne!(a.block(ns.root, &toks), b.block(ns.root, &toks), "secret");
+        assert_eq!(block(&a, ns.root, &toks), block(&a, ns.root, &toks));
         assert_ne!(
-            a.block(ns.root, &toks),
-            a.block(ns.root + 1, &toks),
+            block(&a, ns.root, &toks),
+            block(&b, ns.root, &toks),
+            "secret"
+        );
+        assert_ne!(
+            block(&a, ns.root, &toks),
+            block(&a, ns.root + 1, &toks),
             "parent"
         );
-        assert_ne!(a.block(ns.root, &toks), a.block(ns.root, &[5, 6, 7, 9]));
+        assert_ne!(block(&a, ns.root, &toks), block(&a, ns.root, &[5, 6, 7, 9]));
+        // And a later block depends on the one before it (the chain).
+        let mut c = a.chain(ns.root);
+        c.push(&toks);
+        let mut d = a.chain(ns.root);
+        d.push(&[5, 6, 7, 9]);
+        assert_ne!(c.push(&toks), d.push(&toks), "earlier block");
         let other = a.namespace(0, "u", None, None);
         assert_ne!(ns.root, other.root, "tenant name");
         let shared = a.namespace(0, "t", Some("t"), None);
@@ -457,6 +488,36 @@ mod tests {
         assert_eq!((c.evictions(), c.cached(), c.evictable()), (3, 1, 0));
         assert_eq!(c.lookup(40), Some(4));
         assert_eq!(c.scope(4), Some(Scope::Tenant(0)));
+        c.check_invariants(&rc).unwrap();
+    }
+
+    #[test]
+    fn unpark_all_cuts_runs_out_of_the_lru_list_and_keeps_the_rest_in_order() {
+        let mut c = PrefixCache::new(12);
+        for p in 1..12u32 {
+            assert!(c.register(p, 100 + p as u128, Scope::Shared));
+        }
+        // Released last to first, as a request does: 5 4 3 2 1, then 10 9 8 7 6,
+        // then 11.
+        for p in [5, 4, 3, 2, 1, 10, 9, 8, 7, 6, 11] {
+            c.park(p);
+        }
+        let mut rc = vec![0u32; 12];
+        // Hits in prompt order: a run (1 2 3), a page not parked (3 again), a
+        // lone page (8), a run broken by order (7 after 8 is older: its own run).
+        c.unpark_all(&[1u32, 2, 3, 3, 8, 7]);
+        for p in [1, 2, 3, 8, 7] {
+            rc[p] = 1;
+            assert!(!c.is_parked(p as u32));
+        }
+        c.check_invariants(&rc).unwrap();
+        assert_eq!(c.evictable(), 6);
+        let order: Vec<u32> = std::iter::from_fn(|| c.evict_lru()).collect();
+        assert_eq!(
+            order,
+            vec![5, 4, 10, 9, 6, 11],
+            "the rest keeps its LRU order"
+        );
         c.check_invariants(&rc).unwrap();
     }
 }

@@ -502,11 +502,11 @@ impl Scheduler {
             .kv
             .namespace(tid, self.tenants.get(tid), opts.cache_salt);
         let mut hits: Vec<u32> = Vec::new();
-        let mut hit_keys: Vec<BlockKey> = Vec::new();
+        let mut chain = self.kv.chain(namespace.root);
         let mut newly_shared = 0;
         let decision = {
             let kv = &self.kv;
-            let (hits, hit_keys, newly_shared) = (&mut hits, &mut hit_keys, &mut newly_shared);
+            let (hits, chain, newly_shared) = (&mut hits, &mut chain, &mut newly_shared);
             admission::decide(
                 self.tenants.get(tid),
                 &capacity,
@@ -516,8 +516,7 @@ impl Scheduler {
                 || {
                     // Over-committed, waiting requests must not pin pages (nothing
                     // could preempt them): the lookup waits for entry.
-                    *newly_shared =
-                        kv.lookup_at_submit(tid, namespace.root, prompt, hits, hit_keys);
+                    *newly_shared = kv.lookup_at_submit(tid, prompt, hits, chain);
                     *newly_shared
                 },
                 |room| self.room_wait(tid, room),
@@ -568,7 +567,7 @@ impl Scheduler {
             reserved_blocks: admit.blocks,
             pages: hits,
             num_computed: cached_tokens,
-            block_keys: hit_keys,
+            chain,
             namespace,
             cached_tokens,
             place: Place::Queued,

@@ -65,13 +65,32 @@ impl Scheduler {
                 }
             }
             let cache = self.kv.pool().cache();
+            // The names of the blocks it has named, recomputed from its tokens:
+            // its naming stream must be where they lead.
+            let mut names = Vec::new();
+            if self.kv.caching() {
+                let named = r.chain.tokens() / bs;
+                if r.chain.tokens() % bs != 0 || named * bs > r.tokens.len() {
+                    return Err(format!("request {} named a part of a block", r.id));
+                }
+                let mut c = self.kv.chain(r.namespace.root);
+                for block in r.tokens.chunks_exact(bs).take(named) {
+                    names.push(c.push(block));
+                }
+                if c != r.chain {
+                    return Err(format!(
+                        "request {} naming stream disagrees with its tokens",
+                        r.id
+                    ));
+                }
+            }
             for (b, &p) in r.pages.iter().enumerate() {
                 refs[p as usize] += 1;
                 if cache.scope(p) == Some(Scope::Tenant(r.tenant)) {
                     refs_by_scope_tenant[p as usize] += 1;
                 }
                 // A cached page holds exactly the block the request's chain names.
-                match (cache.key_of(p), r.block_keys.get(b)) {
+                match (cache.key_of(p), names.get(b)) {
                     (Some(k), Some(&mine)) if k != mine => {
                         return Err(format!(
                             "request {} page {p} is cached under another name",
@@ -84,12 +103,11 @@ impl Scheduler {
                     _ => {}
                 }
             }
-            if self.kv.caching() && !r.pages.is_empty() && r.block_keys.len() != r.num_computed / bs
-            {
+            if self.kv.caching() && !r.pages.is_empty() && names.len() != r.num_computed / bs {
                 return Err(format!(
                     "request {} names {} blocks, has computed {}",
                     r.id,
-                    r.block_keys.len(),
+                    names.len(),
                     r.num_computed
                 ));
             }

@@ -16,6 +16,7 @@
 //! helpers at the end).
 
 use super::*;
+use crate::prefix::BlockChain;
 
 pub(super) struct KvManager {
     pool: BlockPool,
@@ -29,7 +30,11 @@ pub(super) struct KvManager {
 
 impl KvManager {
     pub(super) fn new(config: &SchedulerConfig) -> KvResult<Self> {
-        let pool = BlockPool::new(config.num_blocks, config.block_size)?;
+        let pool = BlockPool::with_prefix_cache(
+            config.num_blocks,
+            config.block_size,
+            config.prefix_caching,
+        )?;
         let names = if config.prefix_caching {
             let key = match config.prefix_cache_key {
                 Some(SecretKey(k)) => k,
@@ -103,70 +108,90 @@ impl KvManager {
         }
     }
 
+    /// A request's naming stream at its namespace `root`, before its first
+    /// block (a placeholder that names nothing when caching is off).
+    pub(super) fn chain(&self, root: BlockKey) -> BlockChain {
+        match &self.names {
+            Some(h) => h.chain(root),
+            None => BlockChain::default(),
+        }
+    }
+
     /// The longest cached prefix of `tokens`, at most `max_blocks` full blocks:
     /// appends the page of each hit to `pages` (empty on entry) until the first
-    /// miss. `keys` is the chain named so far (from `root`); names it lacks are
-    /// computed and kept, and it is cut to the hits on return.
+    /// miss. `chain` is the stream at the start of `tokens`; on return it has
+    /// absorbed the hits (a miss's block is named, then forgotten). Returns how
+    /// many hits are pages that someone references, named in `scope`'s
+    /// namespace (0 when `scope` is None), counted while each page is at hand.
     fn match_prefix(
         &self,
-        root: BlockKey,
+        chain: &mut BlockChain,
         tokens: &[i32],
         max_blocks: usize,
-        keys: &mut Vec<BlockKey>,
         pages: &mut Vec<u32>,
-    ) {
-        debug_assert!(pages.is_empty());
-        let Some(names) = &self.names else { return };
-        for b in 0..max_blocks {
-            // Keys named before (a preemption) are still right: they follow content.
-            let key = match keys.get(b) {
-                Some(&k) => k,
-                None => {
-                    let k = names.next_in_chain(root, keys, tokens, self.block_size);
-                    keys.push(k);
-                    k
-                }
+        scope: Option<Scope>,
+    ) -> usize {
+        debug_assert!(pages.is_empty() && chain.tokens() == 0);
+        if self.names.is_none() {
+            return 0;
+        }
+        let cache = self.pool.cache();
+        // Software-pipelined by one block: the lookup of a block's name is
+        // issued before the next block is hashed, so its loads overlap that
+        // work instead of stalling the loop. One block past the first miss is
+        // named in vain (the miss itself was named in vain before, too).
+        let mut at = *chain;
+        let mut blocks = tokens.chunks_exact(self.block_size).take(max_blocks);
+        let Some(first) = blocks.next() else {
+            return 0;
+        };
+        let mut name = at.push(first);
+        let mut after = at;
+        let mut held = 0;
+        loop {
+            let found = cache.lookup(name);
+            let next = blocks.next().map(|b| (at.push(b), at));
+            let Some(p) = found else {
+                return held;
             };
-            match self.pool.cache().lookup(key) {
-                Some(p) => pages.push(p),
-                None => break,
+            pages.push(p);
+            *chain = after;
+            if scope.is_some() && self.pool.refcount(p) > 0 && cache.scope(p) == scope {
+                held += 1;
+            }
+            match next {
+                Some((k, a)) => (name, after) = (k, a),
+                None => return held,
             }
         }
-        keys.truncate(pages.len());
     }
 
     /// Admission's prefix lookup for a prompt of tenant `tid` (see
     /// `shares_at_submit`; nothing otherwise): the pages of its cached prefix
     /// (all but its last token at most, so there are logits to sample) into
-    /// `hits`, their names into `keys`. Returns how many of the hits are pages
-    /// of the tenant's own namespace that another of its requests holds: they
-    /// are shared, so admission does not charge them twice.
+    /// `hits`, and `chain` (at the namespace root on entry) past them. Returns
+    /// how many of the hits are pages of the tenant's own namespace that
+    /// another of its requests holds: they are shared, so admission does not
+    /// charge them twice.
     pub(super) fn lookup_at_submit(
         &self,
         tid: TenantId,
-        root: BlockKey,
         prompt: &[i32],
         hits: &mut Vec<u32>,
-        keys: &mut Vec<BlockKey>,
+        chain: &mut BlockChain,
     ) -> usize {
         if !self.shares_at_submit() {
             return 0;
         }
         let max_blocks = prompt.len().saturating_sub(1) / self.block_size;
         hits.reserve_exact(max_blocks);
-        keys.reserve_exact(max_blocks);
-        self.match_prefix(root, prompt, max_blocks, keys, hits);
-        hits.iter()
-            .filter(|&&p| {
-                self.pool.refcount(p) > 0 && self.pool.cache().scope(p) == Some(Scope::Tenant(tid))
-            })
-            .count()
+        self.match_prefix(chain, prompt, max_blocks, hits, Some(Scope::Tenant(tid)))
     }
 
     /// Take a reference on each of `hits` (cached pages `lookup_at_submit` found).
     pub(super) fn share_hits(&mut self, hits: &[u32]) -> KvResult<()> {
         self.pool
-            .retain(hits)
+            .retain_cached(hits)
             .map_err(|e| KvError::Internal(format!("a cache hit is not a cached page: {e}")))
     }
 
@@ -174,21 +199,10 @@ impl KvManager {
     /// Returns how many of them were shared with another of its requests in
     /// its own namespace (reserve mode only: sharing earns admission room there).
     fn drop_pages(&mut self, tid: TenantId, pages: &[u32]) -> usize {
-        let shared = if self.shares_at_submit() {
-            pages
-                .iter()
-                .filter(|&&p| {
-                    self.pool.refcount(p) >= 2
-                        && self.pool.cache().scope(p) == Some(Scope::Tenant(tid))
-                })
-                .count()
-        } else {
-            0
-        };
+        let scope = self.shares_at_submit().then_some(Scope::Tenant(tid));
         self.pool
-            .free(pages)
-            .expect("a request's pages are allocated and its own");
-        shared
+            .free_counting(pages, scope)
+            .expect("a request's pages are allocated and its own")
     }
 
     /// Over-committed, a request shares the cached prefix of its tokens when it
@@ -202,14 +216,11 @@ impl KvManager {
         debug_assert!(r.pages.is_empty() && r.num_computed == 0);
         let limit = r.tokens.len().saturating_sub(1) / self.block_size;
         let mut pages = Vec::new();
-        self.match_prefix(
-            r.namespace.root,
-            &r.tokens,
-            limit,
-            &mut r.block_keys,
-            &mut pages,
-        );
-        self.pool.retain(&pages).expect("cached pages");
+        // Names follow content: the blocks named before a preemption are named
+        // alike again, from the root.
+        r.chain = self.chain(r.namespace.root);
+        self.match_prefix(&mut r.chain, &r.tokens, limit, &mut pages, None);
+        self.pool.retain_cached(&pages).expect("cached pages");
         r.num_computed = pages.len() * self.block_size;
         r.pages = pages;
         r.pages.len()
@@ -227,6 +238,13 @@ impl KvManager {
                 r.id
             )));
         }
+        if r.pages.capacity() < r.pages.len() + need {
+            // Room for every page it can ever hold, once, rather than doubling
+            // (half of a long request's page list would be slack).
+            let most = self.pool.blocks_for(r.prompt_len + r.max_tokens);
+            r.pages
+                .reserve_exact(need.max(most.saturating_sub(r.pages.len())));
+        }
         self.pool
             .allocate_into(need, &mut r.pages)
             .map_err(|e| KvError::Internal(format!("a page the plan counted on is gone: {e}")))?;
@@ -237,16 +255,19 @@ impl KvManager {
     /// last named one; the first copy of a block stays the cached one.
     #[inline]
     pub(super) fn name_filled_blocks(&mut self, r: &mut Request) {
-        let Some(names) = &self.names else { return };
+        if self.names.is_none() {
+            return;
+        }
         let (full, _) = self.block.split(r.num_computed);
-        while r.block_keys.len() < full {
-            let key =
-                names.next_in_chain(r.namespace.root, &r.block_keys, &r.tokens, self.block_size);
-            let page = r.pages[r.block_keys.len()];
+        let (mut named, _) = self.block.split(r.chain.tokens());
+        while named < full {
+            let start = named * self.block_size;
+            let key = r.chain.push(&r.tokens[start..start + self.block_size]);
+            let page = r.pages[named];
             if !self.pool.cache().is_cached(page) {
                 self.pool.register(page, key, r.namespace.scope);
             }
-            r.block_keys.push(key);
+            named += 1;
         }
     }
 }

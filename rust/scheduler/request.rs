@@ -5,6 +5,7 @@
 //! requests: a slot is stable while its request lives and is reused after.
 
 use super::*;
+use crate::prefix::BlockChain;
 
 /// How a request ended. Every admitted request ends exactly once, with one
 /// `FinishedRequest` carrying one of these.
@@ -79,8 +80,13 @@ pub struct Request {
     pub first_token: Option<f64>,
     /// Blocks reserved at admission, held until it ends.
     pub reserved_blocks: usize,
-    /// Prefix-cache names of its first full blocks, in order (the chain so far).
-    pub block_keys: Vec<BlockKey>,
+    /// The naming stream after the full blocks it has named so far
+    /// (`chain.tokens()` tokens): the names themselves live once, in the
+    /// prefix cache, so a request keeps 40 bytes instead of 16 per block.
+    /// (Here Request is 384 bytes. Packed to 320, by moving this field,
+    /// step + commit of 1,024 decoding sequences measured 30% slower, as
+    /// main after the split is at 320; the cause is not understood yet.)
+    pub chain: BlockChain,
     /// The namespace its blocks are named in.
     pub namespace: Namespace,
     pub arrival: f64,
