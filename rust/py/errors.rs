@@ -104,7 +104,8 @@ create_exception!(
      that is not a regular file or is too large, a damaged file (truncated, altered, \
      duplicated or reordered lines: the header, record count and checksum say which), \
      a duplicated request id, or records this scheduler would refuse. `refused` is \
-     None for a file error, else {checkpoint request id: reason} for every refused record."
+     None for a file error, else {checkpoint request id: reason} for every refused record \
+     (a reject reason, or \"duplicate\")."
 );
 create_exception!(
     kvsched,
