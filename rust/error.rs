@@ -115,6 +115,14 @@ pub enum KvError {
     InvalidState(String),
     /// A knob that only takes effect at start-up was changed on a live object.
     RestartRequired(&'static str),
+    /// A checkpoint that cannot be restored as a whole: a damaged file, a
+    /// duplicated request id, or records this scheduler would refuse. Nothing
+    /// was restored. `refused` names each refused record (its id in the
+    /// checkpoint) and why: a rejection reason, or "duplicate".
+    Checkpoint {
+        message: String,
+        refused: Vec<(u64, String)>,
+    },
     /// An internal invariant broke: a bug in kvsched, never the caller's fault.
     Internal(String),
 }
@@ -169,6 +177,7 @@ impl fmt::Display for KvError {
                 f,
                 "{knob} cannot change on a live scheduler; build a new one with the new value"
             ),
+            KvError::Checkpoint { message, .. } => write!(f, "checkpoint: {message}"),
             KvError::Internal(m) => write!(f, "internal error (a kvsched bug): {m}"),
         }
     }

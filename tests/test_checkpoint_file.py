@@ -61,8 +61,12 @@ def test_the_file_is_the_records_one_a_line(tmp_path) -> None:
     path = tmp_path / "ckpt.jsonl"
     counts = sched.checkpoint(path)
     assert counts == {"finished": 1, "in_flight": 1}
-    lines = path.read_text(encoding="utf-8").splitlines()
-    assert [json.loads(x) for x in lines] == sched.checkpoint_records()
+    lines = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines()]
+    # A header, the records one a line, a trailer (issue 14: the file says
+    # how many records it holds and carries their checksum).
+    assert lines[0]["kind"] == "header" and lines[0]["records"] == 2
+    assert lines[-1]["kind"] == "trailer" and lines[-1]["records"] == 2
+    assert lines[1:-1] == sched.checkpoint_records()
     assert checkpoint.read_records(path) == sched.checkpoint_records()
     # The module and the method are one: save() writes the same bytes.
     other = tmp_path / "again.jsonl"
@@ -100,18 +104,20 @@ def test_restore_records_checks_every_record_before_submitting_any() -> None:
 
 @pytest.mark.parametrize(
     ("line", "match"),
-    [("[1, 2]", "line 2: not an object"), ('{"kind": "header"}', "line 2: unknown kind"),
-     ('{"request_id": 1}', "line 2: unknown kind")],
+    [([1, 2], "line 3: not an object"), ({"kind": "header"}, "line 3: unknown kind"),
+     ({"request_id": 1}, "line 3: unknown kind")],
 )  # fmt: skip
 def test_a_line_of_no_known_kind_is_refused_before_anything_runs(tmp_path, line, match) -> None:
+    # Issue 14: a file the reader cannot take whole is a CheckpointError (it
+    # was an InvalidRequest); the lines sit after the header, in a file whose
+    # checksum is right, so only the unknown line is wrong.
     sched, _, _ = drained_with_both_kinds()
     path = tmp_path / "ckpt.jsonl"
-    first = json.dumps(sched.checkpoint_records()[1])
-    path.write_text(first + "\n" + line + "\n")
+    checkpoint.write_records(path, [sched.checkpoint_records()[1], line])
     fresh = make()
-    with pytest.raises(kvsched.InvalidRequest, match=match) as e:
+    with pytest.raises(kvsched.CheckpointError, match=match) as e:
         fresh.restore(path, now=0.0)
-    assert e.value.reason == "invalid"
+    assert e.value.refused is None
     assert fresh.live_requests == 0
 
 
@@ -119,7 +125,9 @@ def test_blank_lines_are_skipped(tmp_path) -> None:
     sched, _, _ = drained_with_both_kinds()
     path = tmp_path / "ckpt.jsonl"
     records = sched.checkpoint_records()
-    path.write_text("\n" + json.dumps(records[0]) + "\n  \n" + json.dumps(records[1]) + "\n\n")
+    checkpoint.write_records(path, records)
+    head, first, second, trailer = path.read_text().splitlines()
+    path.write_text("\n".join(["", head, first, "  ", second, "", trailer, "", ""]))
     assert checkpoint.read_records(path) == records
 
 
@@ -161,6 +169,8 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypat
 def test_an_unreadable_file_is_an_os_error(tmp_path) -> None:
     with pytest.raises(OSError, match="restore"):
         make().restore(tmp_path / "missing.jsonl", now=0.0)
+    # Issue 14: bytes that are not a checkpoint are a CheckpointError (they
+    # were an OSError, like a file that cannot be opened).
     (tmp_path / "latin1.jsonl").write_bytes(b"\xff\xfe\n")
-    with pytest.raises(OSError, match="restore"):
+    with pytest.raises(kvsched.CheckpointError, match="restore .*line 1: not UTF-8"):
         make().restore(tmp_path / "latin1.jsonl", now=0.0)

@@ -3,12 +3,11 @@ checkpoint and restore."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
 import kvsched
+from kvsched import checkpoint
 
 from helpers import FakeEngine, ids
 
@@ -169,7 +168,7 @@ def test_drain_checkpoint_restore_finishes_every_request_with_the_same_tokens(tm
         now += 0.01
     path = tmp_path / "ckpt.jsonl"
     counts = eng.sched.checkpoint(path)
-    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    lines = checkpoint.read_records(path)  # the records, between header and trailer
     assert counts["in_flight"] > 0, "the deadline came first for some"
     assert len(lines) == counts["finished"] + counts["in_flight"]
     assert len(before_drain) + len(lines) == len(reqs), "every request accounted for"
@@ -199,11 +198,13 @@ def test_drain_checkpoint_restore_finishes_every_request_with_the_same_tokens(tm
 
 def test_restore_refuses_bad_records_with_a_typed_error(tmp_path):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"kind": "in_flight", "tenant": "gold"}\n')
+    checkpoint.write_records(bad, [{"kind": "in_flight", "tenant": "gold"}])
     with pytest.raises(kvsched.InvalidRequest, match="request_id"):
         make().restore(bad, now=0.0)
-    bad.write_text('{"kind": "mystery"}\n')
-    with pytest.raises(kvsched.InvalidRequest, match="unknown kind"):
+    # Issue 14: a line of no known kind makes the file one the reader cannot
+    # take whole, a CheckpointError (it was an InvalidRequest).
+    checkpoint.write_records(bad, [{"kind": "mystery"}])
+    with pytest.raises(kvsched.CheckpointError, match="unknown kind"):
         make().restore(bad, now=0.0)
     np.testing.assert_equal(make().stats(now=0.0)["live_requests"], 0)
 
@@ -217,7 +218,7 @@ def test_restore_checks_every_record_before_submitting_any(tmp_path):
             "arrival": 0.0}  # fmt: skip
     finished = {**good, "request_id": 2, "generated_ids": [4, 5, 6, 7, 8]}
     path = tmp_path / "ckpt.jsonl"
-    path.write_text(json.dumps(good) + "\n" + json.dumps(finished) + "\n")
+    checkpoint.write_records(path, [good, finished])
     sched = make()
     with pytest.raises(kvsched.InvalidRequest, match="had finished"):
         sched.restore(path, now=0.0)
@@ -242,4 +243,4 @@ def test_checkpoint_leaves_no_temporary_file(tmp_path):
     sched.checkpoint(path)
     sched.checkpoint(path)  # over an existing one
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt.jsonl"]
-    assert len(path.read_text().splitlines()) == 1
+    assert len(checkpoint.read_records(path)) == 1

@@ -8,14 +8,13 @@ nothing to run. Every refusal that can pass later says when to retry.
 
 from __future__ import annotations
 
-import json
-
 import hypothesis.strategies as st
 import numpy as np
 import pytest
 from hypothesis import given, settings
 
 import kvsched
+from kvsched import checkpoint
 
 from helpers import ids
 
@@ -77,7 +76,7 @@ def test_a_drain_deadline_ends_each_unfinished_request_with_its_tokens_so_far(tm
     # The checkpoint holds them as before.
     counts = sched.checkpoint(tmp_path / "ckpt.jsonl")
     assert counts == {"finished": 0, "in_flight": 2}
-    lines = [json.loads(x) for x in (tmp_path / "ckpt.jsonl").read_text().splitlines()]
+    lines = checkpoint.read_records(tmp_path / "ckpt.jsonl")  # between header and trailer
     assert {ln["request_id"]: (ln["reason"], ln["generated_ids"]) for ln in lines} == {
         a: ("drain_deadline", [7] * 5), b: ("drain_deadline", [7] * 5)
     }  # fmt: skip

@@ -36,6 +36,7 @@ __all__ = [
     "StalePlan",
     "InvalidState",
     "RestartRequired",
+    "CheckpointError",
     "InternalError",
     "REJECT_REASONS",
     "__version__",
@@ -338,6 +339,16 @@ class InvalidState(KvSchedError):
 
 class RestartRequired(KvSchedError):
     """A restart-only knob (block_size, num_blocks, ...) was changed on a live object."""
+
+class CheckpointError(KvSchedError):
+    """A checkpoint that cannot be restored as a whole, and nothing was restored: a file
+    that is not a regular file or is too large, a damaged file (truncated, altered,
+    duplicated or reordered lines: the header, record count and checksum say which), a
+    duplicated request id, or records this scheduler would refuse. `refused` is None for a
+    file error, else {checkpoint request id: reason} for every refused record (a reject
+    reason, or "duplicate")."""
+
+    refused: dict[int, str] | None
 
 class InternalError(KvSchedError):
     """An internal invariant broke: a bug in kvsched. Please report it."""

@@ -98,6 +98,17 @@ create_exception!(
 );
 create_exception!(
     kvsched,
+    CheckpointError,
+    KvSchedError,
+    "A checkpoint that cannot be restored as a whole, and nothing was restored: a file \
+     that is not a regular file or is too large, a damaged file (truncated, altered, \
+     duplicated or reordered lines: the header, record count and checksum say which), \
+     a duplicated request id, or records this scheduler would refuse. `refused` is \
+     None for a file error, else {checkpoint request id: reason} for every refused record \
+     (a reject reason, or \"duplicate\")."
+);
+create_exception!(
+    kvsched,
     InternalError,
     KvSchedError,
     "An internal invariant broke: a bug in kvsched. Please report it."
@@ -148,10 +159,24 @@ impl From<KvError> for PyErr {
                 KvError::StalePlan(_) => StalePlan::new_err(message),
                 KvError::InvalidState(_) => InvalidState::new_err(message),
                 KvError::RestartRequired(_) => RestartRequired::new_err(message),
+                KvError::Checkpoint { refused, .. } => checkpoint_error(py, message, &refused),
                 KvError::Internal(_) => InternalError::new_err(message),
             }
         })
     }
+}
+
+/// A `CheckpointError` with its `refused` map ({checkpoint request id: reason}).
+fn checkpoint_error(py: Python<'_>, message: String, refused: &[(u64, String)]) -> PyErr {
+    let err = CheckpointError::new_err(message);
+    let map = pyo3::types::PyDict::new(py);
+    for (id, why) in refused {
+        // As for `rejected`: a failure here is memory exhaustion; the error is
+        // still raised.
+        let _ = map.set_item(id, why);
+    }
+    let _ = err.value(py).setattr(intern!(py, "refused"), map);
+    err
 }
 
 /// A malformed argument caught at the boundary (wrong type, dtype or shape).
@@ -176,12 +201,15 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("StalePlan", py.get_type::<StalePlan>())?;
     m.add("InvalidState", py.get_type::<InvalidState>())?;
     m.add("RestartRequired", py.get_type::<RestartRequired>())?;
+    m.add("CheckpointError", py.get_type::<CheckpointError>())?;
     m.add("InternalError", py.get_type::<InternalError>())?;
 
     let rejected_ty = py.get_type::<Rejected>();
     rejected_ty.setattr("reason", py.None())?;
     rejected_ty.setattr("retry_after", py.None())?;
     rejected_ty.setattr("tenant", py.None())?;
+    py.get_type::<CheckpointError>()
+        .setattr("refused", py.None())?;
     py.get_type::<InvalidRequest>()
         .setattr("reason", RejectReason::Invalid.as_str())?;
     py.get_type::<UnknownTenant>()

@@ -3,6 +3,35 @@
 
 use super::*;
 
+/// What a restore puts back when it takes its admissions back.
+struct Saved {
+    tenants: Tenants,
+    rejected: [u64; RejectReason::COUNT],
+    ladder: Ladder,
+    events: EventLog,
+    clock: f64,
+}
+
+/// The error of a restore some records of which were refused (`total`
+/// records in all): every refused one, its id and why.
+fn checkpoint_refusal(total: usize, refused: Vec<(u64, &'static str, String)>) -> KvError {
+    let mut message = format!(
+        "{} of {total} record(s) would be refused, so none was restored:",
+        refused.len()
+    );
+    for (id, reason, why) in &refused {
+        message.push_str(&format!(" request {id}: {reason} ({why});"));
+    }
+    message.pop();
+    KvError::Checkpoint {
+        message,
+        refused: refused
+            .into_iter()
+            .map(|(id, reason, _)| (id, reason.to_owned()))
+            .collect(),
+    }
+}
+
 /// An unfinished request as a checkpoint holds it: enough to submit it again
 /// elsewhere and finish it with the same tokens.
 #[derive(Clone, Debug, PartialEq)]
@@ -95,26 +124,139 @@ impl Scheduler {
         )
     }
 
-    /// Submit every record of a checkpoint (see `submit_restored`), each one's
-    /// outcome in order. Every record is checked first: one that can never run
-    /// is an error and nothing is submitted; a refusal for now (pool full, ...)
-    /// is that record's outcome.
+    /// Submit every record of a checkpoint (see `restore_all`), each one's
+    /// outcome in order. Restores are all-or-nothing, so every outcome is Ok:
+    /// kept in this shape for callers written when a capacity refusal was a
+    /// record's outcome.
     pub fn restore(
         &mut self,
         records: &[InFlight],
         now: f64,
     ) -> KvResult<Vec<Result<u64, Rejection>>> {
+        Ok(self
+            .restore_all(records, now)?
+            .into_iter()
+            .map(Ok)
+            .collect())
+    }
+
+    /// Submit every record of a checkpoint (see `submit_restored`), all or
+    /// nothing; returns the new ids in record order.
+    ///
+    /// - A record that can never run (`InFlight::validate`) is an
+    ///   InvalidRequest, checked before anything else.
+    /// - A request id that appears twice, a tenant this scheduler does not
+    ///   have, a scheduler that does not take requests now (warming up,
+    ///   draining) and a request its tenant or `max_seq_len` refuses are found
+    ///   without touching anything: a `Checkpoint` error names every such
+    ///   record and why.
+    /// - Then the records are submitted in order, each admitted like any
+    ///   request (capacity, rate limit, ladder; each sees the ones before it).
+    ///   If any is refused, the ones admitted are taken out again and the
+    ///   scheduler's state is put back as it was (counters, tenants, ladder,
+    ///   events): the error names every refused record. What is not put back:
+    ///   the request ids those admissions used are not issued again, and a
+    ///   prefix-cache block a taken-out request had shared goes back to the end
+    ///   of the eviction order.
+    ///
+    /// On an error nothing was restored and no refusal was counted.
+    pub fn restore_all(&mut self, records: &[InFlight], now: f64) -> KvResult<Vec<u64>> {
         for rec in records {
             rec.validate()?;
         }
-        records
-            .iter()
-            .map(|rec| match self.submit_restored(rec, now) {
-                Ok(id) => Ok(Ok(id)),
-                Err(KvError::Rejected(r)) => Ok(Err(r)),
-                Err(e) => Err(e),
-            })
-            .collect()
+        let refused = self.refuse_before_submitting(records);
+        if !refused.is_empty() {
+            return Err(checkpoint_refusal(records.len(), refused));
+        }
+
+        let saved = Saved {
+            tenants: self.tenants.clone(),
+            rejected: self.rejected,
+            ladder: self.ladder.clone(),
+            events: self.events.clone(),
+            clock: self.clock,
+        };
+        let mut ids = Vec::with_capacity(records.len());
+        let mut refused = Vec::new();
+        for rec in records {
+            match self.submit_restored(rec, now) {
+                Ok(id) => ids.push(id),
+                Err(KvError::Rejected(r)) => refused.push((rec.id, r.reason.as_str(), r.message)),
+                Err(e) => {
+                    self.take_back(&ids, saved);
+                    return Err(e);
+                }
+            }
+        }
+        if refused.is_empty() {
+            return Ok(ids);
+        }
+        self.take_back(&ids, saved);
+        Err(checkpoint_refusal(records.len(), refused))
+    }
+
+    /// The records refused whatever the pool holds: a duplicated id, an
+    /// unknown tenant, a scheduler not taking requests, a request its tenant
+    /// or `max_seq_len` refuses. Changes nothing (no refusal is counted).
+    fn refuse_before_submitting(&self, records: &[InFlight]) -> Vec<(u64, &'static str, String)> {
+        let mut out = Vec::new();
+        let mut seen = std::collections::HashSet::with_capacity(records.len());
+        for rec in records {
+            if !seen.insert(rec.id) {
+                out.push((
+                    rec.id,
+                    "duplicate",
+                    "the request id appears more than once".to_owned(),
+                ));
+                continue;
+            }
+            let Some(tid) = self.tenants.id(&rec.tenant) else {
+                let why = format!("no tenant named {:?}", rec.tenant);
+                out.push((rec.id, RejectReason::UnknownTenant.as_str(), why));
+                continue;
+            };
+            if self.lifecycle != Lifecycle::Ready {
+                let reason = match self.lifecycle {
+                    Lifecycle::Cold | Lifecycle::Warming => RejectReason::NotReady,
+                    _ => RejectReason::Draining,
+                };
+                let why = format!("the scheduler is {}", self.lifecycle.as_str());
+                out.push((rec.id, reason.as_str(), why));
+                continue;
+            }
+            let tenant = self.tenants.get(tid);
+            if let Err(r) = admission::check_request(
+                tenant,
+                self.config.max_seq_len,
+                &rec.prompt,
+                rec.max_tokens,
+            ) {
+                out.push((rec.id, r.reason.as_str(), r.message));
+            }
+        }
+        out
+    }
+
+    /// Undo the admissions of a restore that failed: take the requests `ids`
+    /// out (their shared prefix pages go back to the pool) and put back what
+    /// `saved` kept.
+    fn take_back(&mut self, ids: &[u64], saved: Saved) {
+        for &id in ids.iter().rev() {
+            let Some(slab) = self.requests.slot_of(id) else {
+                continue;
+            };
+            let req = self.requests.remove(slab);
+            if !req.pages.is_empty() {
+                // Gives the pages back to the pool; the tenant's usage it also
+                // adjusts is put back whole below.
+                self.drop_pages(req.tenant, &req.pages);
+            }
+        }
+        self.tenants = saved.tenants;
+        self.rejected = saved.rejected;
+        self.ladder = saved.ladder;
+        self.events = saved.events;
+        self.clock = saved.clock;
     }
 
     /// At the drain deadline (`now`): hand back every unfinished request, each
@@ -135,5 +277,154 @@ impl Scheduler {
             self.ended.push(ended);
         }
         self.maybe_drained();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Restore is all or nothing: any refused record leaves the scheduler as
+    //! it was (stats, counters, the next restore's outcome).
+    use super::*;
+
+    fn sched(num_blocks: usize, max_waiting: usize) -> Scheduler {
+        let mut s = Scheduler::new(SchedulerConfig {
+            num_blocks,
+            block_size: 4,
+            max_num_seqs: 4,
+            max_batched_tokens: 64,
+            max_seq_len: 64,
+            overhead_reserve: 0.0,
+            max_waiting,
+            ..SchedulerConfig::default()
+        })
+        .unwrap();
+        s.add_tenant(TenantConfig::new("a")).unwrap();
+        s
+    }
+
+    fn rec(id: u64, tenant: &str, prompt_len: usize, max_tokens: usize) -> InFlight {
+        InFlight {
+            id,
+            tenant: tenant.to_owned(),
+            prompt: (1..=prompt_len as i32).collect(),
+            generated: vec![7],
+            max_tokens,
+            stop_token_ids: vec![],
+            cache_salt: None,
+            arrival: 0.0,
+            reason: "in_flight",
+        }
+    }
+
+    fn refused_of(e: KvError) -> Vec<(u64, String)> {
+        match e {
+            KvError::Checkpoint { refused, .. } => refused,
+            other => panic!("not a checkpoint error: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn good_records_are_all_restored_in_order() {
+        let mut s = sched(65, 16);
+        let ids = s
+            .restore_all(&[rec(10, "a", 8, 8), rec(3, "a", 4, 4)], 0.0)
+            .unwrap();
+        assert_eq!(ids, vec![1, 2]);
+        assert_eq!(s.live_requests(), 2);
+        assert_eq!(s.request(1).unwrap().output(), &[7]);
+    }
+
+    #[test]
+    fn a_duplicated_id_restores_nothing() {
+        let mut s = sched(65, 16);
+        let before = s.stats(0.0);
+        let e = s
+            .restore_all(
+                &[rec(5, "a", 4, 4), rec(6, "a", 4, 4), rec(5, "a", 4, 4)],
+                0.0,
+            )
+            .unwrap_err();
+        assert_eq!(refused_of(e), vec![(5, "duplicate".to_owned())]);
+        assert_eq!(s.stats(0.0), before);
+        assert_eq!(s.live_requests(), 0);
+    }
+
+    #[test]
+    fn unknown_tenants_and_too_long_records_are_all_named_and_nothing_runs() {
+        let mut s = sched(65, 16);
+        let before = s.stats(0.0);
+        let records = [
+            rec(1, "a", 4, 4),
+            rec(2, "ghost", 4, 4),
+            rec(3, "a", 60, 10),
+            rec(4, "a", 4, 4),
+            rec(5, "ghost", 4, 4),
+        ];
+        let e = s.restore_all(&records, 0.0).unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.contains("3 of 5 record(s)"), "{msg}");
+        assert_eq!(
+            refused_of(e),
+            vec![
+                (2, "unknown_tenant".to_owned()),
+                (3, "too_long".to_owned()),
+                (5, "unknown_tenant".to_owned()),
+            ]
+        );
+        assert_eq!(s.stats(0.0), before, "no refusal is counted");
+        assert_eq!(s.live_requests(), 0);
+    }
+
+    #[test]
+    fn a_capacity_refusal_takes_back_every_admission() {
+        // 16 usable blocks: three requests of 6 blocks do not fit.
+        let mut s = sched(17, 16);
+        s.submit("a", &[1, 2, 3], 1, 0.0).unwrap();
+        let before = s.stats(0.0);
+        let records = [
+            rec(1, "a", 12, 12),
+            rec(2, "a", 12, 12),
+            rec(3, "a", 12, 12),
+        ];
+        let e = s.restore_all(&records, 0.0).unwrap_err();
+        assert_eq!(refused_of(e), vec![(3, "pool_full".to_owned())]);
+        assert_eq!(
+            s.stats(0.0),
+            before,
+            "counters, reservations and queues as before"
+        );
+        assert_eq!(s.live_requests(), 1);
+        s.check_invariants().unwrap();
+        // Room for two: both restored, and the pool still works.
+        let ids = s.restore_all(&records[..2], 0.0).unwrap();
+        assert_eq!(ids.len(), 2);
+        s.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn the_live_request_limit_is_a_refusal_of_the_whole_restore() {
+        let mut s = sched(257, 0);
+        let before = s.stats(0.0);
+        let records: Vec<InFlight> = (1..=5).map(|i| rec(i, "a", 4, 4)).collect();
+        let e = s.restore_all(&records, 0.0).unwrap_err();
+        assert_eq!(refused_of(e), vec![(5, "concurrency".to_owned())]);
+        assert_eq!(s.stats(0.0), before);
+        s.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_draining_scheduler_refuses_every_record() {
+        let mut s = sched(65, 16);
+        s.drain(10.0).unwrap();
+        let e = s.restore_all(&[rec(1, "a", 4, 4)], 0.0).unwrap_err();
+        assert_eq!(refused_of(e), vec![(1, "draining".to_owned())]);
+    }
+
+    #[test]
+    fn the_old_shape_reports_every_record_restored() {
+        let mut s = sched(65, 16);
+        let out = s.restore(&[rec(1, "a", 4, 4)], 0.0).unwrap();
+        assert_eq!(out, vec![Ok(1)]);
+        assert!(s.restore(&[rec(2, "ghost", 4, 4)], 0.0).is_err());
     }
 }
