@@ -273,8 +273,8 @@ class CheckpointCounts(TypedDict):
 
 @type_check_only
 class RestoredRecords(TypedDict):
-    """Scheduler.restore_records(): old id -> new id, or old id -> the reason
-    it was refused for now."""
+    """Scheduler.restore_records(): old id -> new id; `refused` is always empty
+    (a restore is all or nothing: a refusal raises CheckpointError)."""
 
     restored: dict[int, int]
     refused: dict[int, _RejectReason]
@@ -688,16 +688,18 @@ class Scheduler:
         event (reason "drain_deadline", the tokens so far) for take_finished()
         (that step returns None). Then `checkpoint`."""
     def checkpoint(self, path: str | os.PathLike[str], /) -> CheckpointCounts:
-        """Write, as JSON lines, the requests finished since the drain began and
-        every unfinished one (tenant, prompt, tokens generated so far, options,
-        reason), durably (a temporary file, fsync, rename). Returns the counts.
+        """Write the requests finished since the drain began and every unfinished
+        one (tenant, prompt, tokens generated so far, options, reason) as JSON
+        lines between a header and a checksummed trailer, durably (a temporary
+        file, fsync, rename). Returns the counts.
         The file is kvsched.checkpoint's (this calls kvsched.checkpoint.save)."""
     def restore(
         self, path: str | os.PathLike[str], /, *, now: float | None = None
     ) -> RestoreResult:
-        """Submit again every in-flight request of a checkpoint: each continues
-        after the tokens it had generated. Returns {"restored": {old id: new id},
-        "refused": {old id: reason}, "finished": [the finished records]}.
+        """Submit again every in-flight request of a checkpoint, all or nothing:
+        each continues after the tokens it had generated. Returns {"restored":
+        {old id: new id}, "refused": {} (always empty: any refusal restores
+        nothing and raises CheckpointError), "finished": [the finished records]}.
         The file is kvsched.checkpoint's (this calls kvsched.checkpoint.restore)."""
     def checkpoint_records(self) -> list[FinishedRecord | InFlightRecord]:
         """The checkpoint as records (what checkpoint() writes, one a line): the
@@ -707,11 +709,12 @@ class Scheduler:
     def restore_records(
         self, records: Iterable[InFlightRecord], /, *, now: float | None = None
     ) -> RestoredRecords:
-        """Submit again in-flight checkpoint records: each continues after the
-        tokens it had generated. Every record is checked before any is
-        submitted (a bad one raises InvalidRequest and nothing changes); a
-        refusal for now (pool full, ...) is that record's outcome. Returns
-        {"restored": {old id: new id}, "refused": {old id: reason}}."""
+        """Submit again in-flight checkpoint records, all or nothing: each
+        continues after the tokens it had generated. A malformed record raises
+        InvalidRequest; a duplicated id, an unknown tenant or any refusal (pool
+        full, ...) raises CheckpointError naming every refused id in `.refused`;
+        either way nothing changes. Returns {"restored": {old id: new id},
+        "refused": {}} (always empty, kept for the result's shape)."""
 
 @final
 class StepPlan:

@@ -346,9 +346,10 @@ impl PyScheduler {
         Ok(locked(&self.inner, |s| s.drain(deadline))??)
     }
 
-    /// Write, as JSON lines, the requests finished since the drain began and
-    /// every unfinished one (tenant, prompt, tokens generated so far, options,
-    /// reason), durably (a temporary file, fsync, rename). Returns the counts.
+    /// Write the requests finished since the drain began and every unfinished
+    /// one (tenant, prompt, tokens generated so far, options, reason) as JSON
+    /// lines between a header and a checksummed trailer, durably (a temporary
+    /// file, fsync, rename). Returns the counts.
     /// The file is kvsched.checkpoint's (this calls kvsched.checkpoint.save).
     #[pyo3(signature = (path, /))]
     fn checkpoint<'py>(
@@ -358,9 +359,10 @@ impl PyScheduler {
         checkpoint_module(slf.py())?.call_method1("save", (slf, path))
     }
 
-    /// Submit again every in-flight request of a checkpoint: each continues
-    /// after the tokens it had generated. Returns {"restored": {old id: new id},
-    /// "refused": {old id: reason}, "finished": [the finished records]}.
+    /// Submit again every in-flight request of a checkpoint, all or nothing:
+    /// each continues after the tokens it had generated. Returns {"restored":
+    /// {old id: new id}, "refused": {} (always empty: any refusal restores
+    /// nothing and raises CheckpointError), "finished": [the finished records]}.
     /// The file is kvsched.checkpoint's (this calls kvsched.checkpoint.restore).
     #[pyo3(signature = (path, /, *, now=None))]
     fn restore<'py>(
@@ -382,11 +384,12 @@ impl PyScheduler {
         checkpoint::records(py, &finished, &in_flight)
     }
 
-    /// Submit again in-flight checkpoint records: each continues after the
-    /// tokens it had generated. Every record is checked before any is
-    /// submitted (a bad one raises InvalidRequest and nothing changes); a
-    /// refusal for now (pool full, ...) is that record's outcome. Returns
-    /// {"restored": {old id: new id}, "refused": {old id: reason}}.
+    /// Submit again in-flight checkpoint records, all or nothing: each
+    /// continues after the tokens it had generated. A malformed record raises
+    /// InvalidRequest; a duplicated id, an unknown tenant or any refusal (pool
+    /// full, ...) raises CheckpointError naming every refused id in `.refused`;
+    /// either way nothing changes. Returns {"restored": {old id: new id},
+    /// "refused": {}} (always empty, kept for the result's shape).
     #[pyo3(signature = (records, /, *, now=None))]
     fn restore_records<'py>(
         &self,
@@ -396,18 +399,14 @@ impl PyScheduler {
     ) -> PyResult<Bound<'py, PyDict>> {
         let now = now_or_monotonic(py, now)?;
         let records = checkpoint::read_records(records)?;
-        let outcomes = locked(&self.inner, |s| s.restore(&records, now))??;
+        let ids = locked(&self.inner, |s| s.restore_all(&records, now))??;
         let restored = PyDict::new(py);
-        let refused = PyDict::new(py);
-        for (rec, outcome) in records.iter().zip(outcomes) {
-            match outcome {
-                Ok(id) => restored.set_item(rec.id, id)?,
-                Err(r) => refused.set_item(rec.id, r.reason.as_str())?,
-            }
+        for (rec, id) in records.iter().zip(ids) {
+            restored.set_item(rec.id, id)?;
         }
         let d = PyDict::new(py);
         d.set_item("restored", restored)?;
-        d.set_item("refused", refused)?;
+        d.set_item("refused", PyDict::new(py))?;
         Ok(d)
     }
 }
