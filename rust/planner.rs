@@ -130,11 +130,26 @@ impl RowCache {
 pub struct SeqSlice<'a> {
     /// Identifies the page list (see `RowCache`).
     pub row_key: u64,
-    /// All tokens of the sequence; the scheduled ones are `[start, start + q_len)`.
-    pub tokens: &'a [i32],
+    /// Tokens whose KV is already written: the scheduled ones start here.
     pub start: usize,
     pub q_len: usize,
-    pub pages: &'a [u32],
+    pub src: SeqSource<'a>,
+}
+
+/// Where a scheduled sequence's tokens and pages are read from.
+pub enum SeqSource<'a> {
+    /// All its tokens and pages; the scheduled tokens are
+    /// `tokens[start..start + q_len]`.
+    Lists { tokens: &'a [i32], pages: &'a [u32] },
+    /// A decode (one token, its last, at `start`) described by what the plan
+    /// needs of it, so the lists are not read: the token, how many pages it
+    /// holds and the last of them. Should its page-table row have to be
+    /// rewritten whole, `write_plan`'s `pages_of` gives the list.
+    Decode {
+        token: i32,
+        num_pages: usize,
+        last_page: u32,
+    },
 }
 
 /// Where the padding and bucket choice landed.
@@ -146,13 +161,16 @@ pub struct WrittenPlan {
 }
 
 /// Write a plan into `bufs`. `seqs` is in plan order: the `num_decode` decode
-/// sequences first. Rows are updated incrementally against `rows`.
+/// sequences first. Rows are updated incrementally against `rows`; a row that
+/// must be rewritten whole reads its page list from `pages_of(i)` (needed only
+/// for sequences given as `SeqSource::Decode`).
 ///
 /// The cheap checks run here, on every plan, as the arrays are written: each
 /// sequence runs at least one token, within its tokens; its pages cover exactly
 /// its kv_len and fit a row; the tokens fit a bucket; and the pages it writes are
 /// its own (refcount 1, looked up only while the pool shares any page at all),
 /// so no slot is written twice. `validate` re-reads the written arrays in full.
+#[allow(clippy::too_many_arguments)]
 pub fn write_plan<'s>(
     shape: &PlanShape,
     buckets: &TokenBuckets,
@@ -161,6 +179,7 @@ pub fn write_plan<'s>(
     num_decode: usize,
     pool: &BlockPool,
     seqs: impl ExactSizeIterator<Item = SeqSlice<'s>>,
+    pages_of: impl Fn(usize) -> &'s [u32],
 ) -> KvResult<WrittenPlan> {
     bufs.check_shape(shape)?;
     let n = seqs.len();
@@ -178,47 +197,56 @@ pub fn write_plan<'s>(
     for (i, seq) in seqs.enumerate() {
         let end = off + seq.q_len;
         let kv_len = seq.start + seq.q_len;
-        if seq.q_len == 0 || end > shape.max_tokens || kv_len > seq.tokens.len() {
+        let (num_tokens, num_pages) = match seq.src {
+            SeqSource::Lists { tokens, pages } => (tokens.len(), pages.len()),
+            // A decode runs its last token.
+            SeqSource::Decode { num_pages, .. } => (seq.start + 1, num_pages),
+        };
+        if seq.q_len == 0 || end > shape.max_tokens || kv_len > num_tokens {
             return Err(KvError::Internal(format!(
                 "invalid step plan: sequence {i} runs {} tokens from {} (plan at {off})",
                 seq.q_len, seq.start
             )));
         }
-        if seq.pages.len() != bs.blocks_for(kv_len) || seq.pages.len() > pps {
+        if num_pages != bs.blocks_for(kv_len) || num_pages > pps {
             return Err(KvError::Internal(format!(
-                "invalid step plan: sequence {i} has {} pages for kv_len {kv_len}",
-                seq.pages.len()
+                "invalid step plan: sequence {i} has {num_pages} pages for kv_len {kv_len}"
             )));
         }
-        if seq.q_len == 1 {
-            // The decode case: one token, no copy loop.
-            let pos = seq.start;
-            let (idx, in_page) = bs.split(pos);
-            let page = seq.pages[idx];
-            if check_owner && pool.refcount(page) != 1 {
-                return Err(not_own(i, page));
+        // A sequence holds at least one page (kv_len >= 1, checked above).
+        let last_page = match seq.src {
+            SeqSource::Lists { tokens, pages } => {
+                write_tokens(bufs, bs, pool, check_owner, i, off, &seq, tokens, pages)?;
+                pages[num_pages - 1]
             }
-            bufs.token_ids[off] = seq.tokens[pos];
-            bufs.positions[off] = pos as i32;
-            bufs.slot_mapping[off] = (page as usize * bs.get() + in_page) as i32;
-        } else {
-            bufs.token_ids[off..end].copy_from_slice(&seq.tokens[seq.start..kv_len]);
-            let mut last_page = u32::MAX;
-            for (j, pos) in (seq.start..kv_len).enumerate() {
-                let (idx, in_page) = bs.split(pos);
-                let page = seq.pages[idx];
-                if check_owner && page != last_page && pool.refcount(page) != 1 {
-                    return Err(not_own(i, page));
+            SeqSource::Decode {
+                token, last_page, ..
+            } => {
+                debug_assert_eq!(pages_of(i).last(), Some(&last_page));
+                // Its one token is in its last page (the page count is checked).
+                let pos = seq.start;
+                let (_, in_page) = bs.split(pos);
+                if check_owner && pool.refcount(last_page) != 1 {
+                    return Err(not_own(i, last_page));
                 }
-                last_page = page;
-                bufs.positions[off + j] = pos as i32;
-                bufs.slot_mapping[off + j] = (page as usize * bs.get() + in_page) as i32;
+                bufs.token_ids[off] = token;
+                bufs.positions[off] = pos as i32;
+                bufs.slot_mapping[off] = (last_page as usize * bs.get() + in_page) as i32;
+                last_page
             }
-        }
+        };
         bufs.cu_q_lens[i + 1] = end as i32;
         bufs.kv_lens[i] = kv_len as i32;
         bufs.logits_indices[i] = end as i32 - 1;
-        write_row(bufs.page_indices, rows, i, pps, seq.row_key, seq.pages);
+        let row = Row {
+            key: seq.row_key,
+            num_pages,
+            last_page,
+        };
+        write_row(bufs.page_indices, rows, i, pps, row, || match seq.src {
+            SeqSource::Lists { pages, .. } => pages,
+            SeqSource::Decode { .. } => pages_of(i),
+        });
         off = end;
     }
     let bucket = buckets
@@ -244,35 +272,89 @@ pub fn write_plan<'s>(
     })
 }
 
+/// The token-indexed arrays of sequence `i` (at plan offset `off`), read
+/// from its lists.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+fn write_tokens(
+    bufs: &mut PlanBuffers<'_>,
+    bs: BlockSize,
+    pool: &BlockPool,
+    check_owner: bool,
+    i: usize,
+    off: usize,
+    seq: &SeqSlice<'_>,
+    tokens: &[i32],
+    pages: &[u32],
+) -> KvResult<()> {
+    let (start, end, kv_len) = (seq.start, off + seq.q_len, seq.start + seq.q_len);
+    if seq.q_len == 1 {
+        // The decode case: one token, no copy loop.
+        let pos = start;
+        let (idx, in_page) = bs.split(pos);
+        let page = pages[idx];
+        if check_owner && pool.refcount(page) != 1 {
+            return Err(not_own(i, page));
+        }
+        bufs.token_ids[off] = tokens[pos];
+        bufs.positions[off] = pos as i32;
+        bufs.slot_mapping[off] = (page as usize * bs.get() + in_page) as i32;
+    } else {
+        bufs.token_ids[off..end].copy_from_slice(&tokens[start..kv_len]);
+        let mut last_page = u32::MAX;
+        for (j, pos) in (start..kv_len).enumerate() {
+            let (idx, in_page) = bs.split(pos);
+            let page = pages[idx];
+            if check_owner && page != last_page && pool.refcount(page) != 1 {
+                return Err(not_own(i, page));
+            }
+            last_page = page;
+            bufs.positions[off + j] = pos as i32;
+            bufs.slot_mapping[off + j] = (page as usize * bs.get() + in_page) as i32;
+        }
+    }
+    Ok(())
+}
+
 fn not_own(i: usize, page: u32) -> KvError {
     KvError::Internal(format!(
         "invalid step plan: sequence {i} writes into page {page}, which it does not hold alone"
     ))
 }
 
+/// What the row cache needs of a sequence's page list to update its row.
+struct Row {
+    key: u64,
+    num_pages: usize,
+    last_page: u32,
+}
+
+/// Bring row `i` up to the sequence's page list; `pages()` gives the whole
+/// list, read only when the row must be rewritten (a new key, or more than
+/// one page added).
 #[inline]
-fn write_row(
+fn write_row<'p>(
     table: &mut [i32],
     rows: &mut RowCache,
     i: usize,
     pps: usize,
-    key: u64,
-    pages: &[u32],
+    row: Row,
+    pages: impl FnOnce() -> &'p [u32],
 ) {
     let filled = rows.filled[i] as usize;
-    if rows.keys[i] == key {
+    if rows.keys[i] == row.key {
         // The common cases: a running sequence whose row is as it was, or has
-        // grown by the one page this step's tokens opened.
-        if filled == pages.len() {
+        // grown by the one page this step's tokens opened (its last).
+        if filled == row.num_pages {
             return;
         }
-        if filled + 1 == pages.len() {
-            table[i * pps + filled] = pages[filled] as i32;
+        if filled + 1 == row.num_pages {
+            table[i * pps + filled] = row.last_page as i32;
             rows.filled[i] += 1;
             return;
         }
     }
-    write_row_slow(table, rows, i, pps, key, pages);
+    write_row_slow(table, rows, i, pps, row.key, pages());
 }
 
 #[cold]

@@ -52,7 +52,7 @@ use crate::buckets::TokenBuckets;
 use crate::error::{KvError, KvResult, RejectReason, Rejection};
 use crate::ladder::{Ladder, LadderConfig, LadderMove, Pressure};
 use crate::metrics::{Histogram, TenantMetrics};
-use crate::planner::{self, PlanBuffers, PlanShape, RowCache, SeqSlice};
+use crate::planner::{self, PlanBuffers, PlanShape, RowCache, SeqSlice, SeqSource};
 use crate::pool::{BlockPool, BlockSize};
 use crate::prefix::{BlockKey, Namespace, PrefixHasher, Scope};
 use crate::tenant::{TenantConfig, TenantId, Tenants};
@@ -572,7 +572,6 @@ impl Scheduler {
             namespace,
             cached_tokens,
             place: Place::Queued,
-            row_key: 0,
             arrival: now,
             first_scheduled: None,
             first_token: None,
@@ -662,13 +661,26 @@ impl Scheduler {
             preempted: pending.preempted,
         };
         let mut done: Vec<(usize, FinishReason)> = Vec::new();
+        let bs = self.shape.block_size;
         for (s, &token) in pending.seqs.iter().zip(sampled) {
             // Cancelled since the plan was made (its slot may hold a newer request).
             let Some(r) = self.requests.get_mut_if(s.slab, s.id) else {
                 continue;
             };
+            let before = r.num_computed;
             r.num_computed += s.q_len;
-            self.kv.name_filled_blocks(r);
+            // The running set's copy (see `queues::Hot`): a request planned
+            // and not cancelled since is still running.
+            if let Place::Running(pos) = r.place {
+                self.running.hot_mut(pos).computed = r.num_computed;
+            }
+            // Blocks fill only where the committed tokens reach a block
+            // boundary (one decode in block_size), and every block filled
+            // before was named by the commit that filled it: elsewhere there
+            // is nothing to name, and the request's names are not read.
+            if bs.split(before).0 != bs.split(r.num_computed).0 {
+                self.kv.name_filled_blocks(r);
+            }
             let t = self.tenants.get_mut(r.tenant);
             if !s.decode {
                 t.count_prefill(s.q_len);
@@ -677,6 +689,9 @@ impl Scheduler {
                 continue;
             }
             r.tokens.push(token);
+            if let Place::Running(pos) = r.place {
+                self.running.hot_mut(pos).token = token;
+            }
             t.count_token(r.last_token, r.arrival, now);
             r.first_token.get_or_insert(now);
             r.last_token = Some(now);

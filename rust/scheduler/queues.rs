@@ -16,13 +16,62 @@ use super::*;
 /// The running set in plan order: `num_decode` decode sequences, then those
 /// still in prefill, in the order they entered.
 ///
+/// Beside each slot it keeps the sequence's hot record (`Hot`): what a step
+/// needs of a running sequence apart from its tokens and pages, in an array
+/// in plan order, so the plan pass reads it sequentially instead of opening a
+/// second cache line of every `Request`.
+///
 /// Its interface is kept narrow (positions in, slots out, a callback for every
 /// sequence that moves) so that what it stores per running sequence can change
 /// without touching its callers.
 #[derive(Clone, Debug, Default)]
 pub(super) struct RunningSet {
     slots: Vec<usize>,
+    /// `hot[pos]` belongs to `slots[pos]`.
+    hot: Vec<Hot>,
     num_decode: usize,
+}
+
+/// What a step reads of a running sequence, kept beside its slot so that a
+/// decode is planned from this record alone: who it is (`id`, `tenant`),
+/// which page list its plan row holds (`row_key`, fresh at each entry), and
+/// a copy of what a decode needs of its request: the tokens computed, its
+/// last token and its pages' count and last page.
+///
+/// The copies follow the request: `enter_running` fills them, the step
+/// refreshes the page fields after every page it adds (`grow_running`), and
+/// commit the token fields (`commit_hot`). Nothing else changes a running
+/// request's tokens or pages. Debug builds and `full_validation` check every
+/// decode's copy against its request as the plan is written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Hot {
+    pub(super) id: u64,
+    pub(super) tenant: TenantId,
+    /// Identifies its page list in the plan's row caches (`planner::RowCache`).
+    pub(super) row_key: u64,
+    /// `Request::num_computed`.
+    pub(super) computed: usize,
+    /// Its last token: the one a decode runs.
+    pub(super) token: i32,
+    /// Its last page (0 while it holds none).
+    pub(super) last_page: u32,
+    /// How many pages it holds.
+    pub(super) num_pages: usize,
+}
+
+impl Hot {
+    /// The record of request `r` entering with row key `row_key`.
+    pub(super) fn of(r: &Request, row_key: u64) -> Hot {
+        Hot {
+            id: r.id,
+            tenant: r.tenant,
+            row_key,
+            computed: r.num_computed,
+            token: r.tokens.last().copied().unwrap_or(0),
+            last_page: r.pages.last().copied().unwrap_or(0),
+            num_pages: r.pages.len(),
+        }
+    }
 }
 
 impl RunningSet {
@@ -42,6 +91,18 @@ impl RunningSet {
         &self.slots
     }
 
+    /// The hot record of every running sequence, in plan order (as `slots`).
+    #[inline]
+    pub(super) fn hot(&self) -> &[Hot] {
+        &self.hot
+    }
+
+    /// The hot record of the sequence at plan position `pos`.
+    #[inline]
+    pub(super) fn hot_mut(&mut self, pos: usize) -> &mut Hot {
+        &mut self.hot[pos]
+    }
+
     /// The slot at plan position `pos`.
     #[inline]
     pub(super) fn at(&self, pos: usize) -> usize {
@@ -49,8 +110,9 @@ impl RunningSet {
     }
 
     /// Append a sequence that starts in prefill; returns its position.
-    pub(super) fn push(&mut self, slot: usize) -> usize {
+    pub(super) fn push(&mut self, slot: usize, hot: Hot) -> usize {
         self.slots.push(slot);
+        self.hot.push(hot);
         self.slots.len() - 1
     }
 
@@ -62,6 +124,7 @@ impl RunningSet {
         let from = if pos < self.num_decode {
             let last = self.num_decode - 1;
             self.slots.swap(pos, last);
+            self.hot.swap(pos, last);
             if pos != last {
                 moved(self.slots[pos], pos);
             }
@@ -71,6 +134,7 @@ impl RunningSet {
             pos
         };
         self.slots.remove(from);
+        self.hot.remove(from);
         for (p, &s) in self.slots.iter().enumerate().skip(from) {
             moved(s, p);
         }
@@ -83,6 +147,8 @@ impl RunningSet {
         debug_assert!(pos >= self.num_decode);
         let slot = self.slots.remove(pos);
         self.slots.insert(self.num_decode, slot);
+        let hot = self.hot.remove(pos);
+        self.hot.insert(self.num_decode, hot);
         self.num_decode += 1;
         for p in self.num_decode - 1..=pos {
             moved(self.slots[p], p);
@@ -276,18 +342,19 @@ impl Scheduler {
 
     // -- the running set ----------------------------------------------------------
 
-    /// `slab` enters the running set at `now` (as a prefill), with a fresh row key.
-    pub(super) fn enter_running(&mut self, slab: usize, now: f64) {
-        let pos = self.running.push(slab);
+    /// `slab` enters the running set at `now` (as a prefill), with a fresh row
+    /// key; returns its position.
+    pub(super) fn enter_running(&mut self, slab: usize, now: f64) -> usize {
         let key = self.next_row_key;
         self.next_row_key += 1;
         let r = self.requests.get_mut(slab);
+        let pos = self.running.push(slab, Hot::of(r, key));
         r.place = Place::Running(pos);
-        r.row_key = key;
         let queued = r.first_scheduled.is_none().then_some(now - r.arrival);
         r.first_scheduled.get_or_insert(now);
         let tid = r.tenant;
         self.tenants.get_mut(tid).start_running(queued);
+        pos
     }
 
     /// Take the sequence at `pos` out of the running set; its caller puts it
@@ -303,6 +370,39 @@ impl Scheduler {
         self.tenants.get_mut(tid).stop_running();
     }
 
+    /// Pages so that the running sequence at `pos` covers `len` tokens; its
+    /// hot record follows.
+    #[inline]
+    pub(super) fn grow_running(&mut self, pos: usize, len: usize) -> KvResult<()> {
+        let slab = self.running.at(pos);
+        self.grow_pages(slab, len)?;
+        let pages = &self.requests.get(slab).pages;
+        let h = self.running.hot_mut(pos);
+        h.num_pages = pages.len();
+        h.last_page = pages.last().copied().unwrap_or(0);
+        Ok(())
+    }
+
+    /// Whether every decode's hot record agrees with its request (see `Hot`).
+    pub(super) fn check_hot(&self) -> KvResult<()> {
+        let decodes = self.running.num_decode();
+        let slots = &self.running.slots()[..decodes];
+        for (pos, (&s, h)) in slots.iter().zip(self.running.hot()).enumerate() {
+            let r = self.requests.get(s);
+            let lists = r.tokens.len() == r.num_computed + 1
+                && r.tokens.last() == Some(&h.token)
+                && r.pages.len() == h.num_pages
+                && r.pages.last() == Some(&h.last_page);
+            if !(lists && r.id == h.id && r.tenant == h.tenant && r.num_computed == h.computed) {
+                return Err(KvError::Internal(format!(
+                    "the hot record of decode {pos} (request {}) disagrees with it",
+                    r.id
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// A prefill sequence that sampled its first token becomes a decode.
     pub(super) fn promote_to_decode(&mut self, pos: usize) {
         let requests = &mut self.requests;
@@ -315,13 +415,10 @@ impl Scheduler {
     /// only of a tier strictly below `below_tier` when given.
     pub(super) fn victim(&self, below_tier: Option<u32>) -> Option<usize> {
         self.running
-            .slots()
+            .hot()
             .iter()
             .enumerate()
-            .map(|(pos, &slab)| {
-                let r = self.requests.get(slab);
-                (self.tenants.get(r.tenant).config.tier, r.id, pos)
-            })
+            .map(|(pos, h)| (self.tenants.get(h.tenant).config.tier, h.id, pos))
             .filter(|&(tier, _, _)| below_tier.is_none_or(|b| tier > b))
             .max()
             .map(|(_, _, pos)| pos)

@@ -58,16 +58,15 @@ pub(super) enum Place {
 #[derive(Clone, Debug)]
 #[repr(C, align(64))]
 pub struct Request {
-    // Line 1: read by step().
+    // Line 1: read by step() (and `id`, beside them, by commit()).
     /// Prompt followed by the tokens generated so far.
     pub tokens: Vec<i32>,
     /// Pages holding its KV, in order.
     pub pages: Vec<u32>,
     /// Tokens whose KV is written (committed steps only).
     pub num_computed: usize,
-    /// Identifies this page list in the plan's row caches; renewed on (re)entry.
-    pub(super) row_key: u64,
-    // Line 2: read by commit().
+    // Line 2: read by commit(); the step reads its id and tenant from the
+    // running set's hot record instead (`queues::Hot`).
     pub id: u64,
     pub tenant: TenantId,
     pub(super) place: Place,

@@ -87,8 +87,12 @@ impl Scheduler {
         // Decodes first: every running decode sequence gets its token.
         self.decode_pages(&mut preempted)?;
         let num_decode = self.running.num_decode();
+        // Room for every sequence the step may run: growing it would copy the
+        // decodes' entries.
+        let mut q_lens = Vec::with_capacity(self.running.len().max(self.max_running()));
+        q_lens.resize(num_decode, 1);
         let mut batch = Batch {
-            q_lens: vec![1; num_decode],
+            q_lens,
             scheduled: num_decode,
             num_decode,
             budget: self.step_budget(),
@@ -148,7 +152,7 @@ impl Scheduler {
                 break;
             }
             let len = self.requests.get(slab).num_computed + chunk;
-            self.grow_pages(slab, len)?;
+            self.grow_running(pos, len)?;
             batch.q_lens.push(chunk);
             batch.scheduled += chunk;
             pos += 1;
@@ -180,9 +184,9 @@ impl Scheduler {
             self.count_entry_lookup(slab);
             batch.budget = entry_budget;
             self.pop_waiting(slab, from);
-            self.enter_running(slab, now);
+            let pos = self.enter_running(slab, now);
             let len = self.requests.get(slab).num_computed + chunk;
-            self.grow_pages(slab, len)?;
+            self.grow_running(pos, len)?;
             batch.q_lens.push(chunk);
             batch.scheduled += chunk;
         }
@@ -206,34 +210,55 @@ impl Scheduler {
         let mut seqs = Vec::with_capacity(n);
         let mut request_ids = Vec::with_capacity(n);
         let mut samples = Vec::with_capacity(n);
+        if cfg!(debug_assertions) || self.config.full_validation {
+            self.check_hot()?;
+        }
         let written = {
             // One pass over the scheduled sequences writes the arrays and records
             // what commit needs (disjoint fields, so the borrows coexist).
             let requests = &self.requests;
             let served = &mut self.served;
-            let scheduled = self.running.slots()[..n]
+            let running = &self.running;
+            let slots = &running.slots()[..n];
+            // Decodes are planned from their hot records alone (see `Hot`),
+            // prefill chunks from their requests' lists.
+            let scheduled = slots
                 .iter()
+                .zip(&running.hot()[..n])
                 .zip(q_lens)
                 .enumerate()
-                .map(|(pos, (&s, &q))| {
-                    let r = requests.get(s);
-                    let done = r.num_computed + q == r.tokens.len();
-                    served[r.tenant] += q;
+                .map(|(pos, ((&s, h), &q))| {
+                    served[h.tenant] += q;
+                    let decode = pos < num_decode;
+                    let (done, src, start) = if decode {
+                        let src = SeqSource::Decode {
+                            token: h.token,
+                            num_pages: h.num_pages,
+                            last_page: h.last_page,
+                        };
+                        (true, src, h.computed)
+                    } else {
+                        let r = requests.get(s);
+                        let src = SeqSource::Lists {
+                            tokens: &r.tokens,
+                            pages: &r.pages,
+                        };
+                        (r.num_computed + q == r.tokens.len(), src, r.num_computed)
+                    };
                     seqs.push(PendingSeq {
                         slab: s,
-                        id: r.id,
+                        id: h.id,
                         q_len: q,
                         samples: done,
-                        decode: pos < num_decode,
+                        decode,
                     });
-                    request_ids.push(r.id);
+                    request_ids.push(h.id);
                     samples.push(done);
                     SeqSlice {
-                        row_key: r.row_key,
-                        tokens: &r.tokens,
-                        start: r.num_computed,
+                        row_key: h.row_key,
+                        start,
                         q_len: q,
-                        pages: &r.pages,
+                        src,
                     }
                 });
             planner::write_plan(
@@ -244,6 +269,7 @@ impl Scheduler {
                 num_decode,
                 self.kv.pool(),
                 scheduled,
+                |i| &requests.get(slots[i]).pages,
             )?
         };
         if cfg!(debug_assertions) || self.config.full_validation {
@@ -324,12 +350,9 @@ impl Scheduler {
         // Reserve mode needs no count: every page is within a reservation.
         if self.config.admission.preempts_for_pages() {
             loop {
-                let need = self.running.slots()[..self.running.num_decode()]
+                let need = self.running.hot()[..self.running.num_decode()]
                     .iter()
-                    .filter(|&&s| {
-                        let r = self.requests.get(s);
-                        self.kv.blocks_for(r.num_computed + 1) > r.pages.len()
-                    })
+                    .filter(|h| self.kv.blocks_for(h.computed + 1) > h.num_pages)
                     .count();
                 if need <= self.kv.available() {
                     break;
@@ -339,13 +362,12 @@ impl Scheduler {
             }
         }
         let bs = self.shape.block_size;
-        for i in 0..self.running.num_decode() {
-            let slab = self.running.at(i);
-            let r = self.requests.get(slab);
+        for pos in 0..self.running.num_decode() {
+            let h = &self.running.hot()[pos];
             // Fifteen steps in sixteen (block 16) the page is already there.
-            if bs.blocks_for(r.num_computed + 1) > r.pages.len() {
-                let len = r.num_computed + 1;
-                self.grow_pages(slab, len)?;
+            if bs.blocks_for(h.computed + 1) > h.num_pages {
+                let len = h.computed + 1;
+                self.grow_running(pos, len)?;
             }
         }
         Ok(())
