@@ -126,30 +126,32 @@ impl RowCache {
     }
 }
 
-/// One scheduled sequence, in plan order.
+/// A prefill chunk (or any sequence planned from its lists), in plan order.
 pub struct SeqSlice<'a> {
     /// Identifies the page list (see `RowCache`).
     pub row_key: u64,
-    /// Tokens whose KV is already written: the scheduled ones start here.
+    /// All tokens of the sequence; the scheduled ones are `[start, start + q_len)`.
+    pub tokens: &'a [i32],
     pub start: usize,
     pub q_len: usize,
-    pub src: SeqSource<'a>,
+    pub pages: &'a [u32],
 }
 
-/// Where a scheduled sequence's tokens and pages are read from.
-pub enum SeqSource<'a> {
-    /// All its tokens and pages; the scheduled tokens are
-    /// `tokens[start..start + q_len]`.
-    Lists { tokens: &'a [i32], pages: &'a [u32] },
-    /// A decode (one token, its last, at `start`) described by what the plan
-    /// needs of it, so the lists are not read: the token, how many pages it
-    /// holds and the last of them. Should its page-table row have to be
-    /// rewritten whole, `write_plan`'s `pages_of` gives the list.
-    Decode {
-        token: i32,
-        num_pages: usize,
-        last_page: u32,
-    },
+/// A decode as the plan needs it: its one token (its last) at `pos`, and of
+/// its page list only the length and the last page, which holds `pos`. The
+/// scheduler keeps one per running sequence, in plan order, so the decodes
+/// of a step are planned from one sequential array.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DecodeSeq {
+    /// Identifies the page list (see `RowCache`).
+    pub row_key: u64,
+    /// Tokens whose KV is written: the position of the token it runs.
+    pub pos: usize,
+    /// The token it runs.
+    pub token: i32,
+    /// The last page it holds (0 while it holds none).
+    pub last_page: u32,
+    pub num_pages: usize,
 }
 
 /// Where the padding and bucket choice landed.
@@ -160,10 +162,9 @@ pub struct WrittenPlan {
     pub bucket: usize,
 }
 
-/// Write a plan into `bufs`. `seqs` is in plan order: the `num_decode` decode
-/// sequences first. Rows are updated incrementally against `rows`; a row that
-/// must be rewritten whole reads its page list from `pages_of(i)` (needed only
-/// for sequences given as `SeqSource::Decode`).
+/// Write a plan into `bufs`: first the `decodes`, then the `chunks`, in plan
+/// order. Rows are updated incrementally against `rows`; a decode's row that
+/// must be rewritten whole reads its page list from `pages_of(i)`.
 ///
 /// The cheap checks run here, on every plan, as the arrays are written: each
 /// sequence runs at least one token, within its tokens; its pages cover exactly
@@ -176,13 +177,14 @@ pub fn write_plan<'s>(
     buckets: &TokenBuckets,
     bufs: &mut PlanBuffers<'_>,
     rows: &mut RowCache,
-    num_decode: usize,
     pool: &BlockPool,
-    seqs: impl ExactSizeIterator<Item = SeqSlice<'s>>,
+    decodes: &[DecodeSeq],
+    chunks: impl ExactSizeIterator<Item = SeqSlice<'s>>,
     pages_of: impl Fn(usize) -> &'s [u32],
 ) -> KvResult<WrittenPlan> {
     bufs.check_shape(shape)?;
-    let n = seqs.len();
+    let num_decode = decodes.len();
+    let n = num_decode + chunks.len();
     if n > shape.max_seqs {
         return Err(KvError::Internal(format!(
             "{n} sequences in a plan of {}",
@@ -191,62 +193,61 @@ pub fn write_plan<'s>(
     }
     let bs = shape.block_size;
     let pps = shape.pages_per_seq;
-    let mut off = 0usize;
     bufs.cu_q_lens[0] = 0;
     let check_owner = pool.shared() > 0;
-    for (i, seq) in seqs.enumerate() {
+    write_decodes(shape, bufs, rows, pool, check_owner, decodes, pages_of)?;
+    let mut off = num_decode;
+    for (i, seq) in (num_decode..).zip(chunks) {
         let end = off + seq.q_len;
         let kv_len = seq.start + seq.q_len;
-        let (num_tokens, num_pages) = match seq.src {
-            SeqSource::Lists { tokens, pages } => (tokens.len(), pages.len()),
-            // A decode runs its last token.
-            SeqSource::Decode { num_pages, .. } => (seq.start + 1, num_pages),
-        };
-        if seq.q_len == 0 || end > shape.max_tokens || kv_len > num_tokens {
+        if seq.q_len == 0 || end > shape.max_tokens || kv_len > seq.tokens.len() {
             return Err(KvError::Internal(format!(
                 "invalid step plan: sequence {i} runs {} tokens from {} (plan at {off})",
                 seq.q_len, seq.start
             )));
         }
-        if num_pages != bs.blocks_for(kv_len) || num_pages > pps {
+        if seq.pages.len() != bs.blocks_for(kv_len) || seq.pages.len() > pps {
             return Err(KvError::Internal(format!(
-                "invalid step plan: sequence {i} has {num_pages} pages for kv_len {kv_len}"
+                "invalid step plan: sequence {i} has {} pages for kv_len {kv_len}",
+                seq.pages.len()
             )));
         }
-        // A sequence holds at least one page (kv_len >= 1, checked above).
-        let last_page = match seq.src {
-            SeqSource::Lists { tokens, pages } => {
-                write_tokens(bufs, bs, pool, check_owner, i, off, &seq, tokens, pages)?;
-                pages[num_pages - 1]
+        if seq.q_len == 1 {
+            // One token, no copy loop.
+            let pos = seq.start;
+            let (idx, in_page) = bs.split(pos);
+            let page = seq.pages[idx];
+            if check_owner && pool.refcount(page) != 1 {
+                return Err(not_own(i, page));
             }
-            SeqSource::Decode {
-                token, last_page, ..
-            } => {
-                debug_assert_eq!(pages_of(i).last(), Some(&last_page));
-                // Its one token is in its last page (the page count is checked).
-                let pos = seq.start;
-                let (_, in_page) = bs.split(pos);
-                if check_owner && pool.refcount(last_page) != 1 {
-                    return Err(not_own(i, last_page));
+            bufs.token_ids[off] = seq.tokens[pos];
+            bufs.positions[off] = pos as i32;
+            bufs.slot_mapping[off] = (page as usize * bs.get() + in_page) as i32;
+        } else {
+            bufs.token_ids[off..end].copy_from_slice(&seq.tokens[seq.start..kv_len]);
+            let mut last_page = u32::MAX;
+            for (j, pos) in (seq.start..kv_len).enumerate() {
+                let (idx, in_page) = bs.split(pos);
+                let page = seq.pages[idx];
+                if check_owner && page != last_page && pool.refcount(page) != 1 {
+                    return Err(not_own(i, page));
                 }
-                bufs.token_ids[off] = token;
-                bufs.positions[off] = pos as i32;
-                bufs.slot_mapping[off] = (last_page as usize * bs.get() + in_page) as i32;
-                last_page
+                last_page = page;
+                bufs.positions[off + j] = pos as i32;
+                bufs.slot_mapping[off + j] = (page as usize * bs.get() + in_page) as i32;
             }
-        };
+        }
         bufs.cu_q_lens[i + 1] = end as i32;
         bufs.kv_lens[i] = kv_len as i32;
         bufs.logits_indices[i] = end as i32 - 1;
+        // kv_len >= 1, so it holds a page (checked above).
+        let last = seq.pages[seq.pages.len() - 1];
         let row = Row {
             key: seq.row_key,
-            num_pages,
-            last_page,
+            num_pages: seq.pages.len(),
+            last_page: last,
         };
-        write_row(bufs.page_indices, rows, i, pps, row, || match seq.src {
-            SeqSource::Lists { pages, .. } => pages,
-            SeqSource::Decode { .. } => pages_of(i),
-        });
+        write_row(bufs.page_indices, rows, i, pps, row, || seq.pages);
         off = end;
     }
     let bucket = buckets
@@ -272,46 +273,61 @@ pub fn write_plan<'s>(
     })
 }
 
-/// The token-indexed arrays of sequence `i` (at plan offset `off`), read
-/// from its lists.
-#[allow(clippy::too_many_arguments)]
-#[inline]
-fn write_tokens(
+/// The decodes lead the plan: sequence i runs one token at plan offset i. One
+/// pass over their records, the arrays sliced to them up front.
+fn write_decodes<'s>(
+    shape: &PlanShape,
     bufs: &mut PlanBuffers<'_>,
-    bs: BlockSize,
+    rows: &mut RowCache,
     pool: &BlockPool,
     check_owner: bool,
-    i: usize,
-    off: usize,
-    seq: &SeqSlice<'_>,
-    tokens: &[i32],
-    pages: &[u32],
+    decodes: &[DecodeSeq],
+    pages_of: impl Fn(usize) -> &'s [u32],
 ) -> KvResult<()> {
-    let (start, end, kv_len) = (seq.start, off + seq.q_len, seq.start + seq.q_len);
-    if seq.q_len == 1 {
-        // The decode case: one token, no copy loop.
-        let pos = start;
-        let (idx, in_page) = bs.split(pos);
-        let page = pages[idx];
-        if check_owner && pool.refcount(page) != 1 {
-            return Err(not_own(i, page));
+    let nd = decodes.len();
+    let (bs, pps) = (shape.block_size, shape.pages_per_seq);
+    if nd > shape.max_tokens {
+        let pos = decodes[shape.max_tokens].pos;
+        return Err(KvError::Internal(format!(
+            "invalid step plan: sequence {} runs 1 tokens from {pos} (plan at {})",
+            shape.max_tokens, shape.max_tokens
+        )));
+    }
+    let token_ids = &mut bufs.token_ids[..nd];
+    let positions = &mut bufs.positions[..nd];
+    let slot_mapping = &mut bufs.slot_mapping[..nd];
+    let cu_q_lens = &mut bufs.cu_q_lens[1..=nd];
+    let kv_lens = &mut bufs.kv_lens[..nd];
+    let logits_indices = &mut bufs.logits_indices[..nd];
+    for (i, d) in decodes.iter().enumerate() {
+        let kv_len = d.pos + 1;
+        if d.num_pages != bs.blocks_for(kv_len) || d.num_pages > pps {
+            return Err(KvError::Internal(format!(
+                "invalid step plan: sequence {i} has {} pages for kv_len {kv_len}",
+                d.num_pages
+            )));
         }
-        bufs.token_ids[off] = tokens[pos];
-        bufs.positions[off] = pos as i32;
-        bufs.slot_mapping[off] = (page as usize * bs.get() + in_page) as i32;
-    } else {
-        bufs.token_ids[off..end].copy_from_slice(&tokens[start..kv_len]);
-        let mut last_page = u32::MAX;
-        for (j, pos) in (start..kv_len).enumerate() {
-            let (idx, in_page) = bs.split(pos);
-            let page = pages[idx];
-            if check_owner && page != last_page && pool.refcount(page) != 1 {
-                return Err(not_own(i, page));
-            }
-            last_page = page;
-            bufs.positions[off + j] = pos as i32;
-            bufs.slot_mapping[off + j] = (page as usize * bs.get() + in_page) as i32;
+        debug_assert!({
+            let pages = pages_of(i);
+            pages.len() == d.num_pages && pages.last() == Some(&d.last_page)
+        });
+        // Its token is in its last page (the page count is checked).
+        if check_owner && pool.refcount(d.last_page) != 1 {
+            return Err(not_own(i, d.last_page));
         }
+        let (_, in_page) = bs.split(d.pos);
+        token_ids[i] = d.token;
+        positions[i] = d.pos as i32;
+        slot_mapping[i] = (d.last_page as usize * bs.get() + in_page) as i32;
+        cu_q_lens[i] = i as i32 + 1;
+        kv_lens[i] = kv_len as i32;
+        logits_indices[i] = i as i32;
+        let row = Row {
+            key: d.row_key,
+            num_pages: d.num_pages,
+            last_page: d.last_page,
+        };
+        write_row(bufs.page_indices, rows, i, pps, row, || pages_of(i));
     }
     Ok(())
 }

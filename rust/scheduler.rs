@@ -52,7 +52,7 @@ use crate::buckets::TokenBuckets;
 use crate::error::{KvError, KvResult, RejectReason, Rejection};
 use crate::ladder::{Ladder, LadderConfig, LadderMove, Pressure};
 use crate::metrics::{Histogram, TenantMetrics};
-use crate::planner::{self, PlanBuffers, PlanShape, RowCache, SeqSlice, SeqSource};
+use crate::planner::{self, DecodeSeq, PlanBuffers, PlanShape, RowCache, SeqSlice};
 use crate::pool::{BlockPool, BlockSize};
 use crate::prefix::{BlockKey, Namespace, PrefixHasher, Scope};
 use crate::tenant::{TenantConfig, TenantId, Tenants};
@@ -669,10 +669,10 @@ impl Scheduler {
             };
             let before = r.num_computed;
             r.num_computed += s.q_len;
-            // The running set's copy (see `queues::Hot`): a request planned
+            // The running set's copy (see `RunningSet`): a request planned
             // and not cancelled since is still running.
             if let Place::Running(pos) = r.place {
-                self.running.hot_mut(pos).computed = r.num_computed;
+                self.running.hot_mut(pos).pos = r.num_computed;
             }
             // Blocks fill only where the committed tokens reach a block
             // boundary (one decode in block_size), and every block filled

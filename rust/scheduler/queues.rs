@@ -16,10 +16,18 @@ use super::*;
 /// The running set in plan order: `num_decode` decode sequences, then those
 /// still in prefill, in the order they entered.
 ///
-/// Beside each slot it keeps the sequence's hot record (`Hot`): what a step
-/// needs of a running sequence apart from its tokens and pages, in an array
-/// in plan order, so the plan pass reads it sequentially instead of opening a
-/// second cache line of every `Request`.
+/// Beside each slot, in arrays in plan order (struct of arrays), it keeps the
+/// sequence's `Owner` (request id and tenant) and its hot record: the
+/// `DecodeSeq` the plan reads, a copy of what a decode needs of its request
+/// (tokens computed, last token, page count and last page, row key). A step
+/// plans its decodes from these arrays alone, one sequential pass, without
+/// opening a request, its token list or its page list.
+///
+/// The copies follow the request: `enter_running` fills them, the step
+/// refreshes the page fields after every page it adds (`grow_running`), and
+/// commit the token fields. Nothing else changes a running request's tokens
+/// or pages. Debug builds and `full_validation` check every decode's copy
+/// against its request as the plan is written (`check_hot`).
 ///
 /// Its interface is kept narrow (positions in, slots out, a callback for every
 /// sequence that moves) so that what it stores per running sequence can change
@@ -27,50 +35,27 @@ use super::*;
 #[derive(Clone, Debug, Default)]
 pub(super) struct RunningSet {
     slots: Vec<usize>,
-    /// `hot[pos]` belongs to `slots[pos]`.
-    hot: Vec<Hot>,
+    /// `owners[pos]` and `hot[pos]` belong to `slots[pos]`.
+    owners: Vec<Owner>,
+    hot: Vec<DecodeSeq>,
     num_decode: usize,
 }
 
-/// What a step reads of a running sequence, kept beside its slot so that a
-/// decode is planned from this record alone: who it is (`id`, `tenant`),
-/// which page list its plan row holds (`row_key`, fresh at each entry), and
-/// a copy of what a decode needs of its request: the tokens computed, its
-/// last token and its pages' count and last page.
-///
-/// The copies follow the request: `enter_running` fills them, the step
-/// refreshes the page fields after every page it adds (`grow_running`), and
-/// commit the token fields (`commit_hot`). Nothing else changes a running
-/// request's tokens or pages. Debug builds and `full_validation` check every
-/// decode's copy against its request as the plan is written.
+/// Whose a running sequence is: fixed for its request's life.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct Hot {
+pub(super) struct Owner {
     pub(super) id: u64,
     pub(super) tenant: TenantId,
-    /// Identifies its page list in the plan's row caches (`planner::RowCache`).
-    pub(super) row_key: u64,
-    /// `Request::num_computed`.
-    pub(super) computed: usize,
-    /// Its last token: the one a decode runs.
-    pub(super) token: i32,
-    /// Its last page (0 while it holds none).
-    pub(super) last_page: u32,
-    /// How many pages it holds.
-    pub(super) num_pages: usize,
 }
 
-impl Hot {
-    /// The record of request `r` entering with row key `row_key`.
-    pub(super) fn of(r: &Request, row_key: u64) -> Hot {
-        Hot {
-            id: r.id,
-            tenant: r.tenant,
-            row_key,
-            computed: r.num_computed,
-            token: r.tokens.last().copied().unwrap_or(0),
-            last_page: r.pages.last().copied().unwrap_or(0),
-            num_pages: r.pages.len(),
-        }
+/// The hot record of request `r` entering with row key `row_key`.
+fn hot_record(r: &Request, row_key: u64) -> DecodeSeq {
+    DecodeSeq {
+        row_key,
+        pos: r.num_computed,
+        token: r.tokens.last().copied().unwrap_or(0),
+        last_page: r.pages.last().copied().unwrap_or(0),
+        num_pages: r.pages.len(),
     }
 }
 
@@ -91,15 +76,21 @@ impl RunningSet {
         &self.slots
     }
 
+    /// The owner of every running sequence, in plan order (as `slots`).
+    #[inline]
+    pub(super) fn owners(&self) -> &[Owner] {
+        &self.owners
+    }
+
     /// The hot record of every running sequence, in plan order (as `slots`).
     #[inline]
-    pub(super) fn hot(&self) -> &[Hot] {
+    pub(super) fn hot(&self) -> &[DecodeSeq] {
         &self.hot
     }
 
     /// The hot record of the sequence at plan position `pos`.
     #[inline]
-    pub(super) fn hot_mut(&mut self, pos: usize) -> &mut Hot {
+    pub(super) fn hot_mut(&mut self, pos: usize) -> &mut DecodeSeq {
         &mut self.hot[pos]
     }
 
@@ -110,8 +101,9 @@ impl RunningSet {
     }
 
     /// Append a sequence that starts in prefill; returns its position.
-    pub(super) fn push(&mut self, slot: usize, hot: Hot) -> usize {
+    pub(super) fn push(&mut self, slot: usize, owner: Owner, hot: DecodeSeq) -> usize {
         self.slots.push(slot);
+        self.owners.push(owner);
         self.hot.push(hot);
         self.slots.len() - 1
     }
@@ -124,6 +116,7 @@ impl RunningSet {
         let from = if pos < self.num_decode {
             let last = self.num_decode - 1;
             self.slots.swap(pos, last);
+            self.owners.swap(pos, last);
             self.hot.swap(pos, last);
             if pos != last {
                 moved(self.slots[pos], pos);
@@ -134,6 +127,7 @@ impl RunningSet {
             pos
         };
         self.slots.remove(from);
+        self.owners.remove(from);
         self.hot.remove(from);
         for (p, &s) in self.slots.iter().enumerate().skip(from) {
             moved(s, p);
@@ -145,10 +139,13 @@ impl RunningSet {
     /// `moved(slot, pos)` is called for every sequence whose position changed.
     pub(super) fn promote(&mut self, pos: usize, mut moved: impl FnMut(usize, usize)) {
         debug_assert!(pos >= self.num_decode);
+        let to = self.num_decode;
         let slot = self.slots.remove(pos);
-        self.slots.insert(self.num_decode, slot);
+        self.slots.insert(to, slot);
+        let owner = self.owners.remove(pos);
+        self.owners.insert(to, owner);
         let hot = self.hot.remove(pos);
-        self.hot.insert(self.num_decode, hot);
+        self.hot.insert(to, hot);
         self.num_decode += 1;
         for p in self.num_decode - 1..=pos {
             moved(self.slots[p], p);
@@ -348,7 +345,11 @@ impl Scheduler {
         let key = self.next_row_key;
         self.next_row_key += 1;
         let r = self.requests.get_mut(slab);
-        let pos = self.running.push(slab, Hot::of(r, key));
+        let owner = Owner {
+            id: r.id,
+            tenant: r.tenant,
+        };
+        let pos = self.running.push(slab, owner, hot_record(r, key));
         r.place = Place::Running(pos);
         let queued = r.first_scheduled.is_none().then_some(now - r.arrival);
         r.first_scheduled.get_or_insert(now);
@@ -383,17 +384,19 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Whether every decode's hot record agrees with its request (see `Hot`).
+    /// Whether every decode's hot record (and owner) agrees with its request
+    /// (see `RunningSet`).
     pub(super) fn check_hot(&self) -> KvResult<()> {
-        let decodes = self.running.num_decode();
-        let slots = &self.running.slots()[..decodes];
-        for (pos, (&s, h)) in slots.iter().zip(self.running.hot()).enumerate() {
+        let running = &self.running;
+        let decodes = running.num_decode();
+        let records = running.owners().iter().zip(running.hot());
+        for (pos, (&s, (o, h))) in running.slots()[..decodes].iter().zip(records).enumerate() {
             let r = self.requests.get(s);
             let lists = r.tokens.len() == r.num_computed + 1
                 && r.tokens.last() == Some(&h.token)
                 && r.pages.len() == h.num_pages
                 && r.pages.last() == Some(&h.last_page);
-            if !(lists && r.id == h.id && r.tenant == h.tenant && r.num_computed == h.computed) {
+            if !(lists && r.id == o.id && r.tenant == o.tenant && r.num_computed == h.pos) {
                 return Err(KvError::Internal(format!(
                     "the hot record of decode {pos} (request {}) disagrees with it",
                     r.id
@@ -415,10 +418,10 @@ impl Scheduler {
     /// only of a tier strictly below `below_tier` when given.
     pub(super) fn victim(&self, below_tier: Option<u32>) -> Option<usize> {
         self.running
-            .hot()
+            .owners()
             .iter()
             .enumerate()
-            .map(|(pos, h)| (self.tenants.get(h.tenant).config.tier, h.id, pos))
+            .map(|(pos, o)| (self.tenants.get(o.tenant).config.tier, o.id, pos))
             .filter(|&(tier, _, _)| below_tier.is_none_or(|b| tier > b))
             .max()
             .map(|(_, _, pos)| pos)

@@ -58,15 +58,15 @@ pub(super) enum Place {
 #[derive(Clone, Debug)]
 #[repr(C, align(64))]
 pub struct Request {
-    // Line 1: read by step() (and `id`, beside them, by commit()).
+    // Line 1: read by step() for a prefill chunk, and by commit().
     /// Prompt followed by the tokens generated so far.
     pub tokens: Vec<i32>,
     /// Pages holding its KV, in order.
     pub pages: Vec<u32>,
     /// Tokens whose KV is written (committed steps only).
     pub num_computed: usize,
-    // Line 2: read by commit(); the step reads its id and tenant from the
-    // running set's hot record instead (`queues::Hot`).
+    // Line 2: read by commit(). A step plans a decode from the running
+    // set's copies (`queues::RunningSet`) and opens neither line.
     pub id: u64,
     pub tenant: TenantId,
     pub(super) place: Place,

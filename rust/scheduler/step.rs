@@ -220,55 +220,54 @@ impl Scheduler {
             let served = &mut self.served;
             let running = &self.running;
             let slots = &running.slots()[..n];
-            // Decodes are planned from their hot records alone (see `Hot`),
-            // prefill chunks from their requests' lists.
-            let scheduled = slots
-                .iter()
-                .zip(&running.hot()[..n])
-                .zip(q_lens)
-                .enumerate()
-                .map(|(pos, ((&s, h), &q))| {
-                    served[h.tenant] += q;
-                    let decode = pos < num_decode;
-                    let (done, src, start) = if decode {
-                        let src = SeqSource::Decode {
-                            token: h.token,
-                            num_pages: h.num_pages,
-                            last_page: h.last_page,
-                        };
-                        (true, src, h.computed)
-                    } else {
-                        let r = requests.get(s);
-                        let src = SeqSource::Lists {
-                            tokens: &r.tokens,
-                            pages: &r.pages,
-                        };
-                        (r.num_computed + q == r.tokens.len(), src, r.num_computed)
-                    };
-                    seqs.push(PendingSeq {
-                        slab: s,
-                        id: h.id,
-                        q_len: q,
-                        samples: done,
-                        decode,
-                    });
-                    request_ids.push(h.id);
-                    samples.push(done);
-                    SeqSlice {
-                        row_key: h.row_key,
-                        start,
-                        q_len: q,
-                        src,
-                    }
+            let owners = &running.owners()[..n];
+            let hot = &running.hot()[..n];
+            // Decodes are planned from the running set's arrays alone (see
+            // `RunningSet`): one token each, sampled.
+            debug_assert!(q_lens[..num_decode].iter().all(|&q| q == 1));
+            for (&s, o) in slots[..num_decode].iter().zip(&owners[..num_decode]) {
+                served[o.tenant] += 1;
+                seqs.push(PendingSeq {
+                    slab: s,
+                    id: o.id,
+                    q_len: 1,
+                    samples: true,
+                    decode: true,
                 });
+            }
+            request_ids.extend(owners[..num_decode].iter().map(|o| o.id));
+            samples.resize(num_decode, true);
+            // Prefill chunks from their requests' lists.
+            let chunks = (num_decode..n).map(|pos| {
+                let (s, o, q) = (slots[pos], owners[pos], q_lens[pos]);
+                let r = requests.get(s);
+                let done = r.num_computed + q == r.tokens.len();
+                served[o.tenant] += q;
+                seqs.push(PendingSeq {
+                    slab: s,
+                    id: o.id,
+                    q_len: q,
+                    samples: done,
+                    decode: false,
+                });
+                request_ids.push(o.id);
+                samples.push(done);
+                SeqSlice {
+                    row_key: hot[pos].row_key,
+                    tokens: &r.tokens,
+                    start: r.num_computed,
+                    q_len: q,
+                    pages: &r.pages,
+                }
+            });
             planner::write_plan(
                 &self.shape,
                 &self.buckets,
                 bufs,
                 &mut self.rows[parity],
-                num_decode,
                 self.kv.pool(),
-                scheduled,
+                &hot[..num_decode],
+                chunks,
                 |i| &requests.get(slots[i]).pages,
             )?
         };
@@ -352,7 +351,7 @@ impl Scheduler {
             loop {
                 let need = self.running.hot()[..self.running.num_decode()]
                     .iter()
-                    .filter(|h| self.kv.blocks_for(h.computed + 1) > h.num_pages)
+                    .filter(|h| self.kv.blocks_for(h.pos + 1) > h.num_pages)
                     .count();
                 if need <= self.kv.available() {
                     break;
@@ -365,8 +364,8 @@ impl Scheduler {
         for pos in 0..self.running.num_decode() {
             let h = &self.running.hot()[pos];
             // Fifteen steps in sixteen (block 16) the page is already there.
-            if bs.blocks_for(h.computed + 1) > h.num_pages {
-                let len = h.computed + 1;
+            if bs.blocks_for(h.pos + 1) > h.num_pages {
+                let len = h.pos + 1;
                 self.grow_running(pos, len)?;
             }
         }
