@@ -225,16 +225,24 @@ pub fn write_plan<'s>(
             bufs.slot_mapping[off] = (page as usize * bs.get() + in_page) as i32;
         } else {
             bufs.token_ids[off..end].copy_from_slice(&seq.tokens[seq.start..kv_len]);
-            let mut last_page = u32::MAX;
-            for (j, pos) in (seq.start..kv_len).enumerate() {
+            // Page by page: within a page, positions and slots both count up.
+            let (mut pos, mut at) = (seq.start, off);
+            while pos < kv_len {
                 let (idx, in_page) = bs.split(pos);
                 let page = seq.pages[idx];
-                if check_owner && page != last_page && pool.refcount(page) != 1 {
+                if check_owner && pool.refcount(page) != 1 {
                     return Err(not_own(i, page));
                 }
-                last_page = page;
-                bufs.positions[off + j] = pos as i32;
-                bufs.slot_mapping[off + j] = (page as usize * bs.get() + in_page) as i32;
+                let run = (bs.get() - in_page).min(kv_len - pos);
+                let slot = (page as usize * bs.get() + in_page) as i32;
+                let positions = &mut bufs.positions[at..at + run];
+                let slots = &mut bufs.slot_mapping[at..at + run];
+                for (k, (p, s)) in positions.iter_mut().zip(slots).enumerate() {
+                    *p = (pos + k) as i32;
+                    *s = slot + k as i32;
+                }
+                pos += run;
+                at += run;
             }
         }
         bufs.cu_q_lens[i + 1] = end as i32;

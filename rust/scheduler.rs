@@ -671,8 +671,12 @@ impl Scheduler {
             r.num_computed += s.q_len;
             // The running set's copy (see `RunningSet`): a request planned
             // and not cancelled since is still running.
-            if let Place::Running(pos) = r.place {
-                self.running.hot_mut(pos).pos = r.num_computed;
+            let mut hot = match r.place {
+                Place::Running(pos) => Some(self.running.hot_mut(pos)),
+                _ => None,
+            };
+            if let Some(h) = hot.as_mut() {
+                h.pos = r.num_computed;
             }
             // Blocks fill only where the committed tokens reach a block
             // boundary (one decode in block_size), and every block filled
@@ -689,8 +693,8 @@ impl Scheduler {
                 continue;
             }
             r.tokens.push(token);
-            if let Place::Running(pos) = r.place {
-                self.running.hot_mut(pos).token = token;
+            if let Some(h) = hot {
+                h.token = token;
             }
             t.count_token(r.last_token, r.arrival, now);
             r.first_token.get_or_insert(now);

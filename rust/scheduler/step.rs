@@ -360,14 +360,19 @@ impl Scheduler {
                 self.preempt(pos, preempted);
             }
         }
-        let bs = self.shape.block_size;
-        for pos in 0..self.running.num_decode() {
-            let h = &self.running.hot()[pos];
-            // Fifteen steps in sixteen (block 16) the page is already there.
-            if bs.blocks_for(h.pos + 1) > h.num_pages {
-                let len = h.pos + 1;
-                self.grow_running(pos, len)?;
-            }
+        // A decode needs a page when its token's position is past its pages
+        // (blocks_for(pos + 1) > num_pages). Fifteen steps in sixteen (block
+        // 16) the page is already there: find the others in one scan.
+        let bs = self.shape.block_size.get();
+        let mut pos = 0;
+        while let Some(k) = self.running.hot()[pos..self.running.num_decode()]
+            .iter()
+            .position(|h| h.pos >= h.num_pages * bs)
+        {
+            pos += k;
+            let len = self.running.hot()[pos].pos + 1;
+            self.grow_running(pos, len)?;
+            pos += 1;
         }
         Ok(())
     }
