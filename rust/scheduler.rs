@@ -81,7 +81,7 @@ pub use step::StepOutcome;
 use events::EventLog;
 use kv::KvManager;
 use queues::{ResumeQueues, RunningSet};
-use request::{IdSet, Place, RequestTable};
+use request::{IdSet, Live, Place, RequestTable};
 use step::Pending;
 
 /// What a request may carry beside its prompt.
@@ -576,6 +576,7 @@ impl Scheduler {
             first_scheduled: None,
             first_token: None,
             last_token: None,
+            live: Live::Yes,
             preemptions: 0,
             cache_salt: opts.cache_salt.map(<[u8]>::to_vec),
             waiting_since: now,
@@ -697,7 +698,11 @@ impl Scheduler {
                 h.token = token;
             }
             t.count_token(r.last_token, r.arrival, now);
-            r.first_token.get_or_insert(now);
+            // Its first token (a commit sets both, so first_token, on a colder
+            // line, is read only then).
+            if r.last_token.is_none() {
+                r.first_token.get_or_insert(now);
+            }
             r.last_token = Some(now);
             events.request_ids.push(r.id);
             events.tokens.push(token);
