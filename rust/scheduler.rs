@@ -713,12 +713,18 @@ impl Scheduler {
             } else {
                 None
             };
-            match (reason, r.place) {
-                (Some(reason), _) => done.push((s.slab, reason)),
-                (None, Place::Running(pos)) if pos >= self.running.num_decode() => {
-                    self.promote_to_decode(pos)
+            match reason {
+                Some(reason) => done.push((s.slab, reason)),
+                // A prefill that sampled its first token becomes a decode. (A
+                // sequence planned as a prefill is still past the decodes: only
+                // its own promotion could move it there.)
+                None if !s.decode => {
+                    if let Place::Running(pos) = r.place {
+                        debug_assert!(pos >= self.running.num_decode());
+                        self.promote_to_decode(pos);
+                    }
                 }
-                _ => {}
+                None => {}
             }
         }
         for (slab, reason) in done {
