@@ -154,6 +154,8 @@ pub struct Scheduler {
     preemptions: u64,
     /// Scratch: tokens served per tenant slot in the step being planned.
     served: Vec<usize>,
+    /// Scratch: slots whose committed tokens filled a block, to name.
+    filled: Vec<usize>,
     /// Preempted by a step that ran nothing; reported with the next plan.
     unreported_preempted: Vec<u64>,
     ladder: Ladder,
@@ -203,6 +205,7 @@ impl Scheduler {
             rejected: [0; RejectReason::COUNT],
             preemptions: 0,
             served: Vec::new(),
+            filled: Vec::new(),
             unreported_preempted: Vec::new(),
             ladder: Ladder::new(config.ladder.clone())?,
             events: EventLog::default(),
@@ -682,9 +685,10 @@ impl Scheduler {
             // Blocks fill only where the committed tokens reach a block
             // boundary (one decode in block_size), and every block filled
             // before was named by the commit that filled it: elsewhere there
-            // is nothing to name, and the request's names are not read.
-            if bs.split(before).0 != bs.split(r.num_computed).0 {
-                self.kv.name_filled_blocks(r);
+            // is nothing to name, and the request's names are not read. The
+            // ones to name are named together after this pass, in plan order.
+            if self.kv.caching() && bs.split(before).0 != bs.split(r.num_computed).0 {
+                self.filled.push(s.slab);
             }
             let t = self.tenants.get_mut(r.tenant);
             if !s.decode {
@@ -727,6 +731,14 @@ impl Scheduler {
                 None => {}
             }
         }
+        // Name the blocks this step filled (before a finished request's pages
+        // go back: its blocks stay cached).
+        let mut filled = std::mem::take(&mut self.filled);
+        for &slab in &filled {
+            self.kv.name_filled_blocks(self.requests.get_mut(slab));
+        }
+        filled.clear();
+        self.filled = filled;
         for (slab, reason) in done {
             let req = self.release(slab);
             self.tenants
