@@ -301,12 +301,9 @@ fn write_decodes<'s>(
             shape.max_tokens, shape.max_tokens
         )));
     }
-    let token_ids = &mut bufs.token_ids[..nd];
-    let positions = &mut bufs.positions[..nd];
-    let slot_mapping = &mut bufs.slot_mapping[..nd];
-    let cu_q_lens = &mut bufs.cu_q_lens[1..=nd];
-    let kv_lens = &mut bufs.kv_lens[..nd];
-    let logits_indices = &mut bufs.logits_indices[..nd];
+    // First the checks and the page-table rows, then each array in a pass
+    // of its own (plain loops over two slices, which the compiler unrolls
+    // and vectorizes).
     for (i, d) in decodes.iter().enumerate() {
         let kv_len = d.pos + 1;
         if d.num_pages != bs.blocks_for(kv_len) || d.num_pages > pps {
@@ -323,19 +320,34 @@ fn write_decodes<'s>(
         if check_owner && pool.refcount(d.last_page) != 1 {
             return Err(not_own(i, d.last_page));
         }
-        let (_, in_page) = bs.split(d.pos);
-        token_ids[i] = d.token;
-        positions[i] = d.pos as i32;
-        slot_mapping[i] = (d.last_page as usize * bs.get() + in_page) as i32;
-        cu_q_lens[i] = i as i32 + 1;
-        kv_lens[i] = kv_len as i32;
-        logits_indices[i] = i as i32;
         let row = Row {
             key: d.row_key,
             num_pages: d.num_pages,
             last_page: d.last_page,
         };
         write_row(bufs.page_indices, rows, i, pps, row, || pages_of(i));
+    }
+    for (t, d) in bufs.token_ids[..nd].iter_mut().zip(decodes) {
+        *t = d.token;
+    }
+    for (p, d) in bufs.positions[..nd].iter_mut().zip(decodes) {
+        *p = d.pos as i32;
+    }
+    for (s, d) in bufs.slot_mapping[..nd].iter_mut().zip(decodes) {
+        let (_, in_page) = bs.split(d.pos);
+        *s = (d.last_page as usize * bs.get() + in_page) as i32;
+    }
+    for (k, d) in bufs.kv_lens[..nd].iter_mut().zip(decodes) {
+        *k = d.pos as i32 + 1;
+    }
+    // One token each: sequence i ends at token i + 1.
+    for (i, (c, l)) in bufs.cu_q_lens[1..=nd]
+        .iter_mut()
+        .zip(&mut bufs.logits_indices[..nd])
+        .enumerate()
+    {
+        *c = i as i32 + 1;
+        *l = i as i32;
     }
     Ok(())
 }
