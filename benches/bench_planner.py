@@ -28,7 +28,9 @@ def config(n_decode: int) -> dict:
         num_blocks=n_decode * per_seq + 8 * (LONG_PROMPT // BLOCK + 2) + 16,
         block_size=BLOCK,
         max_num_seqs=n_decode + 4,
-        max_batched_tokens=2048,
+        # Room for every decode plus the 4 prefill chunks (2048 up to 1,024
+        # decoding, as before; scaling.py also runs 4,096).
+        max_batched_tokens=max(2048, n_decode + 4 * 256),
         max_seq_len=MAX_SEQ_LEN,
         long_prefill_chunk=256,
     )

@@ -126,7 +126,7 @@ impl RowCache {
     }
 }
 
-/// One scheduled sequence, in plan order.
+/// A prefill chunk (or any sequence planned from its lists), in plan order.
 pub struct SeqSlice<'a> {
     /// Identifies the page list (see `RowCache`).
     pub row_key: u64,
@@ -137,6 +137,23 @@ pub struct SeqSlice<'a> {
     pub pages: &'a [u32],
 }
 
+/// A decode as the plan needs it: its one token (its last) at `pos`, and of
+/// its page list only the length and the last page, which holds `pos`. The
+/// scheduler keeps one per running sequence, in plan order, so the decodes
+/// of a step are planned from one sequential array.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DecodeSeq {
+    /// Identifies the page list (see `RowCache`).
+    pub row_key: u64,
+    /// Tokens whose KV is written: the position of the token it runs.
+    pub pos: usize,
+    /// The token it runs.
+    pub token: i32,
+    /// The last page it holds (0 while it holds none).
+    pub last_page: u32,
+    pub num_pages: usize,
+}
+
 /// Where the padding and bucket choice landed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WrittenPlan {
@@ -145,25 +162,29 @@ pub struct WrittenPlan {
     pub bucket: usize,
 }
 
-/// Write a plan into `bufs`. `seqs` is in plan order: the `num_decode` decode
-/// sequences first. Rows are updated incrementally against `rows`.
+/// Write a plan into `bufs`: first the `decodes`, then the `chunks`, in plan
+/// order. Rows are updated incrementally against `rows`; a decode's row that
+/// must be rewritten whole reads its page list from `pages_of(i)`.
 ///
 /// The cheap checks run here, on every plan, as the arrays are written: each
 /// sequence runs at least one token, within its tokens; its pages cover exactly
 /// its kv_len and fit a row; the tokens fit a bucket; and the pages it writes are
 /// its own (refcount 1, looked up only while the pool shares any page at all),
 /// so no slot is written twice. `validate` re-reads the written arrays in full.
+#[allow(clippy::too_many_arguments)]
 pub fn write_plan<'s>(
     shape: &PlanShape,
     buckets: &TokenBuckets,
     bufs: &mut PlanBuffers<'_>,
     rows: &mut RowCache,
-    num_decode: usize,
     pool: &BlockPool,
-    seqs: impl ExactSizeIterator<Item = SeqSlice<'s>>,
+    decodes: &[DecodeSeq],
+    chunks: impl ExactSizeIterator<Item = SeqSlice<'s>>,
+    pages_of: impl Fn(usize) -> &'s [u32],
 ) -> KvResult<WrittenPlan> {
     bufs.check_shape(shape)?;
-    let n = seqs.len();
+    let num_decode = decodes.len();
+    let n = num_decode + chunks.len();
     if n > shape.max_seqs {
         return Err(KvError::Internal(format!(
             "{n} sequences in a plan of {}",
@@ -172,10 +193,11 @@ pub fn write_plan<'s>(
     }
     let bs = shape.block_size;
     let pps = shape.pages_per_seq;
-    let mut off = 0usize;
     bufs.cu_q_lens[0] = 0;
     let check_owner = pool.shared() > 0;
-    for (i, seq) in seqs.enumerate() {
+    write_decodes(shape, bufs, rows, pool, check_owner, decodes, pages_of)?;
+    let mut off = num_decode;
+    for (i, seq) in (num_decode..).zip(chunks) {
         let end = off + seq.q_len;
         let kv_len = seq.start + seq.q_len;
         if seq.q_len == 0 || end > shape.max_tokens || kv_len > seq.tokens.len() {
@@ -191,7 +213,7 @@ pub fn write_plan<'s>(
             )));
         }
         if seq.q_len == 1 {
-            // The decode case: one token, no copy loop.
+            // One token, no copy loop.
             let pos = seq.start;
             let (idx, in_page) = bs.split(pos);
             let page = seq.pages[idx];
@@ -203,22 +225,37 @@ pub fn write_plan<'s>(
             bufs.slot_mapping[off] = (page as usize * bs.get() + in_page) as i32;
         } else {
             bufs.token_ids[off..end].copy_from_slice(&seq.tokens[seq.start..kv_len]);
-            let mut last_page = u32::MAX;
-            for (j, pos) in (seq.start..kv_len).enumerate() {
+            // Page by page: within a page, positions and slots both count up.
+            let (mut pos, mut at) = (seq.start, off);
+            while pos < kv_len {
                 let (idx, in_page) = bs.split(pos);
                 let page = seq.pages[idx];
-                if check_owner && page != last_page && pool.refcount(page) != 1 {
+                if check_owner && pool.refcount(page) != 1 {
                     return Err(not_own(i, page));
                 }
-                last_page = page;
-                bufs.positions[off + j] = pos as i32;
-                bufs.slot_mapping[off + j] = (page as usize * bs.get() + in_page) as i32;
+                let run = (bs.get() - in_page).min(kv_len - pos);
+                let slot = (page as usize * bs.get() + in_page) as i32;
+                let positions = &mut bufs.positions[at..at + run];
+                let slots = &mut bufs.slot_mapping[at..at + run];
+                for (k, (p, s)) in positions.iter_mut().zip(slots).enumerate() {
+                    *p = (pos + k) as i32;
+                    *s = slot + k as i32;
+                }
+                pos += run;
+                at += run;
             }
         }
         bufs.cu_q_lens[i + 1] = end as i32;
         bufs.kv_lens[i] = kv_len as i32;
         bufs.logits_indices[i] = end as i32 - 1;
-        write_row(bufs.page_indices, rows, i, pps, seq.row_key, seq.pages);
+        // kv_len >= 1, so it holds a page (checked above).
+        let last = seq.pages[seq.pages.len() - 1];
+        let row = Row {
+            key: seq.row_key,
+            num_pages: seq.pages.len(),
+            last_page: last,
+        };
+        write_row(bufs.page_indices, rows, i, pps, row, || seq.pages);
         off = end;
     }
     let bucket = buckets
@@ -244,35 +281,116 @@ pub fn write_plan<'s>(
     })
 }
 
+/// The decodes lead the plan: sequence i runs one token at plan offset i. One
+/// pass over their records, the arrays sliced to them up front.
+fn write_decodes<'s>(
+    shape: &PlanShape,
+    bufs: &mut PlanBuffers<'_>,
+    rows: &mut RowCache,
+    pool: &BlockPool,
+    check_owner: bool,
+    decodes: &[DecodeSeq],
+    pages_of: impl Fn(usize) -> &'s [u32],
+) -> KvResult<()> {
+    let nd = decodes.len();
+    let (bs, pps) = (shape.block_size, shape.pages_per_seq);
+    if nd > shape.max_tokens {
+        let pos = decodes[shape.max_tokens].pos;
+        return Err(KvError::Internal(format!(
+            "invalid step plan: sequence {} runs 1 tokens from {pos} (plan at {})",
+            shape.max_tokens, shape.max_tokens
+        )));
+    }
+    // First the checks and the page-table rows, then each array in a pass
+    // of its own (plain loops over two slices, which the compiler unrolls
+    // and vectorizes).
+    for (i, d) in decodes.iter().enumerate() {
+        let kv_len = d.pos + 1;
+        if d.num_pages != bs.blocks_for(kv_len) || d.num_pages > pps {
+            return Err(KvError::Internal(format!(
+                "invalid step plan: sequence {i} has {} pages for kv_len {kv_len}",
+                d.num_pages
+            )));
+        }
+        debug_assert!({
+            let pages = pages_of(i);
+            pages.len() == d.num_pages && pages.last() == Some(&d.last_page)
+        });
+        // Its token is in its last page (the page count is checked).
+        if check_owner && pool.refcount(d.last_page) != 1 {
+            return Err(not_own(i, d.last_page));
+        }
+        let row = Row {
+            key: d.row_key,
+            num_pages: d.num_pages,
+            last_page: d.last_page,
+        };
+        write_row(bufs.page_indices, rows, i, pps, row, || pages_of(i));
+    }
+    for (t, d) in bufs.token_ids[..nd].iter_mut().zip(decodes) {
+        *t = d.token;
+    }
+    for (p, d) in bufs.positions[..nd].iter_mut().zip(decodes) {
+        *p = d.pos as i32;
+    }
+    for (s, d) in bufs.slot_mapping[..nd].iter_mut().zip(decodes) {
+        let (_, in_page) = bs.split(d.pos);
+        *s = (d.last_page as usize * bs.get() + in_page) as i32;
+    }
+    for (k, d) in bufs.kv_lens[..nd].iter_mut().zip(decodes) {
+        *k = d.pos as i32 + 1;
+    }
+    // One token each: sequence i ends at token i + 1.
+    for (i, (c, l)) in bufs.cu_q_lens[1..=nd]
+        .iter_mut()
+        .zip(&mut bufs.logits_indices[..nd])
+        .enumerate()
+    {
+        *c = i as i32 + 1;
+        *l = i as i32;
+    }
+    Ok(())
+}
+
 fn not_own(i: usize, page: u32) -> KvError {
     KvError::Internal(format!(
         "invalid step plan: sequence {i} writes into page {page}, which it does not hold alone"
     ))
 }
 
+/// What the row cache needs of a sequence's page list to update its row.
+struct Row {
+    key: u64,
+    num_pages: usize,
+    last_page: u32,
+}
+
+/// Bring row `i` up to the sequence's page list; `pages()` gives the whole
+/// list, read only when the row must be rewritten (a new key, or more than
+/// one page added).
 #[inline]
-fn write_row(
+fn write_row<'p>(
     table: &mut [i32],
     rows: &mut RowCache,
     i: usize,
     pps: usize,
-    key: u64,
-    pages: &[u32],
+    row: Row,
+    pages: impl FnOnce() -> &'p [u32],
 ) {
     let filled = rows.filled[i] as usize;
-    if rows.keys[i] == key {
+    if rows.keys[i] == row.key {
         // The common cases: a running sequence whose row is as it was, or has
-        // grown by the one page this step's tokens opened.
-        if filled == pages.len() {
+        // grown by the one page this step's tokens opened (its last).
+        if filled == row.num_pages {
             return;
         }
-        if filled + 1 == pages.len() {
-            table[i * pps + filled] = pages[filled] as i32;
+        if filled + 1 == row.num_pages {
+            table[i * pps + filled] = row.last_page as i32;
             rows.filled[i] += 1;
             return;
         }
     }
-    write_row_slow(table, rows, i, pps, key, pages);
+    write_row_slow(table, rows, i, pps, row.key, pages());
 }
 
 #[cold]

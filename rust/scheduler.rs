@@ -52,7 +52,7 @@ use crate::buckets::TokenBuckets;
 use crate::error::{KvError, KvResult, RejectReason, Rejection};
 use crate::ladder::{Ladder, LadderConfig, LadderMove, Pressure};
 use crate::metrics::{Histogram, TenantMetrics};
-use crate::planner::{self, PlanBuffers, PlanShape, RowCache, SeqSlice};
+use crate::planner::{self, DecodeSeq, PlanBuffers, PlanShape, RowCache, SeqSlice};
 use crate::pool::{BlockPool, BlockSize};
 use crate::prefix::{BlockKey, Namespace, PrefixHasher, Scope};
 use crate::tenant::{TenantConfig, TenantId, Tenants};
@@ -81,7 +81,7 @@ pub use step::StepOutcome;
 use events::EventLog;
 use kv::KvManager;
 use queues::{ResumeQueues, RunningSet};
-use request::{IdSet, Place, RequestTable};
+use request::{IdSet, Live, Place, RequestTable};
 use step::Pending;
 
 /// What a request may carry beside its prompt.
@@ -154,6 +154,8 @@ pub struct Scheduler {
     preemptions: u64,
     /// Scratch: tokens served per tenant slot in the step being planned.
     served: Vec<usize>,
+    /// Scratch: slots whose committed tokens filled a block, to name.
+    filled: Vec<usize>,
     /// Preempted by a step that ran nothing; reported with the next plan.
     unreported_preempted: Vec<u64>,
     ladder: Ladder,
@@ -203,6 +205,7 @@ impl Scheduler {
             rejected: [0; RejectReason::COUNT],
             preemptions: 0,
             served: Vec::new(),
+            filled: Vec::new(),
             unreported_preempted: Vec::new(),
             ladder: Ladder::new(config.ladder.clone())?,
             events: EventLog::default(),
@@ -571,11 +574,11 @@ impl Scheduler {
             namespace,
             cached_tokens,
             place: Place::Queued,
-            row_key: 0,
             arrival: now,
             first_scheduled: None,
             first_token: None,
             last_token: None,
+            live: Live::Yes,
             preemptions: 0,
             cache_salt: opts.cache_salt.map(<[u8]>::to_vec),
             waiting_since: now,
@@ -661,13 +664,31 @@ impl Scheduler {
             preempted: pending.preempted,
         };
         let mut done: Vec<(usize, FinishReason)> = Vec::new();
+        let bs = self.shape.block_size;
         for (s, &token) in pending.seqs.iter().zip(sampled) {
             // Cancelled since the plan was made (its slot may hold a newer request).
             let Some(r) = self.requests.get_mut_if(s.slab, s.id) else {
                 continue;
             };
+            let before = r.num_computed;
             r.num_computed += s.q_len;
-            self.kv.name_filled_blocks(r);
+            // The running set's copy (see `RunningSet`): a request planned
+            // and not cancelled since is still running.
+            let mut hot = match r.place {
+                Place::Running(pos) => Some(self.running.hot_mut(pos)),
+                _ => None,
+            };
+            if let Some(h) = hot.as_mut() {
+                h.pos = r.num_computed;
+            }
+            // Blocks fill only where the committed tokens reach a block
+            // boundary (one decode in block_size), and every block filled
+            // before was named by the commit that filled it: elsewhere there
+            // is nothing to name, and the request's names are not read. The
+            // ones to name are named together after this pass, in plan order.
+            if self.kv.caching() && bs.split(before).0 != bs.split(r.num_computed).0 {
+                self.filled.push(s.slab);
+            }
             let t = self.tenants.get_mut(r.tenant);
             if !s.decode {
                 t.count_prefill(s.q_len);
@@ -676,8 +697,15 @@ impl Scheduler {
                 continue;
             }
             r.tokens.push(token);
+            if let Some(h) = hot {
+                h.token = token;
+            }
             t.count_token(r.last_token, r.arrival, now);
-            r.first_token.get_or_insert(now);
+            // Its first token (a commit sets both, so first_token, on a colder
+            // line, is read only then).
+            if r.last_token.is_none() {
+                r.first_token.get_or_insert(now);
+            }
             r.last_token = Some(now);
             events.request_ids.push(r.id);
             events.tokens.push(token);
@@ -688,14 +716,28 @@ impl Scheduler {
             } else {
                 None
             };
-            match (reason, r.place) {
-                (Some(reason), _) => done.push((s.slab, reason)),
-                (None, Place::Running(pos)) if pos >= self.running.num_decode() => {
-                    self.promote_to_decode(pos)
+            match reason {
+                Some(reason) => done.push((s.slab, reason)),
+                // A prefill that sampled its first token becomes a decode. (A
+                // sequence planned as a prefill is still past the decodes: only
+                // its own promotion could move it there.)
+                None if !s.decode => {
+                    if let Place::Running(pos) = r.place {
+                        debug_assert!(pos >= self.running.num_decode());
+                        self.promote_to_decode(pos);
+                    }
                 }
-                _ => {}
+                None => {}
             }
         }
+        // Name the blocks this step filled (before a finished request's pages
+        // go back: its blocks stay cached).
+        let mut filled = std::mem::take(&mut self.filled);
+        for &slab in &filled {
+            self.kv.name_filled_blocks(self.requests.get_mut(slab));
+        }
+        filled.clear();
+        self.filled = filled;
         for (slab, reason) in done {
             let req = self.release(slab);
             self.tenants

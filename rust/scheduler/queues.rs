@@ -16,13 +16,47 @@ use super::*;
 /// The running set in plan order: `num_decode` decode sequences, then those
 /// still in prefill, in the order they entered.
 ///
+/// Beside each slot, in arrays in plan order (struct of arrays), it keeps the
+/// sequence's `Owner` (request id and tenant) and its hot record: the
+/// `DecodeSeq` the plan reads, a copy of what a decode needs of its request
+/// (tokens computed, last token, page count and last page, row key). A step
+/// plans its decodes from these arrays alone, one sequential pass, without
+/// opening a request, its token list or its page list.
+///
+/// The copies follow the request: `enter_running` fills them, the step
+/// refreshes the page fields after every page it adds (`grow_running`), and
+/// commit the token fields. Nothing else changes a running request's tokens
+/// or pages. Debug builds and `full_validation` check every decode's copy
+/// against its request as the plan is written (`check_hot`).
+///
 /// Its interface is kept narrow (positions in, slots out, a callback for every
 /// sequence that moves) so that what it stores per running sequence can change
 /// without touching its callers.
 #[derive(Clone, Debug, Default)]
 pub(super) struct RunningSet {
     slots: Vec<usize>,
+    /// `owners[pos]` and `hot[pos]` belong to `slots[pos]`.
+    owners: Vec<Owner>,
+    hot: Vec<DecodeSeq>,
     num_decode: usize,
+}
+
+/// Whose a running sequence is: fixed for its request's life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Owner {
+    pub(super) id: u64,
+    pub(super) tenant: TenantId,
+}
+
+/// The hot record of request `r` entering with row key `row_key`.
+fn hot_record(r: &Request, row_key: u64) -> DecodeSeq {
+    DecodeSeq {
+        row_key,
+        pos: r.num_computed,
+        token: r.tokens.last().copied().unwrap_or(0),
+        last_page: r.pages.last().copied().unwrap_or(0),
+        num_pages: r.pages.len(),
+    }
 }
 
 impl RunningSet {
@@ -42,6 +76,24 @@ impl RunningSet {
         &self.slots
     }
 
+    /// The owner of every running sequence, in plan order (as `slots`).
+    #[inline]
+    pub(super) fn owners(&self) -> &[Owner] {
+        &self.owners
+    }
+
+    /// The hot record of every running sequence, in plan order (as `slots`).
+    #[inline]
+    pub(super) fn hot(&self) -> &[DecodeSeq] {
+        &self.hot
+    }
+
+    /// The hot record of the sequence at plan position `pos`.
+    #[inline]
+    pub(super) fn hot_mut(&mut self, pos: usize) -> &mut DecodeSeq {
+        &mut self.hot[pos]
+    }
+
     /// The slot at plan position `pos`.
     #[inline]
     pub(super) fn at(&self, pos: usize) -> usize {
@@ -49,8 +101,10 @@ impl RunningSet {
     }
 
     /// Append a sequence that starts in prefill; returns its position.
-    pub(super) fn push(&mut self, slot: usize) -> usize {
+    pub(super) fn push(&mut self, slot: usize, owner: Owner, hot: DecodeSeq) -> usize {
         self.slots.push(slot);
+        self.owners.push(owner);
+        self.hot.push(hot);
         self.slots.len() - 1
     }
 
@@ -62,6 +116,8 @@ impl RunningSet {
         let from = if pos < self.num_decode {
             let last = self.num_decode - 1;
             self.slots.swap(pos, last);
+            self.owners.swap(pos, last);
+            self.hot.swap(pos, last);
             if pos != last {
                 moved(self.slots[pos], pos);
             }
@@ -71,6 +127,8 @@ impl RunningSet {
             pos
         };
         self.slots.remove(from);
+        self.owners.remove(from);
+        self.hot.remove(from);
         for (p, &s) in self.slots.iter().enumerate().skip(from) {
             moved(s, p);
         }
@@ -81,8 +139,13 @@ impl RunningSet {
     /// `moved(slot, pos)` is called for every sequence whose position changed.
     pub(super) fn promote(&mut self, pos: usize, mut moved: impl FnMut(usize, usize)) {
         debug_assert!(pos >= self.num_decode);
+        let to = self.num_decode;
         let slot = self.slots.remove(pos);
-        self.slots.insert(self.num_decode, slot);
+        self.slots.insert(to, slot);
+        let owner = self.owners.remove(pos);
+        self.owners.insert(to, owner);
+        let hot = self.hot.remove(pos);
+        self.hot.insert(to, hot);
         self.num_decode += 1;
         for p in self.num_decode - 1..=pos {
             moved(self.slots[p], p);
@@ -276,18 +339,23 @@ impl Scheduler {
 
     // -- the running set ----------------------------------------------------------
 
-    /// `slab` enters the running set at `now` (as a prefill), with a fresh row key.
-    pub(super) fn enter_running(&mut self, slab: usize, now: f64) {
-        let pos = self.running.push(slab);
+    /// `slab` enters the running set at `now` (as a prefill), with a fresh row
+    /// key; returns its position.
+    pub(super) fn enter_running(&mut self, slab: usize, now: f64) -> usize {
         let key = self.next_row_key;
         self.next_row_key += 1;
         let r = self.requests.get_mut(slab);
+        let owner = Owner {
+            id: r.id,
+            tenant: r.tenant,
+        };
+        let pos = self.running.push(slab, owner, hot_record(r, key));
         r.place = Place::Running(pos);
-        r.row_key = key;
         let queued = r.first_scheduled.is_none().then_some(now - r.arrival);
         r.first_scheduled.get_or_insert(now);
         let tid = r.tenant;
         self.tenants.get_mut(tid).start_running(queued);
+        pos
     }
 
     /// Take the sequence at `pos` out of the running set; its caller puts it
@@ -303,6 +371,41 @@ impl Scheduler {
         self.tenants.get_mut(tid).stop_running();
     }
 
+    /// Pages so that the running sequence at `pos` covers `len` tokens; its
+    /// hot record follows.
+    #[inline]
+    pub(super) fn grow_running(&mut self, pos: usize, len: usize) -> KvResult<()> {
+        let slab = self.running.at(pos);
+        self.grow_pages(slab, len)?;
+        let pages = &self.requests.get(slab).pages;
+        let h = self.running.hot_mut(pos);
+        h.num_pages = pages.len();
+        h.last_page = pages.last().copied().unwrap_or(0);
+        Ok(())
+    }
+
+    /// Whether every decode's hot record (and owner) agrees with its request
+    /// (see `RunningSet`).
+    pub(super) fn check_hot(&self) -> KvResult<()> {
+        let running = &self.running;
+        let decodes = running.num_decode();
+        let records = running.owners().iter().zip(running.hot());
+        for (pos, (&s, (o, h))) in running.slots()[..decodes].iter().zip(records).enumerate() {
+            let r = self.requests.get(s);
+            let lists = r.tokens.len() == r.num_computed + 1
+                && r.tokens.last() == Some(&h.token)
+                && r.pages.len() == h.num_pages
+                && r.pages.last() == Some(&h.last_page);
+            if !(lists && r.id == o.id && r.tenant == o.tenant && r.num_computed == h.pos) {
+                return Err(KvError::Internal(format!(
+                    "the hot record of decode {pos} (request {}) disagrees with it",
+                    r.id
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// A prefill sequence that sampled its first token becomes a decode.
     pub(super) fn promote_to_decode(&mut self, pos: usize) {
         let requests = &mut self.requests;
@@ -315,13 +418,10 @@ impl Scheduler {
     /// only of a tier strictly below `below_tier` when given.
     pub(super) fn victim(&self, below_tier: Option<u32>) -> Option<usize> {
         self.running
-            .slots()
+            .owners()
             .iter()
             .enumerate()
-            .map(|(pos, &slab)| {
-                let r = self.requests.get(slab);
-                (self.tenants.get(r.tenant).config.tier, r.id, pos)
-            })
+            .map(|(pos, o)| (self.tenants.get(o.tenant).config.tier, o.id, pos))
             .filter(|&(tier, _, _)| below_tier.is_none_or(|b| tier > b))
             .max()
             .map(|(_, _, pos)| pos)

@@ -40,6 +40,18 @@ impl FinishReason {
     }
 }
 
+/// A field with one value, there for its layout: the request table stores
+/// `Option<Request>`, whose tag goes into the largest niche among the
+/// fields. Without this one that is the namespace's scope, three lines past
+/// what a commit reads, and every slab lookup would load that line to find
+/// the request there. An 8-byte tag with one valid value is the largest
+/// niche, so the tag sits in line 2, which a commit reads anyway.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u64)]
+pub(super) enum Live {
+    Yes = 1,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Place {
     /// In its tenant's queue.
@@ -53,29 +65,32 @@ pub(super) enum Place {
 
 /// One admitted, unfinished request.
 ///
-/// `repr(C)` and 64-byte alignment keep what a decode step touches in the first
-/// cache line and what its commit touches in the second: a step visits every
-/// running request, so lines per request are the cost of a step.
+/// `repr(C)` and 64-byte alignment keep what a prefill chunk's step reads in
+/// the first cache line and what a commit reads in the first two: a step
+/// and a commit visit every running request, so lines per request are their
+/// cost. (A decode's step reads the running set's copies instead.)
 #[derive(Clone, Debug)]
 #[repr(C, align(64))]
 pub struct Request {
-    // Line 1: read by step().
+    // Line 1: read by step() for a prefill chunk, and by commit() (with
+    // `id`, the last field of the line).
     /// Prompt followed by the tokens generated so far.
     pub tokens: Vec<i32>,
     /// Pages holding its KV, in order.
     pub pages: Vec<u32>,
     /// Tokens whose KV is written (committed steps only).
     pub num_computed: usize,
-    /// Identifies this page list in the plan's row caches; renewed on (re)entry.
-    pub(super) row_key: u64,
-    // Line 2: read by commit().
+    // Line 2: read by commit(). A step plans a decode from the running
+    // set's copies (`queues::RunningSet`) and opens neither line.
     pub id: u64,
     pub tenant: TenantId,
     pub(super) place: Place,
     pub max_tokens: usize,
     pub prompt_len: usize,
     pub last_token: Option<f64>,
-    // Colder.
+    /// Holds `Option<Request>`'s tag (see `Live`).
+    pub(super) live: Live,
+    // Line 3 and on: colder.
     pub stop_token_ids: Vec<i32>,
     pub first_token: Option<f64>,
     /// Blocks reserved at admission, held until it ends.

@@ -87,8 +87,12 @@ impl Scheduler {
         // Decodes first: every running decode sequence gets its token.
         self.decode_pages(&mut preempted)?;
         let num_decode = self.running.num_decode();
+        // Room for every sequence the step may run: growing it would copy the
+        // decodes' entries.
+        let mut q_lens = Vec::with_capacity(self.running.len().max(self.max_running()));
+        q_lens.resize(num_decode, 1);
         let mut batch = Batch {
-            q_lens: vec![1; num_decode],
+            q_lens,
             scheduled: num_decode,
             num_decode,
             budget: self.step_budget(),
@@ -148,7 +152,7 @@ impl Scheduler {
                 break;
             }
             let len = self.requests.get(slab).num_computed + chunk;
-            self.grow_pages(slab, len)?;
+            self.grow_running(pos, len)?;
             batch.q_lens.push(chunk);
             batch.scheduled += chunk;
             pos += 1;
@@ -180,9 +184,9 @@ impl Scheduler {
             self.count_entry_lookup(slab);
             batch.budget = entry_budget;
             self.pop_waiting(slab, from);
-            self.enter_running(slab, now);
+            let pos = self.enter_running(slab, now);
             let len = self.requests.get(slab).num_computed + chunk;
-            self.grow_pages(slab, len)?;
+            self.grow_running(pos, len)?;
             batch.q_lens.push(chunk);
             batch.scheduled += chunk;
         }
@@ -206,44 +210,65 @@ impl Scheduler {
         let mut seqs = Vec::with_capacity(n);
         let mut request_ids = Vec::with_capacity(n);
         let mut samples = Vec::with_capacity(n);
+        if cfg!(debug_assertions) || self.config.full_validation {
+            self.check_hot()?;
+        }
         let written = {
             // One pass over the scheduled sequences writes the arrays and records
             // what commit needs (disjoint fields, so the borrows coexist).
             let requests = &self.requests;
             let served = &mut self.served;
-            let scheduled = self.running.slots()[..n]
-                .iter()
-                .zip(q_lens)
-                .enumerate()
-                .map(|(pos, (&s, &q))| {
-                    let r = requests.get(s);
-                    let done = r.num_computed + q == r.tokens.len();
-                    served[r.tenant] += q;
-                    seqs.push(PendingSeq {
-                        slab: s,
-                        id: r.id,
-                        q_len: q,
-                        samples: done,
-                        decode: pos < num_decode,
-                    });
-                    request_ids.push(r.id);
-                    samples.push(done);
-                    SeqSlice {
-                        row_key: r.row_key,
-                        tokens: &r.tokens,
-                        start: r.num_computed,
-                        q_len: q,
-                        pages: &r.pages,
-                    }
+            let running = &self.running;
+            let slots = &running.slots()[..n];
+            let owners = &running.owners()[..n];
+            let hot = &running.hot()[..n];
+            // Decodes are planned from the running set's arrays alone (see
+            // `RunningSet`): one token each, sampled.
+            debug_assert!(q_lens[..num_decode].iter().all(|&q| q == 1));
+            for (&s, o) in slots[..num_decode].iter().zip(&owners[..num_decode]) {
+                served[o.tenant] += 1;
+                seqs.push(PendingSeq {
+                    slab: s,
+                    id: o.id,
+                    q_len: 1,
+                    samples: true,
+                    decode: true,
                 });
+            }
+            request_ids.extend(owners[..num_decode].iter().map(|o| o.id));
+            samples.resize(num_decode, true);
+            // Prefill chunks from their requests' lists.
+            let chunks = (num_decode..n).map(|pos| {
+                let (s, o, q) = (slots[pos], owners[pos], q_lens[pos]);
+                let r = requests.get(s);
+                let done = r.num_computed + q == r.tokens.len();
+                served[o.tenant] += q;
+                seqs.push(PendingSeq {
+                    slab: s,
+                    id: o.id,
+                    q_len: q,
+                    samples: done,
+                    decode: false,
+                });
+                request_ids.push(o.id);
+                samples.push(done);
+                SeqSlice {
+                    row_key: hot[pos].row_key,
+                    tokens: &r.tokens,
+                    start: r.num_computed,
+                    q_len: q,
+                    pages: &r.pages,
+                }
+            });
             planner::write_plan(
                 &self.shape,
                 &self.buckets,
                 bufs,
                 &mut self.rows[parity],
-                num_decode,
                 self.kv.pool(),
-                scheduled,
+                &hot[..num_decode],
+                chunks,
+                |i| &requests.get(slots[i]).pages,
             )?
         };
         if cfg!(debug_assertions) || self.config.full_validation {
@@ -324,12 +349,9 @@ impl Scheduler {
         // Reserve mode needs no count: every page is within a reservation.
         if self.config.admission.preempts_for_pages() {
             loop {
-                let need = self.running.slots()[..self.running.num_decode()]
+                let need = self.running.hot()[..self.running.num_decode()]
                     .iter()
-                    .filter(|&&s| {
-                        let r = self.requests.get(s);
-                        self.kv.blocks_for(r.num_computed + 1) > r.pages.len()
-                    })
+                    .filter(|h| self.kv.blocks_for(h.pos + 1) > h.num_pages)
                     .count();
                 if need <= self.kv.available() {
                     break;
@@ -338,15 +360,19 @@ impl Scheduler {
                 self.preempt(pos, preempted);
             }
         }
-        let bs = self.shape.block_size;
-        for i in 0..self.running.num_decode() {
-            let slab = self.running.at(i);
-            let r = self.requests.get(slab);
-            // Fifteen steps in sixteen (block 16) the page is already there.
-            if bs.blocks_for(r.num_computed + 1) > r.pages.len() {
-                let len = r.num_computed + 1;
-                self.grow_pages(slab, len)?;
-            }
+        // A decode needs a page when its token's position is past its pages
+        // (blocks_for(pos + 1) > num_pages). Fifteen steps in sixteen (block
+        // 16) the page is already there: find the others in one scan.
+        let bs = self.shape.block_size.get();
+        let mut pos = 0;
+        while let Some(k) = self.running.hot()[pos..self.running.num_decode()]
+            .iter()
+            .position(|h| h.pos >= h.num_pages * bs)
+        {
+            pos += k;
+            let len = self.running.hot()[pos].pos + 1;
+            self.grow_running(pos, len)?;
+            pos += 1;
         }
         Ok(())
     }
