@@ -121,21 +121,47 @@ fn seq<'a>(
     }
 }
 
+fn split_decodes(
+    num_decode: usize,
+    mut seqs: Vec<SeqSlice<'_>>,
+) -> (Vec<SeqSlice<'_>>, Vec<SeqSlice<'_>>) {
+    let chunks = seqs.split_off(num_decode.min(seqs.len()));
+    (seqs, chunks)
+}
+
+/// A decode slice as the running set's hot record: its token at `start`.
+fn decode_record(d: &SeqSlice<'_>) -> DecodeSeq {
+    assert_eq!(d.q_len, 1, "a decode runs one token");
+    DecodeSeq {
+        row_key: d.row_key,
+        pos: d.start,
+        token: d.tokens[d.start],
+        last_page: d.pages.last().copied().unwrap_or(0),
+        num_pages: d.pages.len(),
+    }
+}
+
 impl Fixture {
     fn pages(&mut self, n: usize) -> Vec<u32> {
         (0..n).map(|_| self.pool.allocate_one().unwrap()).collect()
     }
 
-    /// write_plan alone: its own checks.
+    /// write_plan alone: its own checks. The first `num_decode` slices are the
+    /// decodes (one token at `start`), handed over as the scheduler keeps them:
+    /// `DecodeSeq` records, with their page lists behind `pages_of`.
     fn write(&mut self, num_decode: usize, seqs: Vec<SeqSlice<'_>>) -> KvResult<WrittenPlan> {
+        let (decodes, chunks) = split_decodes(num_decode, seqs);
+        let page_lists: Vec<&[u32]> = decodes.iter().map(|d| d.pages).collect();
+        let records: Vec<DecodeSeq> = decodes.iter().map(decode_record).collect();
         write_plan(
             &self.shape,
             &self.buckets,
             &mut self.bufs.as_mut(),
             &mut self.rows,
-            num_decode,
             &self.pool,
-            seqs.into_iter(),
+            &records,
+            chunks.into_iter(),
+            |i| page_lists[i],
         )
     }
 
@@ -145,15 +171,7 @@ impl Fixture {
         num_decode: usize,
         seqs: Vec<SeqSlice<'_>>,
     ) -> KvResult<WrittenPlan> {
-        let w = write_plan(
-            &self.shape,
-            &self.buckets,
-            &mut self.bufs.as_mut(),
-            &mut self.rows,
-            num_decode,
-            &self.pool,
-            seqs.into_iter(),
-        )?;
+        let w = self.write(num_decode, seqs)?;
         validate(&self.shape, &self.bufs.as_mut(), &w, &self.pool)?;
         Ok(w)
     }
