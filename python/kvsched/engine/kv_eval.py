@@ -27,7 +27,6 @@ way) and re-exports the gate's names for its callers.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import numpy as np
 
@@ -42,6 +41,7 @@ from kvsched.engine.kv_gate import (
     report_path,
     save_report,
 )
+from kvsched.engine.model import LlamaConfig, Params
 from kvsched.engine.runner import Engine
 from kvsched.engine.sampling import SamplingParams
 
@@ -93,8 +93,8 @@ def _generate(
 
 
 def evaluate_kv(
-    model: Any,
-    params: Any,
+    model: LlamaConfig,
+    params: Params,
     prompts: list[list[int]],
     *,
     kv_dtype: str = "int8",

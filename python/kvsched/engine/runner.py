@@ -51,7 +51,7 @@ def kv_bytes_per_block(model: LlamaConfig, block_size: int, kv_dtype: str) -> in
                               tokens=block_size)  # fmt: skip
 
 
-def measured_free_bytes(device: Any) -> int | None:
+def measured_free_bytes(device: jax.Device) -> int | None:
     """Free accelerator memory as the backend reports it (None on CPU or when the
     backend gives no figure)."""
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
@@ -72,10 +72,10 @@ def size_pool(
     model: LlamaConfig,
     sched_config: kvsched.SchedulerConfig,
     kv_dtype: str,
-    device: Any,
+    device: jax.Device,
     *,
     shards: int = 1,
-    devices: list[Any] | None = None,
+    devices: list[jax.Device] | None = None,
 ) -> PoolSizing:
     """Size the KV pool from free device memory less the overhead reserve; where
     the backend gives no figure (CPU), keep the configured size. With tensor
@@ -250,7 +250,7 @@ class Engine:
         sched_config: kvsched.SchedulerConfig,
         *,
         kv_dtype: str = "float32",
-        device: Any = None,
+        device: jax.Device | None = None,
         **kw: Any,
     ) -> Engine:
         """Size the pool from the device (after the weights are resident), build a
