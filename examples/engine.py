@@ -28,8 +28,16 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:  # the real imports wait until JAX_PLATFORMS is set (main)
+    import kvsched
+    from kvsched.engine.loaders.gguf_llama import GGUFModel
+    from kvsched.engine.model import LlamaConfig, Params
+    from kvsched.engine.sampling import SamplingParams
 
 SYSTEM_PROMPT = (
     "You are a concise assistant for a public library's help desk. Answer in one or two "
@@ -90,7 +98,9 @@ class Progress:
         self.tty = sys.stdout.isatty()
         self.last = 0.0
 
-    def __call__(self, sched, steps: int, done: int, tokens: int, elapsed: float) -> None:
+    def __call__(
+        self, sched: kvsched.Scheduler, steps: int, done: int, tokens: int, elapsed: float
+    ) -> None:
         if not self.enabled:
             return
         now = time.monotonic()
@@ -108,7 +118,9 @@ class Progress:
             print("\r" + " " * 90 + "\r", end="", flush=True)
 
 
-def build_model(args, say):
+def build_model(
+    args: argparse.Namespace, say: Callable[..., None]
+) -> tuple[LlamaConfig, Params, GGUFModel | None]:
     """(model config, params, GGUFModel or None)."""
     from kvsched.engine.model import LlamaConfig, init_params
 
@@ -132,7 +144,9 @@ def build_model(args, say):
     return gg.config, gg.params, gg
 
 
-def make_request(name: str, rng, gg, model):
+def make_request(
+    name: str, rng: np.random.Generator, gg: GGUFModel | None, model: LlamaConfig
+) -> tuple[list[int], SamplingParams, str]:
     """(prompt ids, SamplingParams, label) for one arrival of tenant `name`."""
     from kvsched.engine.sampling import SamplingParams
 
@@ -157,7 +171,7 @@ def make_request(name: str, rng, gg, model):
     return gg.encode_chat(msgs), params, f"a poem about {topic}"
 
 
-def main(argv: list[str] | None = None) -> dict[str, dict]:
+def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
     ap.add_argument("--backend", choices=["reference", "pallas"], default="reference")
@@ -177,7 +191,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     import kvsched
     from kvsched.engine.runner import Engine
 
-    say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
+    def say(*a: object) -> None:
+        if not args.quiet:
+            print(*a, flush=True)
+
     model, params, gg = build_model(args, say)
     sched_config = kvsched.SchedulerConfig(
         num_blocks=1025 if tiny else 513,
@@ -198,6 +215,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     )  # fmt: skip
     sched = engine.scheduler
     sz = engine.sizing
+    assert sz is not None  # Engine.create sizes the pool
     say(f"model {model.name} (weights {engine.checksum}), {args.backend} attention on "
         f"{args.device}")  # fmt: skip
     say(
@@ -217,15 +235,15 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     shares = np.array([TENANTS[n][1] for n in names])
     offsets = np.sort(rng.uniform(0.0, seconds, n_requests))
     arrivals = [(float(t), names[rng.choice(len(names), p=shares / shares.sum())]) for t in offsets]
-    rejected: dict[str, dict[str, int]] = {n: {} for n in names}
+    rejected: dict[str, dict[str | None, int]] = {n: {} for n in names}  # None: no reason given
     labels: dict[int, tuple[str, str]] = {}
     texts: dict[int, str] = {}
-    ended: dict[int, tuple[str, str]] = {}  # request id -> (tenant, finish reason)
+    ended: dict[int, tuple[str, str | None]] = {}  # request id -> (tenant, finish reason)
     submitted_at: dict[int, float] = {}
     first_at: dict[int, float] = {}
     last_at: dict[int, float] = {}
     n_tokens: dict[int, int] = {}
-    finished = []
+    finished: list[kvsched.FinishedRequest] = []
     progress = Progress(not args.quiet, n_requests)
     start = time.monotonic()
     steps = tokens = 0
@@ -265,7 +283,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
 
     if gg is not None and args.show:
         say("")
-        first = {}  # the first request of each tenant that ended
+        first: dict[str, int] = {}  # the first request of each tenant that ended
         for rid in sorted(ended):
             first.setdefault(labels[rid][0], rid)
         for rid in list(first.values())[: args.show]:
@@ -276,7 +294,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     # Latencies as a client sees them, from the engine's per-request outputs (a
     # request a stop string ended has no FinishedRequest); prefix-cache shares
     # from the core's FinishedRequest where there is one.
-    table: dict[str, dict] = {}
+    table: dict[str, dict[str, Any]] = {}
     for name in names:
         mine = [rid for rid, (t, _) in labels.items() if t == name and rid in ended]
         ttft = [first_at[r] - submitted_at[r] for r in mine if r in first_at]

@@ -31,8 +31,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import kvsched
 
 
 def kv_bytes(
@@ -142,12 +146,12 @@ class Capacity:
     context: int
     max_concurrent_seqs: int
 
-    def scheduler_config(self, **overrides):
+    def scheduler_config(self, **overrides: Any) -> kvsched.SchedulerConfig:
         """The kvsched.SchedulerConfig this capacity calls for (the overhead
         reserve is already taken out of the pool, so the scheduler keeps none)."""
         import kvsched
 
-        kw: dict = dict(
+        kw: dict[str, Any] = dict(
             num_blocks=self.kv_blocks + 1,  # + the null page
             block_size=self.block_size,
             max_seq_len=self.context,
@@ -306,16 +310,20 @@ def portfolio(
     if load.size == 0 or (load < 0).any():
         raise CapacityError("load must be a non-empty series of tokens/s >= 0")
     hours = hours_per_point
-    payg = lambda tps: tps * 3600 * hours / 1e6 * prices.payg_per_mtok  # noqa: E731
+
+    def payg(tps: float) -> float:
+        return tps * 3600 * hours / 1e6 * prices.payg_per_mtok
+
     cap = prices.device_tokens_per_s
     _self_hosted(0.0, prices, units=1)  # checks the self-hosting inputs
     assert cap and prices.device_per_hour is not None and prices.engineering_per_hour is not None
     hourly = prices.device_per_hour
+    engineering = prices.engineering_per_hour
 
     def dedicated(units: int) -> Portfolio:
         served = np.minimum(load, units * cap)
         spill = load - served
-        fixed = units * hourly + (prices.engineering_per_hour if units else 0.0)
+        fixed = units * hourly + (engineering if units else 0.0)
         cost = float(len(load) * hours * fixed + sum(payg(x) for x in spill))
         util = float(served.sum() / (units * cap * len(load))) if units else 1.0
         return Portfolio("", cost, units, util)

@@ -123,8 +123,10 @@ class SchedulerCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         st = self.scheduler.stats()
+        stats: Mapping[str, Any] = st
         p = self.prefix
-        tenants: dict[str, dict[str, Any]] = st["tenants"]
+        # The stats' TypedDicts read as Mappings: the keys come from the tables above.
+        tenants: Mapping[str, Mapping[str, Any]] = st["tenants"]
 
         for key, name, doc in TENANT_COUNTERS:
             c = CounterMetricFamily(f"{p}_{name}", doc, labels=["tenant"])
@@ -164,7 +166,7 @@ class SchedulerCollector(Collector):
                 h.add_metric([t], _buckets(ts[key]), ts[key]["sum"])
             yield h
 
-        pool = st["pool"]
+        pool: Mapping[str, Any] = st["pool"]
         for key, doc in POOL_GAUGES:
             yield GaugeMetricFamily(f"{p}_pool_{key}_blocks", doc, value=pool[key])
         yield GaugeMetricFamily(
@@ -206,7 +208,7 @@ class SchedulerCollector(Collector):
             ("running", "Sequences in the running set."),
             ("waiting", "Admitted requests not running."),
         ):
-            yield GaugeMetricFamily(f"{p}_{key}", doc, value=st[key])
+            yield GaugeMetricFamily(f"{p}_{key}", doc, value=stats[key])
         life = GaugeMetricFamily(
             f"{p}_lifecycle", "1 for the scheduler's lifecycle state.", labels=["state"]
         )

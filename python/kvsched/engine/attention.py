@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from kvsched.engine.inputs import AttentionInputs
@@ -41,7 +42,7 @@ def paged_attention(
     *,
     scale: float,
     backend: str = "reference",
-    mesh: Any = None,
+    mesh: Mesh | None = None,
     layer: jax.Array | int | None = None,
     **kw: Any,
 ) -> jax.Array:
@@ -64,17 +65,19 @@ def paged_attention(
         # On TPU the kernel reads the stacked cache at `layer`: no layer is copied
         # out. (The CPU interpreter copies a kernel's whole operands per call, so
         # there one layer's slice is much cheaper.)
+        assert not is_quantized(cache)  # refused above
         return ragged_paged_attention(q, cache, inputs, scale=scale, layer=layer, **kw)
     if layer is not None:
         # The GPU kernel and the sharded path take one layer's cache.
         cache = jax.lax.dynamic_index_in_dim(cache, layer, axis=0, keepdims=False)
     if backend == "pallas" and mesh is not None:
 
-        def local(q_, cache_, *plan):
+        def local(q_: jax.Array, cache_: jax.Array, *plan: jax.Array) -> jax.Array:
             return paged_attention(q_, cache_, AttentionInputs(*plan), scale=scale,
                                    backend="pallas", **kw)  # fmt: skip
 
         plan = inputs.arrays()
+        assert not is_quantized(cache)  # refused above
         return jax.shard_map(
             local,
             mesh=mesh,
@@ -87,9 +90,11 @@ def paged_attention(
     if backend == "pallas":
         from kvsched.engine.kernels.tpu import ragged_paged_attention
 
+        assert not is_quantized(cache)  # refused above
         return ragged_paged_attention(q, cache, inputs, scale=scale, **kw)
     if backend == "pallas_gpu":
         from kvsched.engine.kernels.gpu import ragged_paged_attention_gpu
 
+        assert not is_quantized(cache)  # refused above
         return ragged_paged_attention_gpu(q, cache, inputs, scale=scale, **kw)
     raise ValueError(f"unknown attention backend {backend!r} (reference, pallas, pallas_gpu)")

@@ -152,7 +152,7 @@ class LlamaConfig:
             dtype=_dtype_from_hf(cfg, dtype),
             name=name,
             rope_type=rope_type,
-            rope_scaling=scaling,
+            rope_scaling=tuple(scaling.items()),  # __post_init__ sorts them
         )
 
     @property
@@ -161,7 +161,8 @@ class LlamaConfig:
 
     @property
     def scale(self) -> float:
-        return float(self.head_dim) ** -0.5
+        scale: float = float(self.head_dim) ** -0.5  # (typeshed: float ** float is Any)
+        return scale
 
 
 def _refuse_unimplemented(cfg: dict[str, Any]) -> None:

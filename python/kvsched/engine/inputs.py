@@ -13,19 +13,30 @@ types, so none of them has to import another to learn what a plan looks like.
   stand-in plan class.
 
 Both are frozen dataclasses registered as JAX pytrees (every field a leaf), so
-they cross `jax.jit`, `lax.scan` and `shard_map` boundaries as they are. Fields
-are typed `jax.Array`; numpy arrays (a plan's, as the Rust core returns them)
-are accepted where jit converts them.
+they cross `jax.jit`, `lax.scan` and `shard_map` boundaries as they are.
+`AttentionInputs` holds `jax.Array`s. `StepInputs` is generic in its array
+type: built on the host (`from_plan`, `padding`) it holds numpy arrays (a
+plan's, as the Rust core returns them: jit converts them), rebuilt inside the
+jitted step it holds `jax.Array`s, and only that one gives `attention`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
+
+if TYPE_CHECKING:
+    from kvsched import StepPlan
+
+HostArray = npt.NDArray[np.int32]
+"""A plan array on the host, as the Rust core returns it."""
+
+A = TypeVar("A", jax.Array, HostArray)
 
 
 @jax.tree_util.register_dataclass
@@ -41,7 +52,7 @@ class AttentionInputs:
     num_seqs: jax.Array  # [1]: how many of the S slots are real
 
     @classmethod
-    def from_plan(cls, plan: Any) -> AttentionInputs:
+    def from_plan(cls, plan: StepPlan) -> AttentionInputs:
         return cls(
             positions=jnp.asarray(plan.positions),
             cu_q_lens=jnp.asarray(plan.cu_q_lens),
@@ -57,29 +68,34 @@ class AttentionInputs:
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
-class StepInputs:
-    """Everything the model step reads from one plan (all int32)."""
+class StepInputs(Generic[A]):
+    """Everything the model step reads from one plan (all int32): numpy arrays on
+    the host (`StepInputs[HostArray]`), jax arrays inside the step
+    (`StepInputs[jax.Array]`)."""
 
-    token_ids: jax.Array  # [T]
-    positions: jax.Array  # [T]
-    slot_mapping: jax.Array  # [T]: page * block_size + offset; padding points past the end
-    cu_q_lens: jax.Array  # [S + 1]
-    kv_lens: jax.Array  # [S]
-    page_indices: jax.Array  # [S, PPS]
-    num_seqs: jax.Array  # [1]
-    logits_indices: jax.Array  # [S]: the token row whose logits each sequence samples from
+    token_ids: A  # [T]
+    positions: A  # [T]
+    slot_mapping: A  # [T]: page * block_size + offset; padding points past the end
+    cu_q_lens: A  # [S + 1]
+    kv_lens: A  # [S]
+    page_indices: A  # [S, PPS]
+    num_seqs: A  # [1]
+    logits_indices: A  # [S]: the token row whose logits each sequence samples from
 
     @classmethod
-    def from_plan(cls, plan: Any) -> StepInputs:
+    def from_plan(cls, plan: StepPlan) -> StepInputs[HostArray]:
         """The plan's arrays as they are (no copy: jit converts them)."""
-        return cls(**{f.name: getattr(plan, f.name) for f in fields(cls)})
+        arrays: dict[str, HostArray] = {f.name: getattr(plan, f.name) for f in fields(cls)}
+        return StepInputs(**arrays)
 
     @classmethod
-    def padding(cls, tokens: int, max_seqs: int, pages_per_seq: int, pad_slot: int) -> StepInputs:
+    def padding(
+        cls, tokens: int, max_seqs: int, pages_per_seq: int, pad_slot: int
+    ) -> StepInputs[HostArray]:
         """An all-padding plan of `tokens` rows (a token bucket): no sequence, so
         nothing attends and every K/V write drops (all slots are `pad_slot`).
         Running it compiles the bucket's program without touching the cache."""
-        return cls(
+        return StepInputs(
             token_ids=np.zeros(tokens, np.int32),
             positions=np.zeros(tokens, np.int32),
             slot_mapping=np.full(tokens, pad_slot, np.int32),
@@ -94,12 +110,12 @@ class StepInputs:
     def num_arrays(cls) -> int:
         return len(fields(cls))
 
-    def arrays(self) -> tuple[jax.Array, ...]:
+    def arrays(self) -> tuple[A, ...]:
         """The fields in order (what `StepInputs(*arrays)` rebuilds)."""
         return tuple(getattr(self, f.name) for f in fields(self))
 
     @property
-    def attention(self) -> AttentionInputs:
+    def attention(self: StepInputs[jax.Array]) -> AttentionInputs:
         return AttentionInputs(
             self.positions, self.cu_q_lens, self.kv_lens, self.page_indices, self.num_seqs
         )

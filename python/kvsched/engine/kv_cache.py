@@ -28,12 +28,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast, overload
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.typing import DTypeLike
 
 from kvsched.capacity import kv_bytes
+
+if TYPE_CHECKING:
+    from jax.sharding import NamedSharding
+    from typing_extensions import TypeIs  # for mypy only: no runtime dependency
 
 INT8_MAX = 127
 SCALE_DTYPE = jnp.dtype(jnp.float32)
@@ -43,8 +49,8 @@ class QuantizedKV(NamedTuple):
     """An int8 KV cache: `values` int8 [..., P, bs, 2Hkv, D] and `scales`
     float32 [..., P, bs, 2Hkv]; element = values * scales[..., None]."""
 
-    values: Any
-    scales: Any
+    values: jax.Array
+    scales: jax.Array
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -52,7 +58,7 @@ class QuantizedKV(NamedTuple):
         return tuple(self.values.shape)
 
     @property
-    def dtype(self) -> Any:
+    def dtype(self) -> np.dtype[Any]:
         return self.values.dtype
 
     @property
@@ -60,22 +66,26 @@ class QuantizedKV(NamedTuple):
         return int(self.values.nbytes) + int(self.scales.nbytes)
 
 
+KVCache = jax.Array | QuantizedKV
+"""A KV cache: a float array, or an int8 QuantizedKV."""
+
+
 class UnsupportedKVDtype(NotImplementedError):
     """A backend that cannot read this KV cache dtype."""
 
 
-def is_quantized(cache: Any) -> bool:
+def is_quantized(cache: object) -> TypeIs[QuantizedKV]:
     return isinstance(cache, QuantizedKV)
 
 
-def _check_dtype(dtype: Any) -> jnp.dtype:
-    dt = jnp.dtype(dtype)
+def _check_dtype(dtype: DTypeLike) -> np.dtype[Any]:
+    dt: np.dtype[Any] = jnp.dtype(dtype)
     if jnp.issubdtype(dt, jnp.integer) and dt != jnp.int8:
         raise ValueError(f"KV dtype {dt.name!r}: integer KV is int8 (with per-token scales) only")
     return dt
 
 
-def element_and_scale_bytes(kv_dtype: Any) -> tuple[int, int]:
+def element_and_scale_bytes(kv_dtype: DTypeLike) -> tuple[int, int]:
     """How this cache stores one element of `kv_dtype` (its itemsize) and what
     scale each token's K (or V) of one head carries (SCALE_DTYPE for int8, none
     for float KV): the dtype-dependent inputs of the KV-bytes formula."""
@@ -83,13 +93,13 @@ def element_and_scale_bytes(kv_dtype: Any) -> tuple[int, int]:
     return dt.itemsize, (SCALE_DTYPE.itemsize if dt == jnp.int8 else 0)
 
 
-def bytes_per_token_per_head(head_dim: int, kv_dtype: Any) -> int:
+def bytes_per_token_per_head(head_dim: int, kv_dtype: DTypeLike) -> int:
     """One token's K (or V) for one KV head: the elements, plus the scale for int8."""
     return kv_bytes_per_token(1, 1, head_dim, kv_dtype) // 2
 
 
 def kv_bytes_per_token(
-    n_layers: int, n_kv_heads: int, head_dim: int, kv_dtype: Any, *, tokens: int = 1
+    n_layers: int, n_kv_heads: int, head_dim: int, kv_dtype: DTypeLike, *, tokens: int = 1
 ) -> int:
     """Bytes of KV cache one token (or `tokens` tokens: a page) takes over all
     layers (K and V, scales included for int8): what the pool is sized by.
@@ -106,7 +116,8 @@ class KVCacheSpec:
     block_size: int
     kv_heads: int
     head_dim: int
-    dtype: Any = jnp.float32  # a dtype or its name; "int8" is a QuantizedKV cache
+    # A dtype or its name, made a np.dtype by __post_init__; "int8" is a QuantizedKV cache.
+    dtype: DTypeLike = jnp.float32
     # [.., kv_heads, 2*head_dim]: the same bytes, one [K_h | V_h] row per head, the
     # layout the TPU kernel reads when head_dim is narrower than its 128 lanes.
     packed: bool = False
@@ -118,7 +129,7 @@ class KVCacheSpec:
 
     @property
     def quantized(self) -> bool:
-        return self.dtype == jnp.int8
+        return bool(self.dtype == jnp.int8)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -172,14 +183,29 @@ def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return q, scale.astype(SCALE_DTYPE)
 
 
-def dequantize(cache: QuantizedKV | Any, scales: Any = None, dtype: Any = jnp.float32) -> Any:
+@overload
+def dequantize(
+    cache: QuantizedKV | jax.Array, scales: None = None, dtype: DTypeLike = jnp.float32
+) -> jax.Array: ...
+
+
+@overload
+def dequantize(
+    cache: jax.Array, scales: jax.Array, dtype: DTypeLike = jnp.float32
+) -> jax.Array: ...
+
+
+def dequantize(
+    cache: QuantizedKV | jax.Array, scales: jax.Array | None = None, dtype: DTypeLike = jnp.float32
+) -> jax.Array:
     """values * scales[..., None] as `dtype`: `dequantize(qkv)` or
     `dequantize(values, scales)`. A float cache is returned as it is."""
     if scales is None:
         if not is_quantized(cache):
             return cache
         cache, scales = cache
-    return (cache.astype(jnp.float32) * scales.astype(jnp.float32)[..., None]).astype(dtype)
+    values = cast("jax.Array", cache)  # given `scales`, `cache` is the values (the overloads)
+    return (values.astype(jnp.float32) * scales.astype(jnp.float32)[..., None]).astype(dtype)
 
 
 def interleave_kv(k: jax.Array, v: jax.Array) -> jax.Array:
@@ -235,14 +261,16 @@ def write_kv_layer(
     return flat.reshape(nl, nb, bs, h2, d)
 
 
-def cache_sharding(cache: jax.Array | QuantizedKV, values_sharding: Any) -> Any:
+def cache_sharding(cache: jax.Array | QuantizedKV, values_sharding: NamedSharding) -> Any:
     """The sharding pytree for `cache` given its values' NamedSharding: a
-    QuantizedKV's scales split like the values, less the head_dim axis."""
+    QuantizedKV's scales split like the values, less the head_dim axis. (Any: a
+    NamedSharding, or a QuantizedKV whose two fields hold shardings, not arrays.)"""
     if not is_quantized(cache):
         return values_sharding
     from jax.sharding import NamedSharding, PartitionSpec
 
     spec = tuple(values_sharding.spec) + (None,) * (cache.values.ndim - len(values_sharding.spec))
-    return QuantizedKV(
-        values_sharding, NamedSharding(values_sharding.mesh, PartitionSpec(*spec[:-1]))
-    )
+    scales_sharding = NamedSharding(values_sharding.mesh, PartitionSpec(*spec[:-1]))
+    # QuantizedKV(values_sharding, scales_sharding), built as the pytree it is: its
+    # fields are typed as the arrays a cache holds.
+    return jax.tree.unflatten(jax.tree.structure(cache), [values_sharding, scales_sharding])

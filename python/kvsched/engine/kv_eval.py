@@ -27,7 +27,6 @@ way) and re-exports the gate's names for its callers.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import numpy as np
 
@@ -42,6 +41,7 @@ from kvsched.engine.kv_gate import (
     report_path,
     save_report,
 )
+from kvsched.engine.model import LlamaConfig, Params
 from kvsched.engine.runner import Engine
 from kvsched.engine.sampling import SamplingParams
 
@@ -73,13 +73,15 @@ EVAL_PROMPTS = (
 )
 
 
-def _generate(engine: Any, prompts: list[list[int]], tokens: int) -> list[tuple[list, list]]:
+def _generate(
+    engine: Engine, prompts: list[list[int]], tokens: int
+) -> list[tuple[list[int], list[float]]]:
     """Greedy (tokens, chosen-token logprobs) per prompt, all at once."""
     tenant = "kv-eval"
     engine.scheduler.add_tenant(kvsched.TenantConfig(tenant))
     params = SamplingParams(max_tokens=tokens, logprobs=0, ignore_eos=True)
     rids = [engine.submit(tenant, p, params) for p in prompts]
-    got: dict[int, tuple[list, list]] = {r: ([], []) for r in rids}
+    got: dict[int, tuple[list[int], list[float]]] = {r: ([], []) for r in rids}
     while engine.scheduler.live_requests:
         res = engine.step()
         if res is None:
@@ -91,8 +93,8 @@ def _generate(engine: Any, prompts: list[list[int]], tokens: int) -> list[tuple[
 
 
 def evaluate_kv(
-    model: Any,
-    params: Any,
+    model: LlamaConfig,
+    params: Params,
     prompts: list[list[int]],
     *,
     kv_dtype: str = "int8",
@@ -122,7 +124,9 @@ def evaluate_kv(
         checksum = eng.checksum
         eng.warmup(progress=False)
         runs.append(_generate(eng, prompts, tokens))
-    agreements, diffs, first = [], [], []
+    agreements: list[float] = []
+    diffs: list[float] = []
+    first: list[int | None] = []
     for (ref_ids, ref_lp), (ids, lp) in zip(runs[0], runs[1], strict=True):
         n = next((i for i, (a, b) in enumerate(zip(ref_ids, ids, strict=False)) if a != b), None)
         same = len(ref_ids) if n is None else n

@@ -18,18 +18,32 @@ version in the metrics.
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TypedDict
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
+from jax.sharding import Mesh
+from jax.typing import ArrayLike
 
 from kvsched.engine.attention import paged_attention
 from kvsched.engine.config import LlamaConfig, rope_inv_freq
 from kvsched.engine.inputs import AttentionInputs
-from kvsched.engine.kv_cache import write_kv_layer
+from kvsched.engine.kv_cache import KVCache, write_kv_layer
 
-Params = dict[str, Any]
+LayerParams = dict[str, jax.Array]
+"""One layer's weights by name (LAYER_WEIGHTS), or every layer's stacked."""
+
+
+class Params(TypedDict):
+    """The model's weights, a pytree (a plain dict at runtime)."""
+
+    embed: jax.Array  # [vocab, dim]
+    layers: LayerParams  # LAYER_WEIGHTS, each stacked over the layers: [layers, ...]
+    final_norm: jax.Array  # [dim]
+    lm_head: jax.Array  # [dim, vocab]
 
 
 def init_params(config: LlamaConfig, seed: int = 0) -> Params:
@@ -37,8 +51,9 @@ def init_params(config: LlamaConfig, seed: int = 0) -> Params:
     rng = np.random.default_rng(seed)
     c = config
 
-    def w(shape: tuple[int, ...], fan_in: int) -> np.ndarray:
-        return rng.standard_normal(shape) / np.sqrt(fan_in)
+    def w(shape: tuple[int, ...], fan_in: int) -> npt.NDArray[np.float64]:
+        out: npt.NDArray[np.float64] = rng.standard_normal(shape) / np.sqrt(fan_in)
+        return out
 
     layers = []
     for _ in range(c.n_layers):
@@ -67,16 +82,16 @@ def init_params(config: LlamaConfig, seed: int = 0) -> Params:
 def make_params(
     config: LlamaConfig,
     *,
-    embed: Any,
-    layers: list[dict[str, Any]],
-    final_norm: Any,
-    lm_head: Any,
+    embed: ArrayLike,
+    layers: Sequence[Mapping[str, ArrayLike]],
+    final_norm: ArrayLike,
+    lm_head: ArrayLike,
 ) -> Params:
     """Params from per-layer weights (numpy or jax, [in, out] projections), stacked
     over layers and cast to the model's dtype."""
     dt = config.jdtype
 
-    def cast(a: Any) -> jax.Array:
+    def cast(a: ArrayLike) -> jax.Array:
         return jnp.asarray(np.asarray(a, np.float32) if isinstance(a, np.ndarray) else a, dt)
 
     stacked = {k: cast(np.stack([np.asarray(layer[k], np.float32) for layer in layers]))
@@ -88,7 +103,7 @@ def make_params(
 LAYER_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 
 
-def layer_params(params: Params, i: int) -> dict[str, jax.Array]:
+def layer_params(params: Params, i: int) -> LayerParams:
     """Layer i's weights (a view into the stacked arrays)."""
     return {k: v[i] for k, v in params["layers"].items()}
 
@@ -107,7 +122,7 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return (y * w.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, inv_freq: Any) -> jax.Array:
+def rope(x: jax.Array, positions: jax.Array, inv_freq: ArrayLike) -> jax.Array:
     """x [T, H, D] rotated by position (rotate-half layout); inv_freq [D/2]."""
     ang = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, D/2]
     cos = jnp.concatenate([jnp.cos(ang)] * 2, axis=-1)[:, None, :]
@@ -118,12 +133,14 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: Any) -> jax.Array:
     return (xf * cos + rotated * sin).astype(x.dtype)
 
 
-def _mlp(layer: Params, x: jax.Array) -> jax.Array:
+def _mlp(layer: LayerParams, x: jax.Array) -> jax.Array:
     gate = jax.nn.silu(x @ layer["w_gate"])
     return (gate * (x @ layer["w_up"])) @ layer["w_down"]
 
 
-def _qkv(layer: Params, c: LlamaConfig, h: jax.Array, positions: jax.Array):
+def _qkv(
+    layer: LayerParams, c: LlamaConfig, h: jax.Array, positions: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     t = h.shape[0]
     q = (h @ layer["wq"]).reshape(t, c.n_heads, c.head_dim)
     k = (h @ layer["wk"]).reshape(t, c.n_kv_heads, c.head_dim)
@@ -134,7 +151,7 @@ def _qkv(layer: Params, c: LlamaConfig, h: jax.Array, positions: jax.Array):
 
 def forward_paged(
     params: Params,
-    caches: Any,
+    caches: KVCache,
     config: LlamaConfig,
     token_ids: jax.Array,
     positions: jax.Array,
@@ -143,16 +160,18 @@ def forward_paged(
     logits_indices: jax.Array,
     *,
     backend: str = "reference",
-    mesh: Any = None,
+    mesh: Mesh | None = None,
     return_hidden: bool = False,
-) -> tuple[jax.Array, Any]:
+) -> tuple[jax.Array, KVCache]:
     """One step plan: logits [S, V] at `logits_indices`, and the caches (stacked
     over layers) with this step's K/V written. The layers run under lax.scan with
     the caches in the carry, so each layer's write is in place."""
     c = config
     x = params["embed"][token_ids]
 
-    def layer_step(carry, xs):
+    def layer_step(
+        carry: tuple[jax.Array, KVCache], xs: tuple[LayerParams, jax.Array]
+    ) -> tuple[tuple[jax.Array, KVCache], None]:
         x, caches = carry
         layer, i = xs
         h = rms_norm(x, layer["attn_norm"], c.norm_eps)
@@ -180,7 +199,7 @@ def forward_dense(params: Params, config: LlamaConfig, tokens: jax.Array) -> jax
     causal = jnp.tril(jnp.ones((n, n), bool))
     g = c.n_heads // c.n_kv_heads
 
-    def layer_step(x, layer):
+    def layer_step(x: jax.Array, layer: LayerParams) -> tuple[jax.Array, None]:
         h = rms_norm(x, layer["attn_norm"], c.norm_eps)
         q, k, v = _qkv(layer, c, h, positions)
         k = jnp.repeat(k, g, axis=1).astype(jnp.float32)
@@ -215,6 +234,7 @@ def greedy_dense(params: Params, config: LlamaConfig, prompt: list[int], n: int)
 
 __all__ = [
     "LAYER_WEIGHTS",
+    "LayerParams",
     "LlamaConfig",
     "Params",
     "forward_dense",

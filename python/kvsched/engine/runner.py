@@ -20,17 +20,21 @@ engine's default sampling (`temperature`, `seed`) and get no outputs.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
+from jax.sharding import Mesh
 
 import kvsched
 from kvsched.engine import kv_gate, sharding
-from kvsched.engine.inputs import StepInputs
+from kvsched.engine.inputs import HostArray, StepInputs
 from kvsched.engine.kv_cache import (
+    KVCache,
     KVCacheSpec,
     UnsupportedKVDtype,
     init_caches,
@@ -47,7 +51,7 @@ def kv_bytes_per_block(model: LlamaConfig, block_size: int, kv_dtype: str) -> in
                               tokens=block_size)  # fmt: skip
 
 
-def measured_free_bytes(device: Any) -> int | None:
+def measured_free_bytes(device: jax.Device) -> int | None:
     """Free accelerator memory as the backend reports it (None on CPU or when the
     backend gives no figure)."""
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
@@ -68,10 +72,10 @@ def size_pool(
     model: LlamaConfig,
     sched_config: kvsched.SchedulerConfig,
     kv_dtype: str,
-    device: Any,
+    device: jax.Device,
     *,
     shards: int = 1,
-    devices: list[Any] | None = None,
+    devices: list[jax.Device] | None = None,
 ) -> PoolSizing:
     """Size the KV pool from free device memory less the overhead reserve; where
     the backend gives no figure (CPU), keep the configured size. With tensor
@@ -114,8 +118,8 @@ class RequestOutput:
 
 @dataclass
 class StepResult:
-    plan: Any
-    events: Any
+    plan: kvsched.StepPlan | None  # None: no plan ran, only endings to report
+    events: kvsched.StepEvents | _NoEvents
     seconds: float  # the whole step: plan, model, commit, outputs
     outputs: list[RequestOutput] = field(default_factory=list)
     model_seconds: float = 0.0  # of which the jitted model step and sampling
@@ -125,10 +129,10 @@ class StepResult:
 class _NoEvents:
     """The events of a step that ran no plan."""
 
-    request_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-    finished: tuple = ()
-    preempted: tuple = ()
+    request_ids: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
+    tokens: npt.NDArray[np.int32] = field(default_factory=lambda: np.zeros(0, np.int32))
+    finished: tuple[kvsched.FinishedRequest, ...] = ()
+    preempted: tuple[int, ...] = ()
 
 
 _NO_EVENTS = _NoEvents()
@@ -156,10 +160,12 @@ class Engine:
     kv_dtype: str = "float32"
     temperature: float = 0.0  # default sampling for requests without their own
     seed: int = 0  # mixed with each request id where a request brings no seed
-    caches: jax.Array = field(init=False)  # [layers, pages, block, 2*kv_heads, head_dim]
+    caches: KVCache = field(init=False)  # [layers, pages, block, 2*kv_heads, head_dim]
     sizing: PoolSizing | None = None
-    mesh: Any = None  # a jax.sharding.Mesh: KV heads sharded over it (tensor parallelism)
-    tokenizer: Any = None  # a tokenizers.Tokenizer: text in outputs, stop strings
+    mesh: Mesh | None = None  # KV heads sharded over it (tensor parallelism)
+    # A tokenizers.Tokenizer: text in outputs, stop strings. (Any: tokenizers' own
+    # stub leaves its methods' parameters unannotated.)
+    tokenizer: Any = None
     eos_token_ids: tuple[int, ...] = ()  # stop tokens of every request (unless ignore_eos)
     max_logprobs: int = 0  # top-n logprobs computed each step (static; 0 = none)
     # The int8 KV gate (kvsched.engine.kv_gate): a passing KVEvalReport for these
@@ -223,7 +229,9 @@ class Engine:
         # Flat at the jit boundary (StepInputs' arrays in field order, then the
         # sampling arrays), named again inside: one compiled program per bucket
         # either way, and the traced step can be lowered from plain arrays.
-        def step(params, caches, *arrays):
+        def step(
+            params: Params, caches: KVCache, *arrays: jax.Array
+        ) -> tuple[tuple[jax.Array, jax.Array, jax.Array, jax.Array], KVCache]:
             inputs = StepInputs(*arrays[:n_inputs])
             logits, caches = forward_paged(
                 params, caches, model, inputs.token_ids, inputs.positions, inputs.slot_mapping,
@@ -242,7 +250,7 @@ class Engine:
         sched_config: kvsched.SchedulerConfig,
         *,
         kv_dtype: str = "float32",
-        device: Any = None,
+        device: jax.Device | None = None,
         **kw: Any,
     ) -> Engine:
         """Size the pool from the device (after the weights are resident), build a
@@ -322,7 +330,7 @@ class Engine:
         text = live.stops.flush() if live.stops is not None else ""
         return RequestOutput(rid, [], text, None, True, reason, live.prompt_len, live.generated)
 
-    def _endings(self, finished: Any) -> list[RequestOutput]:
+    def _endings(self, finished: Iterable[kvsched.FinishedRequest]) -> list[RequestOutput]:
         """Final outputs of requests that ended without a token this step: the
         core's terminal events for cancels (also `scheduler.cancel` called
         directly) and for requests a drain's deadline handed back."""
@@ -333,7 +341,7 @@ class Engine:
                 out.append(self._final(f.request_id, live, f.reason))
         return out
 
-    def _sampling_batch(self, plan: Any) -> SamplingBatch:
+    def _sampling_batch(self, plan: kvsched.StepPlan) -> SamplingBatch:
         rids = plan.request_ids.tolist()
         params = [self._live[r].params if r in self._live else self._default for r in rids]
         seeds = [mix_seed(self.seed, r) for r in rids]
@@ -341,14 +349,16 @@ class Engine:
 
     # -- running plans -----------------------------------------------------------------
 
-    def run_plan(self, plan: Any, batch: SamplingBatch | None = None) -> Any:
+    def run_plan(
+        self, plan: kvsched.StepPlan, batch: SamplingBatch | None = None
+    ) -> npt.NDArray[np.int32]:
         """The model on one plan: a sampled token per sequence (int32). The full
         sampler output (tokens, logprob, top ids, top logprobs) is kept in
         `last_sample` for `step`."""
         batch = batch or self._sampling_batch(plan)
         return self._run(StepInputs.from_plan(plan), batch)[: len(plan)]
 
-    def _run(self, inputs: StepInputs, batch: SamplingBatch) -> np.ndarray:
+    def _run(self, inputs: StepInputs[HostArray], batch: SamplingBatch) -> npt.NDArray[np.int32]:
         """The jitted step on `inputs`: every row's sampled token."""
         out, self.caches = self._step(self.params, self.caches, *inputs.arrays(), *batch.arrays())
         self.last_sample = out
@@ -374,7 +384,9 @@ class Engine:
             outputs += self._endings(events.finished)
         return StepResult(plan, events, time.perf_counter() - t0, outputs, t_model)
 
-    def _outputs(self, plan: Any, events: Any, now: float | None) -> list[RequestOutput]:
+    def _outputs(
+        self, plan: kvsched.StepPlan, events: kvsched.StepEvents, now: float | None
+    ) -> list[RequestOutput]:
         """Per request of this step: new tokens, new text, logprobs, and its ending."""
         row_of = {r: i for i, r in enumerate(plan.request_ids.tolist())}
         finished = {f.request_id: f for f in events.finished}
@@ -412,7 +424,7 @@ class Engine:
                 self.scheduler.stop(rid, now=now)
             if stopped or fin is not None:
                 out.finished = True
-                out.finish_reason = "stop" if stopped else fin.reason
+                out.finish_reason = "stop" if stopped or fin is None else fin.reason
                 del self._live[rid]
             outputs.append(out)
         return outputs
@@ -423,7 +435,10 @@ class Engine:
 
     def compiled_programs(self) -> int:
         """Programs the step function compiled so far (one per bucket after warmup)."""
-        return self._step._cache_size()
+        # A jitted function's _cache_size() is jax's (jax 0.10), missing from the stub of
+        # jax.jit's result (JitWrapped).
+        n: int = self._step._cache_size()  # type: ignore[attr-defined]
+        return n
 
     # -- warmup ---------------------------------------------------------------------
 
@@ -453,6 +468,8 @@ class Engine:
         scratch.submit("warmup", np.arange(1, 9, dtype=np.int32), 2, now=0.0)
         while scratch.live_requests:
             plan = scratch.step(now=0.0)
+            if plan is None:  # cannot happen: one small request, time never moves
+                raise RuntimeError("warmup: the scratch scheduler planned no step")
             scratch.commit(plan, self.run_plan(plan), now=0.0)
         bar("synthetic request completed")
         self.scheduler.mark_ready()
@@ -463,7 +480,7 @@ class Engine:
         return {"name": self.model.name, "checksum": self.checksum}
 
 
-def _progress(enabled: bool, total: int):
+def _progress(enabled: bool, total: int) -> Callable[[str], None]:
     """A progress callback: rich's bar when enabled and available, else silent."""
     if not enabled:
         return lambda _msg: None

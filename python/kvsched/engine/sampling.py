@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -216,7 +216,7 @@ class SamplingBatch:
 def row_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
     """One key per row: fold_in(key(seed), position). Depends on nothing else."""
 
-    def one(kd, pos):
+    def one(kd: jax.Array, pos: jax.Array) -> jax.Array:
         return jax.random.fold_in(jax.random.wrap_key_data(kd, impl=_PRNG_IMPL), pos)
 
     return jax.vmap(one)(seeds.astype(jnp.uint32), positions.astype(jnp.int32))
@@ -230,11 +230,11 @@ def _ordered_bits(x: jax.Array) -> jax.Array:
     return jnp.where(i >> 31 == 1, ~i, i | jnp.uint32(0x80000000))
 
 
-def _largest_threshold(pred, rows: int) -> jax.Array:
+def _largest_threshold(pred: Callable[[jax.Array], jax.Array], rows: int) -> jax.Array:
     """Per row, the largest uint32 t with pred(t) true, for a pred that is true at
     0 and monotonically turns false: 32 halvings, exact."""
 
-    def halve(_, bounds):
+    def halve(_: jax.Array, bounds: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         lo, hi = bounds
         mid = lo + (hi - lo) // 2
         ok = pred(mid)
@@ -242,8 +242,8 @@ def _largest_threshold(pred, rows: int) -> jax.Array:
 
     lo = jnp.zeros(rows, jnp.uint32)
     hi = jnp.full(rows, 0xFFFFFFFF, jnp.uint32)
-    lo, _ = jax.lax.fori_loop(0, 32, halve, (lo, hi))
-    return lo
+    bounds: tuple[jax.Array, jax.Array] = jax.lax.fori_loop(0, 32, halve, (lo, hi))
+    return bounds[0]
 
 
 def filter_logits(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -260,7 +260,7 @@ def filter_logits(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.
     bits = _ordered_bits(scaled)
     k_eff = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
 
-    def at_least_k(t):
+    def at_least_k(t: jax.Array) -> jax.Array:
         return jnp.sum(bits >= t[:, None], axis=-1) >= k_eff
 
     rows = scaled.shape[0]
@@ -268,7 +268,7 @@ def filter_logits(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.
     in_k = bits >= k_thresh[:, None]
     probs = jax.nn.softmax(jnp.where(in_k, scaled, -jnp.inf), axis=-1)
 
-    def mass_reaches_p(t):
+    def mass_reaches_p(t: jax.Array) -> jax.Array:
         return jnp.sum(jnp.where(bits >= t[:, None], probs, 0.0), axis=-1) >= top_p
 
     p_thresh = _largest_threshold(mass_reaches_p, rows)
@@ -304,7 +304,7 @@ def sample(
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     sampled = temperature >= GREEDY_EPS
 
-    def draw(_):
+    def draw(_: None) -> jax.Array:
         scaled = logits / jnp.where(sampled, temperature, 1.0)[:, None]
         filtering = jnp.any(sampled & ((top_k > 0) | (top_p < 1.0)))
         scaled = jax.lax.cond(

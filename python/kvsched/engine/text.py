@@ -10,12 +10,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from numbers import Integral
-from typing import Any
+from typing import Protocol
 
 REPLACEMENT = "\ufffd"
 CONTEXT_TOKENS = 5
 """Prompt tokens decoded ahead of the first generated one, so that a tokenizer that
 treats the start of a text specially (leading-space handling) sees a continuation."""
+
+
+class TokenDecoder(Protocol):
+    """What detokenizing needs of a tokenizer (a tokenizers.Tokenizer has it)."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
 class IncrementalDetokenizer:
@@ -34,7 +40,7 @@ class IncrementalDetokenizer:
 
     def __init__(
         self,
-        tokenizer: Any,
+        tokenizer: TokenDecoder,
         prompt_ids: Sequence[int] = (),
         skip_special_tokens: bool = True,
     ) -> None:
@@ -56,10 +62,10 @@ class IncrementalDetokenizer:
 
     def push(self, token_ids: int | Iterable[int]) -> str:
         """Append generated ids; return the text that is now final."""
-        if isinstance(token_ids, Integral):  # numpy ints too
-            token_ids = (token_ids,)
+        # (int is named for mypy, which does not count it an Integral; numpy ints are)
+        ids = (token_ids,) if isinstance(token_ids, (int, Integral)) else token_ids
         before = len(self._ids)
-        self._ids.extend(int(t) for t in token_ids)
+        self._ids.extend(int(t) for t in ids)
         self.num_tokens += len(self._ids) - before
         if len(self._ids) == before:
             return ""

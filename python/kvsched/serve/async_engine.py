@@ -32,12 +32,32 @@ import concurrent.futures
 import math
 import threading
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import kvsched
 from kvsched.engine.runner import Engine, RequestOutput
 from kvsched.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from kvsched._core import SchedulerStats  # the stub's TypedDict (no runtime class)
+
+    class AsyncEngineStats(SchedulerStats):
+        """`AsyncEngine.stats()`: the scheduler's stats and the loop's own."""
+
+        engine_loop: EngineLoopStats
+
+
+class EngineLoopStats(TypedDict):
+    steps: int  # engine steps that ran a plan
+    busy_s: float  # seconds in those steps
+    model_s: float  # of which in the jitted model step and sampling
+    open_streams: int
+
+
+# A queued command: ("submit", (tenant, prompt_ids, params, cache_salt, stream), its
+# future) or ("cancel", request id, None).
+_Command = tuple[str, Any, concurrent.futures.Future[int] | None]
 
 _STATUS = {
     "rate_limited": 429,
@@ -143,7 +163,7 @@ class AsyncEngine:
         self._lock = threading.Lock()  # the engine and the stream table (the step thread's)
         self._qlock = threading.Lock()  # the command queue: held for microseconds
         self._wake = threading.Condition(self._qlock)
-        self._commands: list[tuple[str, Any, concurrent.futures.Future | None]] = []
+        self._commands: list[_Command] = []
         self._streams: dict[int, RequestStream] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -200,7 +220,7 @@ class AsyncEngine:
             self._thread.join(timeout=60)
         self._close_all("cancelled", lambda: kvsched.Rejected("the engine has stopped"))
 
-    def _close_all(self, reason: str, refusal) -> None:
+    def _close_all(self, reason: str, refusal: Callable[[], BaseException]) -> None:
         """End every open stream with `reason` and refuse every queued submit."""
         with self._lock:
             for rid in list(self._streams):
@@ -238,12 +258,12 @@ class AsyncEngine:
             exc.reason, exc.retry_after = "draining", None
             raise exc
         stream = RequestStream(self, -1, len(prompt_ids), asyncio.get_running_loop())
-        done: concurrent.futures.Future = concurrent.futures.Future()
+        done: concurrent.futures.Future[int] = concurrent.futures.Future()
         self._command("submit", (tenant, prompt_ids, params, cache_salt, stream), done)
         stream.request_id = await asyncio.wrap_future(done)  # raises Rejected
         return stream
 
-    def _command(self, kind: str, args: Any, done: concurrent.futures.Future | None) -> None:
+    def _command(self, kind: str, args: Any, done: concurrent.futures.Future[int] | None) -> None:
         with self._wake:
             self._commands.append((kind, args, done))
             self._wake.notify()
@@ -251,11 +271,12 @@ class AsyncEngine:
     def _cancel(self, rid: int) -> None:
         self._command("cancel", rid, None)
 
-    def _apply(self, commands: list) -> None:
+    def _apply(self, commands: list[_Command]) -> None:
         """On the step thread, between steps, under the engine lock."""
         for kind, args, done in commands:
             if kind == "submit":
                 tenant, prompt_ids, params, cache_salt, stream = args
+                assert done is not None  # a submit always carries its future
                 try:
                     rid = self.engine.submit(tenant, prompt_ids, params, cache_salt=cache_salt)
                 except BaseException as e:  # noqa: BLE001 - the caller gets it
@@ -326,8 +347,12 @@ class AsyncEngine:
         # the stream table only changes on this thread.
         return self.scheduler.live_requests > 0 or bool(self._streams)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> AsyncEngineStats:
         st = self.scheduler.stats()
-        st["engine_loop"] = {"steps": self.steps, "busy_s": self.busy_s, "model_s": self.model_s,
-                             "open_streams": len(self._streams)}  # fmt: skip
-        return st
+        loop: EngineLoopStats = {
+            "steps": self.steps,
+            "busy_s": self.busy_s,
+            "model_s": self.model_s,
+            "open_streams": len(self._streams),
+        }
+        return {**st, "engine_loop": loop}

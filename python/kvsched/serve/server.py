@@ -184,7 +184,7 @@ class OpenAIServer:
         self.drain_summary: dict[str, Any] | None = None
         self.drained: asyncio.Event | None = None  # made on the loop (lifespan)
         self.exit_code = 0
-        self._drain_task: asyncio.Task | None = None
+        self._drain_task: asyncio.Task[dict[str, Any]] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._uvicorn: uvicorn.Server | None = None
         self._active: dict[int, _Active] = {}
@@ -243,7 +243,9 @@ class OpenAIServer:
     def ready(self) -> bool:
         return not self.draining and self.engine.ready()
 
-    def begin_drain(self, deadline_s: float | None = None, *, why: str = "") -> asyncio.Task:
+    def begin_drain(
+        self, deadline_s: float | None = None, *, why: str = ""
+    ) -> asyncio.Task[dict[str, Any]]:
         """Start draining (idempotent; call on the server's event loop): refuse new
         requests, let running ones go on for `deadline_s` (default drain_seconds),
         end the rest, write the checkpoint, then stop the server."""

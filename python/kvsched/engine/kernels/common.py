@@ -7,7 +7,7 @@ the plan arrays.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -18,9 +18,9 @@ MASK = -1e30  # finite: exp(MASK - MASK) would be 1, so masks use where, never a
 
 
 def run_padded(
-    call: Any,
+    call: Callable[..., jax.Array],
     q: jax.Array,
-    cache: Any,
+    cache: jax.Array,
     inputs: AttentionInputs,
     *,
     scale: float,

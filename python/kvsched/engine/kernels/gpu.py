@@ -26,8 +26,15 @@ from kvsched.engine.kernels.common import MASK, run_padded
 HIGHEST = lax.Precision.HIGHEST
 
 
-def _kernel(kv_lens_ref, pages_ref, cu_ref, nseq_ref, q_ref, cache_ref, o_ref, *,
-            block_q: int, group: int, pages_per_seq: int, scale: float):  # fmt: skip
+# A kernel's refs are typed jax.Ref (Pallas hands the kernel references, read and
+# written by indexing); the online softmax carries (max, denominator, accumulator)
+# per query head of the group.
+_Carry = tuple[tuple[jax.Array, jax.Array, jax.Array], ...]
+
+
+def _kernel(kv_lens_ref: jax.Ref, pages_ref: jax.Ref, cu_ref: jax.Ref, nseq_ref: jax.Ref,
+            q_ref: jax.Ref, cache_ref: jax.Ref, o_ref: jax.Ref, *,
+            block_q: int, group: int, pages_per_seq: int, scale: float) -> None:  # fmt: skip
     # One program per (query block, KV head): a decode-heavy step still has
     # Hkv times more programs than query blocks to spread over the GPU.
     # Triton lowers no value slicing, stacking or reshapes: every query head is
@@ -46,7 +53,7 @@ def _kernel(kv_lens_ref, pages_ref, cu_ref, nseq_ref, q_ref, cache_ref, o_ref, *
         for _ in range(group)
     )
 
-    def seq_body(j, carry):
+    def seq_body(j: jax.Array, carry: _Carry) -> _Carry:
         q_lo, q_hi, kv_len = cu_ref[j], cu_ref[j + 1], kv_lens_ref[j]
         meets = jnp.logical_and(q_lo < row0 + block_q, q_hi > row0)
         in_seq = jnp.logical_and(token >= q_lo, token < q_hi)
@@ -54,7 +61,7 @@ def _kernel(kv_lens_ref, pages_ref, cu_ref, nseq_ref, q_ref, cache_ref, o_ref, *
         # A sequence that misses the block runs no page (a cond-free skip).
         n_pages = jnp.where(meets, lax.div(kv_len + bs - 1, bs), 0)
 
-        def page_body(p, carry):
+        def page_body(p: jax.Array, carry: _Carry) -> _Carry:
             page = pages_ref[j * pages_per_seq + p]
             key = p * bs + lax.broadcasted_iota(jnp.int32, (1, bs), 1)
             ok = in_seq & (key <= pos) & (key < kv_len)
@@ -78,7 +85,8 @@ def _kernel(kv_lens_ref, pages_ref, cu_ref, nseq_ref, q_ref, cache_ref, o_ref, *
                 )
             return tuple(new)
 
-        return lax.fori_loop(0, n_pages, page_body, carry)
+        carry_out: _Carry = lax.fori_loop(0, n_pages, page_body, carry)
+        return carry_out
 
     final = lax.fori_loop(0, nseq_ref[0], seq_body, carry0)
     for g in range(group):
@@ -88,16 +96,30 @@ def _kernel(kv_lens_ref, pages_ref, cu_ref, nseq_ref, q_ref, cache_ref, o_ref, *
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "interpret"))
-def _call(q, cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, scale, block_q, interpret):
+def _call(
+    q: jax.Array,
+    cache: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    scale: float,
+    block_q: int,
+    interpret: bool,
+) -> jax.Array:
     t, hq, d = q.shape
     hkv = cache.shape[2] // 2
     group = hq // hkv
     s, pps = page_indices.shape
     kernel = functools.partial(_kernel, block_q=block_q, group=group, pages_per_seq=pps,
                                scale=scale)  # fmt: skip
-    full = lambda shape: pl.BlockSpec(shape, lambda b, h: (0,) * len(shape))  # noqa: E731
+
+    def full(shape: tuple[int, ...]) -> pl.BlockSpec:
+        return pl.BlockSpec(shape, lambda b, h: (0,) * len(shape))
+
     heads = pl.BlockSpec((block_q, group, d), lambda b, h: (b, h, 0))
-    return pl.pallas_call(
+    out: jax.Array = pl.pallas_call(
         kernel,
         grid=(t // block_q, hkv),
         in_specs=[
@@ -115,6 +137,7 @@ def _call(q, cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, scale, block_
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
         name="kvsched_ragged_paged_attention_gpu",
     )(kv_lens, page_indices.reshape(s * pps), cu_q_lens, num_seqs, q, cache)
+    return out
 
 
 def ragged_paged_attention_gpu(

@@ -65,6 +65,7 @@ single layer's cache is viewed as L = 1 (a free leading unit dimension).
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -75,10 +76,21 @@ from jax.experimental.pallas import tpu as pltpu
 from kvsched.engine.inputs import AttentionInputs
 from kvsched.engine.kernels.common import MASK, run_padded
 
+if TYPE_CHECKING:
+    # make_async_copy's result type: jax.experimental.pallas.tpu does not export it.
+    from jax._src.pallas.mosaic.primitives import AsyncCopyDescriptor
+
 LANES = 128
 
+# A kernel's refs (q_ref, cache_hbm, kv_buf, ...) are typed jax.Ref: Pallas hands
+# the kernel references, read and written by indexing; the running state of the
+# online softmax is a triple of arrays.
+_Carry = tuple[jax.Array, jax.Array, jax.Array]
 
-def _kv_rows(kv_buf, slot, h: int, mode: str, d: int):
+
+def _kv_rows(
+    kv_buf: jax.Ref, slot: jax.Array, h: int, mode: str, d: int
+) -> tuple[jax.Array, jax.Array]:
     """K and V rows ([bs, *]) of KV head h from page slot `slot` of the buffer."""
     if mode == "split":  # [bs, 2*Hkv, D]: K at 2h, V at 2h + 1
         return kv_buf[slot, :, 2 * h, :], kv_buf[slot, :, 2 * h + 1, :]
@@ -90,18 +102,18 @@ def _kv_rows(kv_buf, slot, h: int, mode: str, d: int):
 
 def _kernel(
     # Scalar prefetch (SMEM).
-    kv_lens_ref,
-    pages_ref,
-    cu_ref,
-    nseq_ref,
-    layer_ref,  # [1]: which layer of the stacked cache
+    kv_lens_ref: jax.Ref,
+    pages_ref: jax.Ref,
+    cu_ref: jax.Ref,
+    nseq_ref: jax.Ref,
+    layer_ref: jax.Ref,  # [1]: which layer of the stacked cache
     # Blocks.
-    q_ref,  # [Hkv, block_q * group, QW]
-    cache_hbm,  # [L, P, bs, X, W], in HBM
-    o_ref,  # [Hkv, block_q * group, QW]
+    q_ref: jax.Ref,  # [Hkv, block_q * group, QW]
+    cache_hbm: jax.Ref,  # [L, P, bs, X, W], in HBM
+    o_ref: jax.Ref,  # [Hkv, block_q * group, QW]
     # Scratch.
-    kv_buf,  # [2, bs, X, W] VMEM: two page slots (double buffering)
-    sem,  # two DMA semaphores, one per slot
+    kv_buf: jax.Ref,  # [2, bs, X, W] VMEM: two page slots (double buffering)
+    sem: jax.Ref,  # two DMA semaphores, one per slot
     *,
     block_q: int,
     kv_heads: int,
@@ -110,7 +122,7 @@ def _kernel(
     scale: float,
     mode: str,
     head_dim: int,
-):
+) -> None:
     bs = kv_buf.shape[1]
     rows = block_q * group
     qw = q_ref.shape[2]
@@ -125,29 +137,29 @@ def _kernel(
     l0 = jnp.zeros((kv_heads, rows, 1), jnp.float32)
     acc0 = jnp.zeros((kv_heads, rows, qw), jnp.float32)
 
-    def seq_body(j, carry):
+    def seq_body(j: jax.Array, carry: _Carry) -> _Carry:
         q_lo, q_hi = cu_ref[j], cu_ref[j + 1]
         meets = jnp.logical_and(q_lo < row0 + block_q, q_hi > row0)
 
-        def run(carry):
+        def run(carry: _Carry) -> _Carry:
             kv_len = kv_lens_ref[j]
             in_seq = jnp.logical_and(token >= q_lo, token < q_hi)
             pos = kv_len - (q_hi - token)  # the row's absolute position
             n_pages = lax.div(kv_len + bs - 1, bs)
 
-            def fetch(p, slot):
+            def fetch(p: jax.Array | int, slot: jax.Array | int) -> AsyncCopyDescriptor:
                 page = pages_ref[j * pages_per_seq + p]
                 return pltpu.make_async_copy(
                     cache_hbm.at[layer, page], kv_buf.at[slot], sem.at[slot]
                 )
 
-            def page_body(p, carry):
+            def page_body(p: jax.Array, carry: _Carry) -> _Carry:
                 m, denom, acc = carry
                 # Double buffering: the next page's DMA runs while this one is used.
                 slot = lax.rem(p, 2)
 
                 @pl.when(p + 1 < n_pages)
-                def _():
+                def _() -> None:
                     fetch(p + 1, 1 - slot).start()
 
                 fetch(p, slot).wait()
@@ -179,12 +191,14 @@ def _kernel(
                 return jnp.stack(ms), jnp.stack(ls), jnp.stack(accs)
 
             @pl.when(n_pages > 0)
-            def _():
+            def _() -> None:
                 fetch(0, 0).start()
 
-            return lax.fori_loop(0, n_pages, page_body, carry)
+            carry_out: _Carry = lax.fori_loop(0, n_pages, page_body, carry)
+            return carry_out
 
-        return lax.cond(meets, run, lambda c: c, carry)
+        carry_out: _Carry = lax.cond(meets, run, lambda c: c, carry)
+        return carry_out
 
     _, denom, acc = lax.fori_loop(0, nseq_ref[0], seq_body, (m0, l0, acc0))
     out = jnp.where(denom > 0, acc / jnp.where(denom > 0, denom, 1.0), 0.0)  # [Hkv, rows, QW]
@@ -222,8 +236,18 @@ def pack_cache(cache: jax.Array) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "interpret"))
 def _call(
-    q, cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, scale, block_q, interpret, layer=None
-):
+    q: jax.Array,
+    cache: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    scale: float,
+    block_q: int,
+    interpret: bool,
+    layer: jax.Array | int | None = None,
+) -> jax.Array:
     """q [T, Hq, D] (T a multiple of block_q), cache [P, bs, X, W] or, with
     `layer`, [L, P, bs, X, W] -> [T, Hq, D]."""
     t, hq, d = q.shape
@@ -252,7 +276,7 @@ def _call(
         out_specs=pl.BlockSpec((hkv, rows, qw), lambda b, *_: (0, b, 0)),
         scratch_shapes=[pltpu.VMEM((2, bs, x, w), cache.dtype), pltpu.SemaphoreType.DMA((2,))],
     )
-    out = pl.pallas_call(
+    out: jax.Array = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(q3.shape, q.dtype),

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -76,7 +76,7 @@ class GGUFModel:
         """The conversation as the model was trained to read it."""
         if self.chat_template is None:
             raise UnsupportedConfig("this GGUF file has no tokenizer.chat_template")
-        names = {v: k for k, v in self.special_tokens.items()}
+        names: dict[int | None, str] = {v: k for k, v in self.special_tokens.items()}
         return render_chat_template(
             self.chat_template, messages, add_generation_prompt=add_generation_prompt,
             bos_token=names.get(self.bos_token_id, ""), eos_token=names.get(self.eos_token_id, ""),
@@ -85,7 +85,8 @@ class GGUFModel:
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of the conversation, ready for the assistant's reply."""
         text = self.apply_chat_template(messages)
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False).ids
+        return ids
 
 
 def _field(reader: Any, key: str) -> Any:
@@ -161,7 +162,8 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     the rotate-half order: within each head, llama.cpp's row 2i + j is the
     original row j * (head_dim / 2) + i."""
     out, inp = w.shape
-    return w.reshape(n_heads, out // n_heads // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
+    rows: np.ndarray = w.reshape(n_heads, out // n_heads // 2, 2, inp).swapaxes(1, 2)
+    return rows.reshape(out, inp)
 
 
 def _dequantize(t: Any) -> np.ndarray:
@@ -249,8 +251,11 @@ def load_gguf_tokenizer(reader: Any) -> tuple[Any, dict[str, int]]:
     tok_field = reader.fields["tokenizer.ggml.tokens"]
     tokens = [bytes(tok_field.parts[i]).decode("utf-8") for i in tok_field.data]
     merge_field = reader.fields["tokenizer.ggml.merges"]
-    merges = [tuple(bytes(merge_field.parts[i]).decode("utf-8").split(" ", 1))
-              for i in merge_field.data]  # fmt: skip
+    # Each merge is "left right": split once, a pair (a malformed one reaches
+    # tokenizers' BPE as it is, which refuses it).
+    merges = cast("list[tuple[str, str]]",
+                  [tuple(bytes(merge_field.parts[i]).decode("utf-8").split(" ", 1))
+                   for i in merge_field.data])  # fmt: skip
     type_field = reader.fields.get("tokenizer.ggml.token_type")
     types = [int(type_field.parts[i][0]) for i in type_field.data] if type_field else []
     vocab = {t: i for i, t in enumerate(tokens)}
