@@ -228,13 +228,20 @@ impl PrefixCache {
             return false; // a cache of no pages (caching off) names nothing
         }
         debug_assert!(page != END && !self.is_cached(page) && !self.is_parked(page));
-        if self.lookup(key).is_some() {
-            return false;
+        // One probe finds the key or the slot it goes in (the table never
+        // grows, so the rehash callback is never called).
+        let names = &self.key;
+        match self.map.entry(
+            key as u64,
+            |&p| names[p as usize] == key,
+            |&p| names[p as usize] as u64,
+        ) {
+            hashbrown::hash_table::Entry::Occupied(_) => return false,
+            hashbrown::hash_table::Entry::Vacant(slot) => {
+                slot.insert(page);
+            }
         }
         self.key[page as usize] = key;
-        let names = &self.key;
-        self.map
-            .insert_unique(key as u64, page, |&p| names[p as usize] as u64);
         self.scope[page as usize] = match scope {
             Scope::Shared => SHARED,
             Scope::Tenant(t) => {
@@ -243,6 +250,16 @@ impl PrefixCache {
             }
         };
         true
+    }
+
+    /// Touch the index slots `keys` would probe, so that registering them
+    /// next finds those lines in the cache: the probes are independent, so
+    /// their misses overlap here instead of stalling one register each. It
+    /// changes nothing (a lookup whose answer is dropped).
+    pub fn prefetch(&self, keys: impl Iterator<Item = BlockKey>) {
+        for key in keys {
+            std::hint::black_box(self.map.find(key as u64, |_| false).is_some());
+        }
     }
 
     /// A cached page lost its last reference: it becomes the newest evictable one.

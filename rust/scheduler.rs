@@ -736,6 +736,7 @@ impl Scheduler {
         for &slab in &filled {
             self.kv.name_filled_blocks(self.requests.get_mut(slab));
         }
+        self.kv.register_named();
         filled.clear();
         self.filled = filled;
         for (slab, reason) in done {

@@ -26,6 +26,9 @@ pub(super) struct KvManager {
     block_size: usize,
     /// `block_size` with the shift its hot loops divide by.
     block: BlockSize,
+    /// Scratch: the blocks a commit filled, named, to cache together
+    /// (page, name, namespace scope), in plan order.
+    named: Vec<(u32, BlockKey, Scope)>,
 }
 
 impl KvManager {
@@ -50,6 +53,7 @@ impl KvManager {
             admission: config.admission,
             block_size: config.block_size,
             block: BlockSize::new(config.block_size),
+            named: Vec::new(),
         })
     }
 
@@ -252,7 +256,7 @@ impl KvManager {
     }
 
     /// Name the full blocks of `r` that its committed tokens filled since it
-    /// last named one; the first copy of a block stays the cached one.
+    /// last named one, into the step's batch (`register_named` caches them).
     #[inline]
     pub(super) fn name_filled_blocks(&mut self, r: &mut Request) {
         if self.names.is_none() {
@@ -263,12 +267,29 @@ impl KvManager {
         while named < full {
             let start = named * self.block_size;
             let key = r.chain.push(&r.tokens[start..start + self.block_size]);
-            let page = r.pages[named];
-            if !self.pool.cache().is_cached(page) {
-                self.pool.register(page, key, r.namespace.scope);
-            }
+            self.named.push((r.pages[named], key, r.namespace.scope));
             named += 1;
         }
+    }
+
+    /// Cache the blocks `name_filled_blocks` named this step, in the order
+    /// they were named; the first copy of a block stays the cached one. The
+    /// index slots of the whole batch are touched first (one random line
+    /// each, likely a miss): overlapped, they cost about one miss, not one
+    /// per block.
+    pub(super) fn register_named(&mut self) {
+        if self.named.is_empty() {
+            return;
+        }
+        self.pool
+            .cache()
+            .prefetch(self.named.iter().map(|&(_, key, _)| key));
+        for &(page, key, scope) in &self.named {
+            if !self.pool.cache().is_cached(page) {
+                self.pool.register(page, key, scope);
+            }
+        }
+        self.named.clear();
     }
 }
 
