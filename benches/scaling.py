@@ -160,6 +160,8 @@ def run_worker(build: Path | None, *args: str) -> dict:
             os.pathsep
         )
     env.setdefault("JAX_PLATFORMS", "cpu")
+    # numpy's OpenBLAS otherwise keeps a thread spinning on the other core.
+    env.setdefault("OPENBLAS_NUM_THREADS", "1")
     done = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), "--worker", *args],
         env=env,
