@@ -79,6 +79,28 @@ def init_params(config: LlamaConfig, seed: int = 0) -> Params:
     )
 
 
+class InvalidWeights(ValueError):
+    """Weights the model cannot be served from: a tensor that is not floating
+    point (int64, bool: a cast would invent weights), or one holding NaN or inf
+    (a NaN projection yields finite, plausible tokens once attention's guards
+    zero it out). The message names the tensor."""
+
+
+def check_weight(name: str, a: ArrayLike) -> None:
+    """Refuse a tensor that is not floating point or not finite (InvalidWeights,
+    naming it): one isfinite pass over it."""
+    dtype = a.dtype if hasattr(a, "dtype") else np.asarray(a).dtype
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise InvalidWeights(f"{name} is {dtype}: the model's weights are floating point")
+    finite = np.isfinite(a) if isinstance(a, np.ndarray) else jnp.isfinite(jnp.asarray(a))
+    if not bool(finite.all()):
+        n = int(finite.size - int(finite.sum()))
+        raise InvalidWeights(
+            f"{name}: {n} of {finite.size} values are not finite (NaN or inf); "
+            "a model cannot be served from them"
+        )
+
+
 def make_params(
     config: LlamaConfig,
     *,
@@ -88,16 +110,42 @@ def make_params(
     lm_head: ArrayLike,
 ) -> Params:
     """Params from per-layer weights (numpy or jax, [in, out] projections), stacked
-    over layers and cast to the model's dtype."""
+    over layers and cast to the model's dtype. Every tensor must be floating point
+    (an int64 or bool array is refused, not cast) and finite once cast (NaN and
+    inf survive the cast; a float64 beyond the dtype's range becomes inf):
+    InvalidWeights names the one that is not."""
     dt = config.jdtype
+    for name, a in (("embed", embed), ("final_norm", final_norm), ("lm_head", lm_head),
+                    *((f"layers[{i}].{k}", layer[k]) for i, layer in enumerate(layers)
+                      for k in LAYER_WEIGHTS)):  # fmt: skip
+        dtype = a.dtype if hasattr(a, "dtype") else np.asarray(a).dtype
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise InvalidWeights(f"{name} is {dtype}: the model's weights are floating point")
 
     def cast(a: ArrayLike) -> jax.Array:
         return jnp.asarray(np.asarray(a, np.float32) if isinstance(a, np.ndarray) else a, dt)
 
     stacked = {k: cast(np.stack([np.asarray(layer[k], np.float32) for layer in layers]))
                for k in LAYER_WEIGHTS}  # fmt: skip
-    return {"embed": cast(embed), "layers": stacked, "final_norm": cast(final_norm),
-            "lm_head": cast(lm_head)}  # fmt: skip
+    out: Params = {"embed": cast(embed), "layers": stacked, "final_norm": cast(final_norm),
+                   "lm_head": cast(lm_head)}  # fmt: skip
+    # Finite after the cast (one pass per tensor, on the device): NaN and inf
+    # survive it, and a float64 beyond the dtype's range becomes inf.
+    for name, w in (("embed", out["embed"]), ("final_norm", out["final_norm"]),
+                    ("lm_head", out["lm_head"]), *out["layers"].items()):  # fmt: skip
+        finite = jnp.isfinite(w)
+        if name in LAYER_WEIGHTS:  # stacked: say which layer
+            per_layer = np.asarray(finite.reshape(finite.shape[0], -1).all(axis=1))
+            if not per_layer.all():
+                name = f"layers[{int(np.argmin(per_layer))}].{name}"
+                finite = finite[int(np.argmin(per_layer))]
+        if not bool(finite.all()):
+            n = int(finite.size - int(finite.sum()))
+            raise InvalidWeights(
+                f"{name}: {n} of {finite.size} values are not finite (NaN or inf) in "
+                f"{config.dtype}; a model cannot be served from them"
+            )
+    return out
 
 
 LAYER_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
@@ -243,5 +291,7 @@ __all__ = [
     "init_params",
     "layer_params",
     "make_params",
+    "InvalidWeights",
+    "check_weight",
     "weights_checksum",
 ]

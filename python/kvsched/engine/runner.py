@@ -40,7 +40,13 @@ from kvsched.engine.kv_cache import (
     init_caches,
     kv_bytes_per_token,
 )
-from kvsched.engine.model import LlamaConfig, Params, forward_paged, weights_checksum
+from kvsched.engine.model import (
+    InvalidWeights,
+    LlamaConfig,
+    Params,
+    forward_paged,
+    weights_checksum,
+)
 from kvsched.engine.sampling import MAX_LOGPROBS, SamplingBatch, SamplingParams, mix_seed, sample
 from kvsched.engine.text import IncrementalDetokenizer, StopStringMatcher
 
@@ -104,7 +110,9 @@ class RequestOutput:
     """What one request produced in one step (only requests submitted through
     `Engine.submit`). The last output of a request has `finished` set and its
     `finish_reason`: "stop" (a stop token or stop string), "length" (max_tokens),
-    or "cancelled"."""
+    "cancelled", "drain_deadline", or "error": the engine could not serve it
+    (its logits were not finite, or it carried a token id outside the
+    vocabulary), said in `error`; the other requests of the step run on."""
 
     request_id: int
     token_ids: list[int]
@@ -114,6 +122,7 @@ class RequestOutput:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    error: str | None = None  # why, when finish_reason is "error"
 
 
 @dataclass
@@ -123,6 +132,10 @@ class StepResult:
     seconds: float  # the whole step: plan, model, commit, outputs
     outputs: list[RequestOutput] = field(default_factory=list)
     model_seconds: float = 0.0  # of which the jitted model step and sampling
+    # Requests this step ended because the engine could not serve them (request
+    # id -> why); also those submitted to the scheduler directly, whose terminal
+    # event is the core's "cancelled".
+    errors: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -231,14 +244,18 @@ class Engine:
         # either way, and the traced step can be lowered from plain arrays.
         def step(
             params: Params, caches: KVCache, *arrays: jax.Array
-        ) -> tuple[tuple[jax.Array, jax.Array, jax.Array, jax.Array], KVCache]:
+        ) -> tuple[tuple[jax.Array, ...], KVCache]:
             inputs = StepInputs(*arrays[:n_inputs])
             logits, caches = forward_paged(
                 params, caches, model, inputs.token_ids, inputs.positions, inputs.slot_mapping,
                 inputs.attention, inputs.logits_indices, backend=backend, mesh=mesh,
             )  # fmt: skip
             out = sample(logits, *arrays[n_inputs:], num_logprobs=n_lp)
-            return out, caches
+            # Per row: are its logits finite? A NaN or inf would be sampled as if
+            # it were a distribution (argmax of NaN is some id), so the host
+            # ends such a row instead of committing its token.
+            finite = jnp.all(jnp.isfinite(logits), axis=-1)
+            return (*out, finite), caches
 
         self._step = jax.jit(step, donate_argnums=(1,), **jit_kw)
 
@@ -293,10 +310,12 @@ class Engine:
         prompt = np.asarray(prompt_ids)
         if prompt.ndim != 1 or (prompt.size and not np.issubdtype(prompt.dtype, np.integer)):
             raise kvsched.InvalidRequest("prompt_ids: a 1-D sequence of integer token ids")
-        if prompt.size and (prompt.min() < 0 or prompt.max() >= self.model.vocab_size):
+        vocab = self.model.vocab_size
+        if prompt.size and (prompt.min() < 0 or prompt.max() >= vocab):
+            bad = int(prompt[(prompt < 0) | (prompt >= vocab)][0])
             raise kvsched.InvalidRequest(
-                f"prompt_ids: token ids must be in [0, {self.model.vocab_size}), got "
-                f"{int(prompt.min())}..{int(prompt.max())}"
+                f"prompt_ids: id {bad} is outside the vocabulary of {vocab} "
+                f"(ids are 0..{vocab - 1})"
             )
         prompt = prompt.astype(np.int32)
         stop_ids = list(params.stop_token_ids)
@@ -361,8 +380,56 @@ class Engine:
     def _run(self, inputs: StepInputs[HostArray], batch: SamplingBatch) -> npt.NDArray[np.int32]:
         """The jitted step on `inputs`: every row's sampled token."""
         out, self.caches = self._step(self.params, self.caches, *inputs.arrays(), *batch.arrays())
-        self.last_sample = out
+        self.last_sample = out[:4]
+        self.last_finite = out[4]
         return np.asarray(out[0])
+
+    def _unservable(self, plan: kvsched.StepPlan) -> dict[int, str]:
+        """Rows of the step just run that must not be committed, by request id:
+        non-finite logits (the weights or the activations overflowed: sampling
+        from them would return a plausible token computed from nothing), or an
+        input token outside the vocabulary (possible only for a request submitted
+        to `scheduler` directly: the embedding gather would clamp it silently)."""
+        n, vocab = len(plan), self.model.vocab_size
+        finite = np.asarray(self.last_finite)[:n]
+        toks = plan.token_ids[: plan.num_tokens]
+        out_of_vocab = bool(toks.size) and bool((toks.min() < 0) | (toks.max() >= vocab))
+        if finite.all() and not out_of_vocab:
+            return {}
+        rids, cu = plan.request_ids.tolist(), plan.cu_q_lens
+        bad: dict[int, str] = {}
+        for i, rid in enumerate(rids):
+            row = toks[cu[i] : cu[i + 1]]
+            outside = row[(row < 0) | (row >= vocab)]
+            if outside.size:
+                bad[rid] = (f"token id {int(outside[0])} is outside the vocabulary of {vocab} "
+                            "(submitted to the scheduler without the engine's check?)")  # fmt: skip
+            elif not finite[i]:
+                bad[rid] = (
+                    "the model's logits were not finite (NaN or inf): the weights or the "
+                    "activations overflowed; no token was sampled from them"
+                )
+        return bad
+
+    def _check_sampled(
+        self, plan: kvsched.StepPlan, sampled: npt.NDArray[np.int32], skip: Iterable[int] = ()
+    ) -> None:
+        """Refuse to commit a sampled id outside the vocabulary: it would be fed
+        back as the next input (and clamped there). The sampler draws from
+        [0, vocab), so such an id is a bug of the engine, not of a request:
+        kvsched.InternalError, raised before `commit` (nothing committed)."""
+        vocab, n = self.model.vocab_size, len(plan)
+        ids = sampled[:n]
+        bad = plan.samples[:n] & ((ids < 0) | (ids >= vocab))
+        if not bad.any():
+            return
+        skipped = set(skip)
+        for i, rid in enumerate(plan.request_ids.tolist()):
+            if bad[i] and rid not in skipped:
+                raise kvsched.InternalError(
+                    f"sampled id {int(ids[i])} for request {rid} is outside the vocabulary "
+                    f"of {vocab}: not committed (a bug of the model step or the sampler)"
+                )
 
     def step(self, now: float | None = None) -> StepResult | None:
         """One scheduler step through the model; None when nothing can run (and
@@ -378,11 +445,24 @@ class Engine:
         t_model = time.perf_counter()
         sampled = self.run_plan(plan)
         t_model = time.perf_counter() - t_model
+        errors = self._unservable(plan)
+        self._check_sampled(plan, sampled, skip=errors)
+        # The rows that cannot be served end here, before the commit (which then
+        # drops their tokens); the rest of the batch is committed as usual.
+        failed = []
+        for rid, why in errors.items():
+            self.scheduler.cancel(rid, now=now)
+            live = self._live.pop(rid, None)
+            if live is not None:
+                final = self._final(rid, live, "error")
+                final.error = why
+                failed.append(final)
         events = self.scheduler.commit(plan, sampled, now=now)
         outputs = self._outputs(plan, events, now) if self._live else []
         if self._live:  # requests that ended with no token this step (cancel, drain)
             outputs += self._endings(events.finished)
-        return StepResult(plan, events, time.perf_counter() - t0, outputs, t_model)
+        return StepResult(plan, events, time.perf_counter() - t0, failed + outputs, t_model,
+                          errors)  # fmt: skip
 
     def _outputs(
         self, plan: kvsched.StepPlan, events: kvsched.StepEvents, now: float | None
@@ -470,7 +550,14 @@ class Engine:
             plan = scratch.step(now=0.0)
             if plan is None:  # cannot happen: one small request, time never moves
                 raise RuntimeError("warmup: the scratch scheduler planned no step")
-            scratch.commit(plan, self.run_plan(plan), now=0.0)
+            sampled = self.run_plan(plan)
+            if not np.asarray(self.last_finite)[: len(plan)].all():
+                raise InvalidWeights(
+                    "warmup: the model's logits are not finite (NaN or inf) for a plain "
+                    "request: these weights cannot be served"
+                )
+            self._check_sampled(plan, sampled)
+            scratch.commit(plan, sampled, now=0.0)
         bar("synthetic request completed")
         self.scheduler.mark_ready()
         return time.perf_counter() - t0

@@ -91,7 +91,9 @@ def _kernel(kv_lens_ref: jax.Ref, pages_ref: jax.Ref, cu_ref: jax.Ref, nseq_ref:
     final = lax.fori_loop(0, nseq_ref[0], seq_body, carry0)
     for g in range(group):
         _, denom, acc = final[g]
-        out = jnp.where(denom > 0, acc / jnp.where(denom > 0, denom, 1.0), 0.0)
+        # Rows that attend to nothing (padding) are 0; a NaN denominator (NaN
+        # weights or activations) stays NaN, so the engine sees it, not a 0.
+        out = jnp.where(denom == 0, 0.0, acc / jnp.where(denom == 0, 1.0, denom))
         o_ref[:, g, :] = out.astype(o_ref.dtype)
 
 

@@ -77,7 +77,9 @@ def reference_attention(
     in_seq = key_pos[None, :] < kv_len[:, None]  # [T, L]
     v = jnp.where(in_seq[:, :, None, None], v.astype(jnp.float32), 0.0)
     o = jnp.einsum("thgl,tlhd->thgd", p, v)
-    o = jnp.where(denom > 0, o / jnp.where(denom > 0, denom, 1.0), 0.0)
+    # Rows that attend to nothing (padding) are 0; a NaN denominator (NaN
+    # weights or activations) stays NaN, so the engine sees it, not a 0.
+    o = jnp.where(denom == 0, 0.0, o / jnp.where(denom == 0, 1.0, denom))
     return o.reshape(t, hq, d).astype(q.dtype)
 
 

@@ -201,7 +201,9 @@ def _kernel(
         return carry_out
 
     _, denom, acc = lax.fori_loop(0, nseq_ref[0], seq_body, (m0, l0, acc0))
-    out = jnp.where(denom > 0, acc / jnp.where(denom > 0, denom, 1.0), 0.0)  # [Hkv, rows, QW]
+    # Rows that attend to nothing (padding) are 0; a NaN denominator (NaN
+    # weights or activations) stays NaN, so the engine sees it, not a 0.
+    out = jnp.where(denom == 0, 0.0, acc / jnp.where(denom == 0, 1.0, denom))  # [Hkv, rows, QW]
     for h in range(kv_heads):
         o_ref[h] = out[h].astype(o_ref.dtype)
 

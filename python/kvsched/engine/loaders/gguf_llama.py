@@ -24,7 +24,8 @@ from typing import Any, cast
 import numpy as np
 
 from kvsched.engine.config import LlamaConfig, UnsupportedConfig
-from kvsched.engine.model import Params, make_params
+from kvsched.engine.loaders import model_file
+from kvsched.engine.model import InvalidWeights, Params, check_weight, make_params
 
 _LAYER_TENSORS = {
     "attn_norm": "attn_norm",
@@ -171,6 +172,11 @@ def _dequantize(t: Any) -> np.ndarray:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
+    ints = (GGMLQuantizationType.I8, GGMLQuantizationType.I16, GGMLQuantizationType.I32,
+            GGMLQuantizationType.I64)  # fmt: skip
+    if t.tensor_type in ints:  # a cast would invent weights from integers
+        raise InvalidWeights(f"{t.name} is {t.tensor_type.name}: the model's weights are "
+                             "floating point (F32, F16, BF16 or a quantized type)")  # fmt: skip
     if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
         a = np.asarray(t.data, np.float32)
     else:
@@ -205,6 +211,7 @@ def load_gguf_params(reader: Any, config: LlamaConfig) -> Params:
         a = _dequantize(tensors[name])
         if a.shape != shape:
             raise UnsupportedConfig(f"{name} has shape {a.shape}, the config says {shape}")
+        check_weight(name, a)  # NaN or inf: refused, naming the file's tensor
         return a
 
     layers = []
@@ -308,7 +315,7 @@ def load_gguf(path: str | Path, *, dtype: str = "float32", name: str | None = No
     """Config, params, tokenizer and chat template from one GGUF file."""
     from gguf import GGUFReader
 
-    reader = GGUFReader(str(path))
+    reader = GGUFReader(str(model_file(path, "GGUF", magic=b"GGUF")))
     config = config_from_gguf(reader, dtype=dtype, name=name)
     params = load_gguf_params(reader, config)
     tokenizer, special = load_gguf_tokenizer(reader)

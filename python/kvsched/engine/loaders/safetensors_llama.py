@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from kvsched.engine.config import LlamaConfig, UnsupportedConfig
-from kvsched.engine.model import Params, make_params
+from kvsched.engine.loaders import model_file
+from kvsched.engine.model import Params, check_weight, make_params
 
 LAYER_KEYS = {
     "attn_norm": "input_layernorm.weight",
@@ -43,6 +44,7 @@ def load_llama_safetensors(path: str | Path, config: LlamaConfig) -> Params:
         a = t[name].T if transpose else t[name]
         if a.shape != shape:
             raise ValueError(f"{path}: {name} has shape {a.shape}, the config says {shape}")
+        check_weight(f"{path}: {name}", a)  # NaN or inf: refused, naming the tensor
         return a
 
     c = config
@@ -101,14 +103,19 @@ def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
     only: an integer or 8-bit (quantized) tensor is refused, naming it."""
     import ml_dtypes
 
-    path = Path(path)
+    path = model_file(path, "safetensors")
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
         n = int.from_bytes(head, "little") if len(head) == 8 else -1
         if not 0 < n <= min(_MAX_HEADER, size - 8):
             raise ValueError(f"{path}: not a safetensors file (header length {n})")
-        header = json.loads(f.read(n))
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: not a safetensors file (its header is not JSON: {e})") from e
+        if not isinstance(header, dict):
+            raise ValueError(f"{path}: not a safetensors file (its header is not a JSON object)")
     data = (
         np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n)
         if size > 8 + n
