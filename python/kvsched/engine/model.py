@@ -125,10 +125,13 @@ def make_params(
     def cast(a: ArrayLike) -> jax.Array:
         return jnp.asarray(np.asarray(a, np.float32) if isinstance(a, np.ndarray) else a, dt)
 
-    stacked = {k: cast(np.stack([np.asarray(layer[k], np.float32) for layer in layers]))
-               for k in LAYER_WEIGHTS}  # fmt: skip
-    out: Params = {"embed": cast(embed), "layers": stacked, "final_norm": cast(final_norm),
-                   "lm_head": cast(lm_head)}  # fmt: skip
+    # An overflowing cast gives inf, which the check below names; numpy's own
+    # overflow warning would only say it less clearly first.
+    with np.errstate(over="ignore"):
+        stacked = {k: cast(np.stack([np.asarray(layer[k], np.float32) for layer in layers]))
+                   for k in LAYER_WEIGHTS}  # fmt: skip
+        out: Params = {"embed": cast(embed), "layers": stacked, "final_norm": cast(final_norm),
+                       "lm_head": cast(lm_head)}  # fmt: skip
     # Finite after the cast (one pass per tensor, on the device): NaN and inf
     # survive it, and a float64 beyond the dtype's range becomes inf.
     for name, w in (("embed", out["embed"]), ("final_norm", out["final_norm"]),
