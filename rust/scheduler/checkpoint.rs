@@ -124,22 +124,6 @@ impl Scheduler {
         )
     }
 
-    /// Submit every record of a checkpoint (see `restore_all`), each one's
-    /// outcome in order. Restores are all-or-nothing, so every outcome is Ok:
-    /// kept in this shape for callers written when a capacity refusal was a
-    /// record's outcome.
-    pub fn restore(
-        &mut self,
-        records: &[InFlight],
-        now: f64,
-    ) -> KvResult<Vec<Result<u64, Rejection>>> {
-        Ok(self
-            .restore_all(records, now)?
-            .into_iter()
-            .map(Ok)
-            .collect())
-    }
-
     /// Submit every record of a checkpoint (see `submit_restored`), all or
     /// nothing; returns the new ids in record order.
     ///
@@ -418,13 +402,5 @@ mod tests {
         s.drain(10.0).unwrap();
         let e = s.restore_all(&[rec(1, "a", 4, 4)], 0.0).unwrap_err();
         assert_eq!(refused_of(e), vec![(1, "draining".to_owned())]);
-    }
-
-    #[test]
-    fn the_old_shape_reports_every_record_restored() {
-        let mut s = sched(65, 16);
-        let out = s.restore(&[rec(1, "a", 4, 4)], 0.0).unwrap();
-        assert_eq!(out, vec![Ok(1)]);
-        assert!(s.restore(&[rec(2, "ghost", 4, 4)], 0.0).is_err());
     }
 }
