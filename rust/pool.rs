@@ -15,7 +15,7 @@
 //! cache hit as long as possible.
 
 use crate::error::{KvError, KvResult};
-use crate::prefix::{BlockKey, PrefixCache, Scope};
+use crate::prefix::{BlockKey, List, PrefixCache, Scope, SHARED_LIST};
 use crate::tenant::TenantId;
 
 /// The null / padding page id.
@@ -192,7 +192,8 @@ impl BlockPool {
         self.cache.register(page, key, scope)
     }
 
-    /// Forget the evictable pages of `tenant`'s namespace and free them.
+    /// Forget the evictable pages of `tenant`'s namespace and free them
+    /// (partitioned: every page on its own list).
     pub fn forget_tenant(&mut self, tenant: TenantId) -> usize {
         let pages = self.cache.parked_of(tenant);
         for &p in &pages {
@@ -200,6 +201,27 @@ impl BlockPool {
             self.free.push(p);
         }
         pages.len()
+    }
+
+    /// Partition the evictable pages by tenant (see
+    /// `PrefixCache::partition_by_tenant`); call on a fresh pool. A tenant's
+    /// releases then park on its own list (`free_counting_by`), its
+    /// allocations evict from that list only (`allocate_into_for`), and
+    /// `trim_parked` keeps each list within the quota its owner is given.
+    pub fn partition_by_tenant(&mut self) {
+        self.cache.partition_by_tenant();
+    }
+
+    /// Free `tenant`'s oldest evictable pages until at most `keep` remain on
+    /// its own list (partitioned; nothing otherwise). Returns how many went.
+    pub fn trim_parked(&mut self, tenant: TenantId, keep: usize) -> usize {
+        let mut n = 0;
+        while self.cache.parked_by(tenant) > keep {
+            let page = self.cache.evict_lru_of(tenant).expect("counted as parked");
+            self.free.push(page);
+            n += 1;
+        }
+        n
     }
 
     pub fn shared(&self) -> usize {
@@ -254,6 +276,38 @@ impl BlockPool {
                 free: available,
             });
         }
+        self.take_into(n, out, None);
+        Ok(())
+    }
+
+    /// `allocate_into` for a request of `tenant`: partitioned, it evicts from
+    /// `tenant`'s own list only (free pages first, as always); otherwise the
+    /// same as `allocate_into`.
+    #[inline]
+    pub fn allocate_into_for<T: PageId>(
+        &mut self,
+        tenant: TenantId,
+        n: usize,
+        out: &mut Vec<T>,
+    ) -> KvResult<()> {
+        if !self.cache.partitioned() {
+            return self.allocate_into(n, out);
+        }
+        let available = self.free.len() + self.cache.parked_by(tenant);
+        if n > available {
+            return Err(KvError::OutOfPages {
+                requested: n,
+                free: available,
+            });
+        }
+        self.take_into(n, out, Some(tenant));
+        Ok(())
+    }
+
+    /// Take `n` pages counted as available: free ones, then the oldest
+    /// evictable (of `tenant`'s own list when given).
+    #[inline]
+    fn take_into<T: PageId>(&mut self, n: usize, out: &mut Vec<T>, tenant: Option<TenantId>) {
         out.reserve(n);
         let have = self.free.len();
         let from_free = n.min(have);
@@ -263,11 +317,14 @@ impl BlockPool {
         }
         self.free.truncate(have - from_free);
         for _ in from_free..n {
-            let page = self.cache.evict_lru().expect("counted as available");
+            let page = match tenant {
+                None => self.cache.evict_lru(),
+                Some(t) => self.cache.evict_lru_of(t),
+            };
+            let page = page.expect("counted as available");
             self.refcount[page as usize] = 1;
             out.push(T::from_page(page));
         }
-        Ok(())
     }
 
     /// Drop one reference on each listed page, last to first; a page left with
@@ -288,6 +345,31 @@ impl BlockPool {
         pages: &[P],
         scope: Option<Scope>,
     ) -> KvResult<usize> {
+        self.release(pages, scope, SHARED_LIST)
+    }
+
+    /// `free_counting` for a request of `tenant`: partitioned, the pages left
+    /// without a reference park on `tenant`'s own list (pages of a shared
+    /// namespace too: the tenant that released one last is charged for
+    /// keeping it); otherwise the same as `free_counting`.
+    pub fn free_counting_by<P: PageId>(
+        &mut self,
+        tenant: TenantId,
+        pages: &[P],
+        scope: Option<Scope>,
+    ) -> KvResult<usize> {
+        let list = self.cache.list_of(tenant);
+        self.release(pages, scope, list)
+    }
+
+    #[inline]
+    fn release<P: PageId>(
+        &mut self,
+        pages: &[P],
+        scope: Option<Scope>,
+        list: List,
+    ) -> KvResult<usize> {
+        debug_assert!(list != SHARED_LIST || !self.cache.partitioned());
         let mut counted = 0;
         let free_len = self.free.len();
         let shared = self.shared;
@@ -314,7 +396,7 @@ impl BlockPool {
             }
             *rc -= 1;
             match *rc {
-                0 if self.cache.is_cached(id as u32) => self.cache.park(id as u32),
+                0 if self.cache.is_cached(id as u32) => self.cache.park(id as u32, list),
                 0 => self.free.push(id as u32),
                 1 => self.shared -= 1,
                 _ => {}
@@ -610,6 +692,54 @@ mod tests {
         assert!(pool.free(&[0, pages[1]]).is_err());
         assert_eq!(pool.refcount(pages[1]), 1);
         assert_eq!(pool.cache().evictable(), 0);
+        pool.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn partitioned_pages_park_on_their_tenants_list_and_only_its_allocations_evict_them() {
+        let mut pool = BlockPool::new(9, 16).unwrap();
+        pool.partition_by_tenant();
+        let (mut a, mut b): (Vec<u32>, Vec<u32>) = (Vec::new(), Vec::new());
+        pool.allocate_into_for(0, 3, &mut a).unwrap(); // 1 2 3
+        pool.allocate_into_for(1, 3, &mut b).unwrap(); // 4 5 6
+        for (i, &p) in a.iter().chain(&b).enumerate() {
+            pool.register(p, 10 + i as u128, Scope::Tenant(p as usize / 4));
+        }
+        pool.free_counting_by(0, &a, None).unwrap();
+        pool.free_counting_by(1, &b, None).unwrap();
+        assert_eq!(
+            (pool.cache().parked_by(0), pool.cache().parked_by(1)),
+            (3, 3)
+        );
+        assert_eq!((pool.free_count(), pool.available()), (2, 8));
+        pool.check_invariants().unwrap();
+        // Tenant 1 may take the free pages and its own, never tenant 0's.
+        let mut more: Vec<u32> = Vec::new();
+        let err = pool.allocate_into_for(1, 6, &mut more).unwrap_err();
+        assert_eq!(
+            err,
+            KvError::OutOfPages {
+                requested: 6,
+                free: 5
+            }
+        );
+        assert!(more.is_empty());
+        pool.allocate_into_for(1, 4, &mut more).unwrap();
+        assert_eq!(more, vec![7, 8, 6, 5], "free pages, then its oldest");
+        assert_eq!(
+            (pool.cache().parked_by(0), pool.cache().parked_by(1)),
+            (3, 1)
+        );
+        for (i, &p) in a.iter().enumerate() {
+            assert_eq!(pool.cache().lookup(10 + i as u128), Some(p), "kept");
+        }
+        // A hit takes a page off its list; trimming frees the oldest.
+        pool.retain_cached(&[1]).unwrap();
+        assert_eq!(pool.cache().parked_by(0), 2);
+        assert_eq!(pool.trim_parked(0, 1), 1);
+        assert_eq!(pool.cache().lookup(12), None, "page 3, the oldest, went");
+        assert_eq!(pool.forget_tenant(0), 1);
+        assert_eq!(pool.cache().parked_by(0), 0);
         pool.check_invariants().unwrap();
     }
 

@@ -153,7 +153,20 @@ pub struct PrefixCache {
     parked: Vec<bool>,
     evictable: usize,
     evictions: u64,
+    /// Partitioned by tenant (`partition_by_tenant`): per page, the list it is
+    /// parked on (END: the shared list; `num_pages + t`: tenant t's); empty
+    /// when not partitioned. Tenant t's list has its own head and tail at
+    /// `prev`/`next[num_pages + t]`, added when t first parks a page.
+    home: Vec<u32>,
+    /// Partitioned: evictable pages on each tenant's list.
+    parked_by: Vec<usize>,
 }
+
+/// The LRU list a page is parked on: the shared one (END) or a tenant's.
+pub(crate) type List = u32;
+
+/// The shared LRU list.
+pub(crate) const SHARED_LIST: List = END;
 
 impl PrefixCache {
     /// A cache for `num_blocks` pages; 0 for a pool that caches nothing (all
@@ -168,7 +181,50 @@ impl PrefixCache {
             parked: vec![false; num_blocks],
             evictable: 0,
             evictions: 0,
+            home: Vec::new(),
+            parked_by: Vec::new(),
         }
+    }
+
+    /// Give every tenant an LRU list of its own (call before anything is
+    /// parked): a tenant's evictable pages are then evicted only for its own
+    /// allocations (`evict_lru_of`), never by another tenant's. Nothing is
+    /// parked on the shared list any more.
+    pub(crate) fn partition_by_tenant(&mut self) {
+        debug_assert_eq!(self.evictable, 0);
+        self.home = vec![END; self.parked.len()];
+    }
+
+    /// Whether each tenant has its own LRU list.
+    #[inline]
+    pub fn partitioned(&self) -> bool {
+        !self.home.is_empty()
+    }
+
+    /// The list `tenant`'s releases park on: its own when partitioned (made
+    /// on first use), else the shared one.
+    pub(crate) fn list_of(&mut self, tenant: TenantId) -> List {
+        if !self.partitioned() {
+            return SHARED_LIST;
+        }
+        let head = self.parked.len() + tenant;
+        if head >= self.next.len() {
+            self.next.resize(head + 1, 0);
+            self.prev.resize(head + 1, 0);
+            for h in self.parked.len() + self.parked_by.len()..=head {
+                // An empty list: its head is its own newest and oldest.
+                self.next[h] = h as u32;
+                self.prev[h] = h as u32;
+            }
+            self.parked_by.resize(tenant + 1, 0);
+        }
+        head as List
+    }
+
+    /// Evictable pages on `tenant`'s own list (0 when not partitioned).
+    #[inline]
+    pub fn parked_by(&self, tenant: TenantId) -> usize {
+        self.parked_by.get(tenant).copied().unwrap_or(0)
     }
 
     /// The page cached under `key`.
@@ -262,17 +318,24 @@ impl PrefixCache {
         }
     }
 
-    /// A cached page lost its last reference: it becomes the newest evictable one.
-    pub(crate) fn park(&mut self, page: u32) {
+    /// A cached page lost its last reference: it becomes the newest evictable
+    /// one of `list` (`SHARED_LIST`, or a tenant's from `list_of`).
+    #[inline]
+    pub(crate) fn park(&mut self, page: u32, list: List) {
         debug_assert!(self.is_cached(page) && !self.is_parked(page));
+        debug_assert_eq!(list == SHARED_LIST, !self.partitioned());
         let p = page as usize;
-        let newest = self.prev[END as usize];
+        let newest = self.prev[list as usize];
         self.next[newest as usize] = page;
         self.prev[p] = newest;
-        self.next[p] = END;
-        self.prev[END as usize] = page;
+        self.next[p] = list;
+        self.prev[list as usize] = page;
         self.parked[p] = true;
         self.evictable += 1;
+        if list != SHARED_LIST {
+            self.home[p] = list;
+            self.parked_by[list as usize - self.parked.len()] += 1;
+        }
     }
 
     /// An evictable page is referenced again (a cache hit).
@@ -284,6 +347,15 @@ impl PrefixCache {
         self.prev[next as usize] = prev;
         self.parked[p] = false;
         self.evictable -= 1;
+        self.left_home(p, 1);
+    }
+
+    /// Partitioned: `n` pages left the list page `p` was parked on.
+    #[inline]
+    fn left_home(&mut self, p: usize, n: usize) {
+        if let Some(&list) = self.home.get(p) {
+            self.parked_by[list as usize - self.parked.len()] -= n;
+        }
     }
 
     /// Each evictable page of `pages` is referenced again (cache hits; the
@@ -312,6 +384,7 @@ impl PrefixCache {
             self.next[before as usize] = after;
             self.prev[after as usize] = before;
             self.evictable -= j - i;
+            self.left_home(oldest as usize, j - i);
             i = j;
         }
     }
@@ -335,6 +408,19 @@ impl PrefixCache {
         Some(page)
     }
 
+    /// Partitioned: take the least recently released page of `tenant`'s own
+    /// list out of the cache (None: it has none parked).
+    pub(crate) fn evict_lru_of(&mut self, tenant: TenantId) -> Option<u32> {
+        if self.parked_by(tenant) == 0 {
+            return None;
+        }
+        let page = self.next[self.parked.len() + tenant];
+        self.unpark(page);
+        self.forget(page);
+        self.evictions += 1;
+        Some(page)
+    }
+
     fn forget(&mut self, page: u32) {
         let p = page as usize;
         if let Ok(slot) = self.map.find_entry(self.key[p] as u64, |&q| q == page) {
@@ -344,9 +430,21 @@ impl PrefixCache {
     }
 
     /// Evictable pages of `tenant`'s namespace, oldest first (they are forgotten
-    /// when the tenant is removed).
+    /// when the tenant is removed). Partitioned: every page on its own list
+    /// (pages of shared namespaces it released too: its quota goes with it).
     pub(crate) fn parked_of(&self, tenant: TenantId) -> Vec<u32> {
         let mut out = Vec::new();
+        if self.partitioned() {
+            if self.parked_by(tenant) > 0 {
+                let head = (self.parked.len() + tenant) as u32;
+                let mut p = self.next[head as usize];
+                while p != head {
+                    out.push(p);
+                    p = self.next[p as usize];
+                }
+            }
+            return out;
+        }
         let mut p = self.oldest();
         while p != END {
             if self.scope[p as usize] == tenant as u32 {
@@ -390,28 +488,49 @@ impl PrefixCache {
             ));
         }
         let mut walked = 0;
-        let mut p = self.next[END as usize];
-        let mut last = END;
-        while p != END {
-            walked += 1;
-            if walked > self.parked.len() {
-                return Err("the LRU list has a cycle".into());
+        // The shared list, then (partitioned) each tenant's.
+        let heads = std::iter::once(END)
+            .chain((0..self.parked_by.len()).map(|t| (self.parked.len() + t) as u32));
+        for head in heads {
+            let mut on_list = 0;
+            let mut p = self.next[head as usize];
+            let mut last = head;
+            while p != head {
+                walked += 1;
+                on_list += 1;
+                if walked > self.parked.len() {
+                    return Err("the LRU list has a cycle".into());
+                }
+                let i = p as usize;
+                if i >= self.parked.len() || !self.parked[i] || self.prev[i] != last {
+                    return Err(format!("LRU links broken at page {p}"));
+                }
+                if self.scope[i] == NOT_CACHED || refcount[i] != 0 {
+                    return Err(format!(
+                        "evictable page {p} is uncached or referenced ({} refs)",
+                        refcount[i]
+                    ));
+                }
+                if self.home.get(i).is_some_and(|&h| h != head) {
+                    return Err(format!("page {p} is on list {head}, its home is another"));
+                }
+                last = p;
+                p = self.next[i];
             }
-            let i = p as usize;
-            if !self.parked[i] || self.prev[i] != last {
-                return Err(format!("LRU links broken at page {p}"));
+            if self.prev[head as usize] != last {
+                return Err("the LRU tail pointer is stale".into());
             }
-            if self.scope[i] == NOT_CACHED || refcount[i] != 0 {
-                return Err(format!(
-                    "evictable page {p} is uncached or referenced ({} refs)",
-                    refcount[i]
-                ));
+            if head != END {
+                let t = head as usize - self.parked.len();
+                if on_list != self.parked_by[t] {
+                    return Err(format!(
+                        "tenant {t} parks {on_list} pages, its count says {}",
+                        self.parked_by[t]
+                    ));
+                }
+            } else if self.partitioned() && on_list > 0 {
+                return Err("a partitioned cache parked a page on the shared list".into());
             }
-            last = p;
-            p = self.next[i];
-        }
-        if self.prev[END as usize] != last {
-            return Err("the LRU tail pointer is stale".into());
         }
         let parked = self.parked.iter().filter(|&&b| b).count();
         if walked != parked || parked != self.evictable {
@@ -489,7 +608,7 @@ mod tests {
         }
         assert!(!c.register(5, 10, Scope::Tenant(0)), "a key names one page");
         for p in [3, 1, 4, 2] {
-            c.park(p);
+            c.park(p, SHARED_LIST);
         }
         let mut rc = vec![0u32; 8];
         rc[5] = 1;
@@ -517,7 +636,7 @@ mod tests {
         // Released last to first, as a request does: 5 4 3 2 1, then 10 9 8 7 6,
         // then 11.
         for p in [5, 4, 3, 2, 1, 10, 9, 8, 7, 6, 11] {
-            c.park(p);
+            c.park(p, SHARED_LIST);
         }
         let mut rc = vec![0u32; 12];
         // Hits in prompt order: a run (1 2 3), a page not parked (3 again), a

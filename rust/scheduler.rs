@@ -71,7 +71,9 @@ mod stats;
 mod step;
 
 pub use checkpoint::InFlight;
-pub use config::{AdmissionMode, SchedulerConfig, SecretKey, DEFAULT_WATERMARK_BLOCKS};
+pub use config::{
+    AdmissionMode, CachePartition, SchedulerConfig, SecretKey, DEFAULT_WATERMARK_BLOCKS,
+};
 pub use events::{SchedulerEvent, MAX_PENDING_EVENTS};
 pub use lifecycle::Lifecycle;
 pub use request::{FinishReason, FinishedRequest, Request};
@@ -273,7 +275,8 @@ impl Scheduler {
     /// as a whole; on an error nothing changes.
     ///
     /// Restart-only (`RestartRequired` names the knob): num_blocks, block_size,
-    /// token_buckets, admission, prefix_caching, prefix_cache_key; and raising
+    /// token_buckets, admission, prefix_caching, prefix_cache_key,
+    /// prefix_cache_partition; and raising
     /// max_num_seqs, max_seq_len or max_batched_tokens past the plan shape the
     /// scheduler started with (the engine compiled for it). Lowering them is
     /// live: running sequences are not cut, new work obeys. overhead_reserve may
@@ -296,6 +299,9 @@ impl Scheduler {
         }
         if new.prefix_caching != old.prefix_caching {
             return restart("prefix_caching");
+        }
+        if new.prefix_cache_partition != old.prefix_cache_partition {
+            return restart("prefix_cache_partition");
         }
         if new.prefix_cache_key.is_some() && new.prefix_cache_key != old.prefix_cache_key {
             return restart("prefix_cache_key");
@@ -366,6 +372,8 @@ impl Scheduler {
         if old_tier != new_tier {
             self.refile_resuming(tid, new_tier);
         }
+        // A lowered floor lowers its quota of cached blocks (partitioned).
+        self.trim_cache(tid);
         Ok(())
     }
 
@@ -554,6 +562,9 @@ impl Scheduler {
             self.kv.share_hits(&hits)?;
             self.tenants.share(tid, newly_shared, 0);
         }
+        // Its new reservation comes out of the unused floor its cached
+        // blocks were kept in (partitioned).
+        self.trim_cache(tid);
 
         let id = self.requests.next_id();
         self.clock = self.clock.max(now);
@@ -619,6 +630,8 @@ impl Scheduler {
         self.drop_pages(req.tenant, &req.pages);
         self.tenants.release(req.tenant, req.reserved_blocks);
         self.tenants.get_mut(req.tenant).request_ended();
+        // What it released stays cached within the tenant's quota (partitioned).
+        self.trim_cache(req.tenant);
         req
     }
 

@@ -237,6 +237,12 @@ impl Scheduler {
             }
         }
         self.tenants = saved.tenants;
+        // The hits given back parked within the restored tenants' quotas,
+        // unless a restored admission trimmed them away: trim to be sure.
+        let tids: Vec<TenantId> = self.tenants.iter().map(|(t, _)| t).collect();
+        for tid in tids {
+            self.trim_cache(tid);
+        }
         self.rejected = saved.rejected;
         self.ladder = saved.ladder;
         self.events = saved.events;

@@ -34,6 +34,21 @@ impl AdmissionMode {
     }
 }
 
+/// Whose allocations may evict a cached, unreferenced block.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CachePartition {
+    /// One LRU list: any allocation evicts the oldest evictable block of any
+    /// tenant. Best hit rate; a tenant can time other tenants' allocations by
+    /// probing which of its own blocks survived.
+    #[default]
+    Shared,
+    /// One LRU list per tenant: a tenant's evictable blocks are evicted only
+    /// by its own allocations, and it may keep at most its unused floor
+    /// (kv_floor_blocks less what its live requests reserve) of them; blocks
+    /// beyond that are freed as they are released. Reserve admission only.
+    Tenant,
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct SchedulerConfig {
     /// Pages in the pool, the null page included. Restart-only.
@@ -67,6 +82,8 @@ pub struct SchedulerConfig {
     /// The secret that keys block names; None: random for this scheduler.
     /// Hosts that must name blocks alike configure the same one. Restart-only.
     pub prefix_cache_key: Option<SecretKey>,
+    /// Whose allocations may evict a tenant's cached blocks. Restart-only.
+    pub prefix_cache_partition: CachePartition,
     /// The degradation ladder (no rungs: never degrade). Live.
     pub ladder: LadderConfig,
     /// Start cold: refuse requests (`not_ready`) until the engine has warmed up
@@ -105,6 +122,7 @@ impl Default for SchedulerConfig {
             full_validation: false,
             prefix_caching: true,
             prefix_cache_key: None,
+            prefix_cache_partition: CachePartition::Shared,
             ladder: LadderConfig::off(),
             require_warmup: false,
             retry_after_hint_s: 1.0,
@@ -139,6 +157,15 @@ impl SchedulerConfig {
         }
         if !(self.retry_after_hint_s.is_finite() && self.retry_after_hint_s >= 0.0) {
             return bad("retry_after_hint_s must be a non-negative number");
+        }
+        if self.prefix_cache_partition == CachePartition::Tenant
+            && self.admission.preempts_for_pages()
+        {
+            return bad(
+                "prefix_cache_partition=\"tenant\" needs admission=\"reserve\" (over-committed, \
+                 a tenant's page needs are not bounded by its reservations, so no per-tenant \
+                 quota of cached blocks can be promised)",
+            );
         }
         self.buckets()?;
         self.ladder.validate()?;

@@ -178,6 +178,49 @@ impl Scheduler {
                 "reservations and floors ({committed}) exceed the usable pool ({usable})"
             ));
         }
+        if self.cache_partitioned() {
+            self.check_partition()?;
+        }
+        Ok(())
+    }
+
+    /// Partitioned cache: each tenant keeps at most its quota of evictable
+    /// blocks, a removed tenant none, and the free list alone covers every
+    /// page admission promised that no request holds yet, so no allocation
+    /// ever needs a block another tenant cached.
+    fn check_partition(&self) -> Result<(), String> {
+        let cache = self.kv.pool().cache();
+        let mut parked = 0;
+        for tid in 0..self.tenants.slots_len().max(64) {
+            let n = cache.parked_by(tid);
+            parked += n;
+            let quota = match self.tenants.iter().find(|&(id, _)| id == tid) {
+                Some(_) => self.cache_quota(tid),
+                None => 0,
+            };
+            if n > quota {
+                return Err(format!(
+                    "tenant slot {tid} keeps {n} evictable blocks, its quota is {quota}"
+                ));
+            }
+        }
+        if parked != cache.evictable() {
+            return Err(format!(
+                "{parked} blocks parked on tenant lists, {} evictable",
+                cache.evictable()
+            ));
+        }
+        let promised: usize = self
+            .requests
+            .iter()
+            .map(|(_, r)| r.reserved_blocks.saturating_sub(r.pages.len()))
+            .sum();
+        if self.kv.pool().free_count() < promised {
+            return Err(format!(
+                "{} free pages, {promised} promised and not yet held",
+                self.kv.pool().free_count()
+            ));
+        }
         Ok(())
     }
 }

@@ -29,15 +29,22 @@ pub(super) struct KvManager {
     /// Scratch: the blocks a commit filled, named, to cache together
     /// (page, name, namespace scope), in plan order.
     named: Vec<(u32, BlockKey, Scope)>,
+    /// Each tenant's evictable blocks are its own (`CachePartition::Tenant`).
+    partitioned: bool,
 }
 
 impl KvManager {
     pub(super) fn new(config: &SchedulerConfig) -> KvResult<Self> {
-        let pool = BlockPool::with_prefix_cache(
+        let mut pool = BlockPool::with_prefix_cache(
             config.num_blocks,
             config.block_size,
             config.prefix_caching,
         )?;
+        let partitioned = config.prefix_caching
+            && config.prefix_cache_partition == super::config::CachePartition::Tenant;
+        if partitioned {
+            pool.partition_by_tenant();
+        }
         let names = if config.prefix_caching {
             let key = match config.prefix_cache_key {
                 Some(SecretKey(k)) => k,
@@ -54,6 +61,7 @@ impl KvManager {
             block_size: config.block_size,
             block: BlockSize::new(config.block_size),
             named: Vec::new(),
+            partitioned,
         })
     }
 
@@ -204,9 +212,19 @@ impl KvManager {
     /// its own namespace (reserve mode only: sharing earns admission room there).
     fn drop_pages(&mut self, tid: TenantId, pages: &[u32]) -> usize {
         let scope = self.shares_at_submit().then_some(Scope::Tenant(tid));
-        self.pool
-            .free_counting(pages, scope)
-            .expect("a request's pages are allocated and its own")
+        let freed = if self.partitioned {
+            self.pool.free_counting_by(tid, pages, scope)
+        } else {
+            self.pool.free_counting(pages, scope)
+        };
+        freed.expect("a request's pages are allocated and its own")
+    }
+
+    /// Partitioned: free `tid`'s oldest evictable blocks beyond `keep`.
+    fn trim_parked(&mut self, tid: TenantId, keep: usize) {
+        if self.partitioned {
+            self.pool.trim_parked(tid, keep);
+        }
     }
 
     /// Over-committed, a request shares the cached prefix of its tokens when it
@@ -250,7 +268,7 @@ impl KvManager {
                 .reserve_exact(need.max(most.saturating_sub(r.pages.len())));
         }
         self.pool
-            .allocate_into(need, &mut r.pages)
+            .allocate_into_for(r.tenant, need, &mut r.pages)
             .map_err(|e| KvError::Internal(format!("a page the plan counted on is gone: {e}")))?;
         Ok(need)
     }
@@ -294,6 +312,36 @@ impl KvManager {
 }
 
 impl Scheduler {
+    /// Partitioned (`CachePartition::Tenant`): the evictable blocks `tid` may
+    /// keep, its unused floor: kv_floor_blocks less what its live requests
+    /// reserve (pages its own requests share counted once). The reserve
+    /// guarantee holds because they come out of room already promised to it:
+    /// with every tenant's parked blocks within this quota, the free list
+    /// alone holds every page admission promised and no request holds yet,
+    /// so no allocation ever needs another tenant's cached block (see
+    /// `check_invariants`). 0 when not partitioned (nothing to keep apart).
+    pub(crate) fn cache_quota(&self, tid: TenantId) -> usize {
+        let t = self.tenants.get(tid);
+        t.config
+            .kv_floor_blocks
+            .saturating_sub(t.reserved_blocks.saturating_sub(t.shared_blocks))
+    }
+
+    /// Partitioned: bring `tid`'s evictable blocks within its quota (its
+    /// oldest go first); called wherever its reservations, shared pages or
+    /// floor change, or its requests release pages.
+    pub(super) fn trim_cache(&mut self, tid: TenantId) {
+        if self.kv.partitioned {
+            let keep = self.cache_quota(tid);
+            self.kv.trim_parked(tid, keep);
+        }
+    }
+
+    /// Whether each tenant's evictable blocks are its own.
+    pub(crate) fn cache_partitioned(&self) -> bool {
+        self.kv.partitioned
+    }
+
     /// Give back `pages` of a request of `tid`, with the tenant's usage.
     pub(super) fn drop_pages(&mut self, tid: TenantId, pages: &[u32]) {
         let shared = self.kv.drop_pages(tid, pages);
