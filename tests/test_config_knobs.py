@@ -35,6 +35,7 @@ SCHEDULER_KNOBS: dict[str, Any] = {
     "preempt_lower_tiers": True,
     "full_validation": True,
     "prefix_caching": False,
+    "prefix_cache_partition": "tenant",
     "ladder": [
         {
             "signal": "queue_depth",
@@ -52,6 +53,13 @@ WRITE_ONLY = {"prefix_cache_key"}
 # Knobs whose value follows another's unless set: the derived token buckets end
 # at max_batched_tokens; each admission mode has its own default watermark.
 FOLLOWS = {"max_batched_tokens": {"token_buckets"}, "admission": {"watermark_blocks"}}
+# Knobs whose test values exclude each other: a cache partitioned by tenant needs
+# reserve admission. "At once" is checked on sets without such a pair, which
+# between them hold every knob.
+AT_ONCE = [
+    {k: v for k, v in SCHEDULER_KNOBS.items() if k != "prefix_cache_partition"},
+    {k: v for k, v in SCHEDULER_KNOBS.items() if k not in {"admission", "watermark_blocks"}},
+]
 
 TENANT_KNOBS: dict[str, Any] = {
     "name": "gold",
@@ -110,14 +118,26 @@ def test_scheduler_knob_round_trips(knob: str) -> None:
     assert getattr(built.replace(**{other: SCHEDULER_KNOBS[other]}), knob) == value
 
 
-def test_every_scheduler_knob_at_once() -> None:
-    cfg = kvsched.SchedulerConfig(**SCHEDULER_KNOBS)
-    for knob, value in SCHEDULER_KNOBS.items():
+@pytest.mark.parametrize("knobs", AT_ONCE)
+def test_every_scheduler_knob_at_once(knobs: dict[str, Any]) -> None:
+    assert set().union(*AT_ONCE) == set(SCHEDULER_KNOBS)
+    cfg = kvsched.SchedulerConfig(**knobs)
+    for knob, value in knobs.items():
         assert getattr(cfg, knob) == value, knob
         assert f"{knob}={value!r}" in repr(cfg), knob
     assert _rebuild(cfg) == cfg
-    assert kvsched.SchedulerConfig().replace(**SCHEDULER_KNOBS) == cfg
+    assert kvsched.SchedulerConfig().replace(**knobs) == cfg
     assert cfg.replace() == cfg
+
+
+def test_a_partitioned_cache_refuses_overcommit() -> None:
+    with pytest.raises(kvsched.InvalidConfig, match="prefix_cache_partition"):
+        kvsched.SchedulerConfig(prefix_cache_partition="tenant", admission="overcommit")
+    with pytest.raises(kvsched.InvalidConfig, match="prefix_cache_partition"):
+        kvsched.SchedulerConfig(prefix_cache_partition="lru")
+    sched = kvsched.Scheduler(kvsched.SchedulerConfig())
+    with pytest.raises(kvsched.RestartRequired, match="prefix_cache_partition"):
+        sched.reconfigure(prefix_cache_partition="tenant")
 
 
 def test_derived_token_buckets_stay_derived() -> None:

@@ -420,6 +420,7 @@ class SchedulerConfig:
         full_validation: bool | None = None,
         prefix_caching: bool | None = None,
         prefix_cache_key: bytes | None = None,
+        prefix_cache_partition: Literal["shared", "tenant"] | None = None,
         ladder: Literal["default"] | list[LadderRung] | None = None,
         ladder_retry_after_s: float | None = None,
         require_warmup: bool | None = None,
@@ -469,6 +470,11 @@ class SchedulerConfig:
     def prefix_caching(self) -> bool:
         """Whether full blocks already computed for the same prefix (same
         namespace) are reused. The key is write-only: it is never shown."""
+    @property
+    def prefix_cache_partition(self) -> Literal["shared", "tenant"]:
+        """Whose allocations may evict a tenant's cached blocks: "shared" (one
+        LRU for all) or "tenant" (each tenant's own, kept within its unused
+        floor; reserve admission only). Restart-only."""
     @property
     def ladder(self) -> list[LadderRung]:
         """The degradation ladder's rungs, in climbing order (empty: off). Each a
@@ -660,9 +666,9 @@ class Scheduler:
         """Change live knobs, given as SchedulerConfig keyword arguments; effective
         from the next step, validated as a whole, nothing changes on an error.
         Restart-only knobs (num_blocks, block_size, token_buckets, admission,
-        prefix_caching, prefix_cache_key, and raising max_num_seqs, max_seq_len
-        or max_batched_tokens past the plan shape) raise RestartRequired naming
-        the knob."""
+        prefix_caching, prefix_cache_key, prefix_cache_partition, and raising
+        max_num_seqs, max_seq_len or max_batched_tokens past the plan shape)
+        raise RestartRequired naming the knob."""
     def take_events(self) -> list[RungEvent | MaxTokensCappedEvent]:
         """Events since the last call, oldest first: ladder rungs engaged and
         released, requests admitted with max_tokens capped. At most 4096 wait;

@@ -132,6 +132,13 @@ knob_table! {
     /// Whether full blocks already computed for the same prefix (same
     /// namespace) are reused. The key is write-only: it is never shown.
     prefix_caching: bool = |c, py| c.prefix_caching;
+    /// Whose allocations may evict a tenant's cached blocks: "shared" (one
+    /// LRU for all) or "tenant" (each tenant's own, kept within its unused
+    /// floor; reserve admission only). Restart-only.
+    prefix_cache_partition: &'static str = |c, py| match c.prefix_cache_partition {
+        scheduler::CachePartition::Shared => "shared",
+        scheduler::CachePartition::Tenant => "tenant",
+    };
     /// The degradation ladder's rungs, in climbing order (empty: off). Each a
     /// dict: signal, engage, release, action and, for cap_max_tokens and
     /// max_running, value.
@@ -151,7 +158,7 @@ knob_table! {
             max_batched_tokens=None, max_seq_len=None, overhead_reserve=None, max_waiting=None,
             long_prefill_chunk=None, token_buckets=None, admission=None, watermark_blocks=None,
             preempt_lower_tiers=None, full_validation=None, prefix_caching=None,
-            prefix_cache_key=None, ladder=None, ladder_retry_after_s=None, require_warmup=None,
+            prefix_cache_key=None, prefix_cache_partition=None, ladder=None, ladder_retry_after_s=None, require_warmup=None,
             retry_after_hint_s=None))]
         #[allow(clippy::too_many_arguments)]
         fn new(
@@ -170,6 +177,7 @@ knob_table! {
             full_validation: Option<bool>,
             prefix_caching: Option<bool>,
             prefix_cache_key: Option<Vec<u8>>,
+            prefix_cache_partition: Option<&str>,
             ladder: Option<&Bound<'_, PyAny>>,
             ladder_retry_after_s: Option<f64>,
             require_warmup: Option<bool>,
@@ -187,6 +195,17 @@ knob_table! {
                 )?)),
             };
             let d = scheduler::SchedulerConfig::default();
+            let prefix_cache_partition = match prefix_cache_partition {
+                None => d.prefix_cache_partition,
+                Some("shared") => scheduler::CachePartition::Shared,
+                Some("tenant") => scheduler::CachePartition::Tenant,
+                Some(other) => {
+                    return Err(KvError::InvalidConfig(format!(
+                        "prefix_cache_partition must be \"shared\" or \"tenant\", got {other:?}"
+                    ))
+                    .into())
+                }
+            };
             let admission = match (admission.unwrap_or("reserve"), watermark_blocks) {
                 ("reserve", None) => scheduler::AdmissionMode::Reserve,
                 ("overcommit", w) => scheduler::AdmissionMode::Overcommit {
@@ -220,6 +239,7 @@ knob_table! {
                 full_validation: full_validation.unwrap_or(d.full_validation),
                 prefix_caching: prefix_caching.unwrap_or(d.prefix_caching),
                 prefix_cache_key,
+                prefix_cache_partition,
                 ladder: scheduler::SchedulerConfig::default().ladder,
                 require_warmup: require_warmup.unwrap_or(d.require_warmup),
                 retry_after_hint_s: retry_after_hint_s.unwrap_or(d.retry_after_hint_s),

@@ -263,9 +263,9 @@ impl PyScheduler {
     /// Change live knobs, given as SchedulerConfig keyword arguments; effective
     /// from the next step, validated as a whole, nothing changes on an error.
     /// Restart-only knobs (num_blocks, block_size, token_buckets, admission,
-    /// prefix_caching, prefix_cache_key, and raising max_num_seqs, max_seq_len
-    /// or max_batched_tokens past the plan shape) raise RestartRequired naming
-    /// the knob.
+    /// prefix_caching, prefix_cache_key, prefix_cache_partition, and raising
+    /// max_num_seqs, max_seq_len or max_batched_tokens past the plan shape)
+    /// raise RestartRequired naming the knob.
     #[pyo3(signature = (**knobs))]
     fn reconfigure(&self, py: Python<'_>, knobs: Option<&Bound<'_, PyDict>>) -> PyResult<()> {
         // Built from a snapshot, applied only if nobody changed the config in
