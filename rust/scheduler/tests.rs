@@ -213,6 +213,7 @@ mod fairness;
 mod lifecycle;
 mod lifecycle_fuzz;
 mod overload;
+mod partition;
 mod plan_rows_fuzz;
 mod planning;
 mod preemption;

@@ -143,6 +143,8 @@ fn run(
     chunk: usize,
     tiers: [u32; 4],
     ns0: [u8; 4],
+    partition: CachePartition,
+    floor0: usize,
 ) -> Result<(), TestCaseError> {
     let c = SchedulerConfig {
         num_blocks: pages + 1,
@@ -161,6 +163,7 @@ fn run(
             AdmissionMode::Reserve
         },
         preempt_lower_tiers: preempt,
+        prefix_cache_partition: partition,
         ..SchedulerConfig::default()
     };
     let mut f = Fz {
@@ -175,6 +178,8 @@ fn run(
         let mut tc = TenantConfig::new(TN[t]);
         tc.tier = tiers[t];
         tc.prefix_namespace = namespace(ns0[t]);
+        // Floors give a partitioned tenant room to keep cached blocks in.
+        tc.kv_floor_blocks = floor0.min(f.h.s.usable_blocks() / 4);
         f.h.s.add_tenant(tc).unwrap();
         f.incarnation[t] = f.next_inc;
         f.next_inc += 1;
@@ -313,13 +318,13 @@ proptest! {
     fn a_request_reads_only_kv_of_its_namespace_and_salt_in_reserve_mode(ops in ops(&PREFIX_MIX, 1..200), preempt in any::<bool>(),
                      bs in 1usize..9, seqs in 1usize..6, chunk in 1usize..30, pages in 10usize..60,
                      tiers in prop::array::uniform4(0u32..3), ns0 in prop::array::uniform4(0u8..3), ovh in prop::sample::select(vec![0.0, 0.1, 0.3]), mbt in prop::sample::select(vec![4usize, 8, 24, 64]), one_fam in any::<bool>()) {
-        run(ops, one_fam, false, 0, ovh, mbt, preempt, bs, pages, seqs, chunk, tiers, ns0)?;
+        run(ops, one_fam, false, 0, ovh, mbt, preempt, bs, pages, seqs, chunk, tiers, ns0, CachePartition::Shared, 0)?;
     }
     #[test]
     fn a_request_reads_only_kv_of_its_namespace_and_salt_over_committed(ops in ops(&PREFIX_MIX, 1..200), preempt in any::<bool>(),
                   bs in 1usize..9, seqs in 1usize..6, chunk in 1usize..30, pages in 8usize..40,
                   tiers in prop::array::uniform4(0u32..3), ns0 in prop::array::uniform4(0u8..3), wm in 0usize..3, ovh in prop::sample::select(vec![0.0, 0.1, 0.3]), mbt in prop::sample::select(vec![4usize, 8, 24, 64]), one_fam in any::<bool>()) {
-        run(ops, one_fam, true, wm, ovh, mbt, preempt, bs, pages, seqs, chunk, tiers, ns0)?;
+        run(ops, one_fam, true, wm, ovh, mbt, preempt, bs, pages, seqs, chunk, tiers, ns0, CachePartition::Shared, 0)?;
     }
 }
 
@@ -329,6 +334,25 @@ proptest! {
     fn a_request_reads_only_kv_of_its_namespace_and_salt_in_a_tiny_pool(ops in ops(&PREFIX_MIX, 1..250), preempt in any::<bool>(), over in any::<bool>(),
                      bs in 1usize..5, seqs in 1usize..8, chunk in 1usize..30, pages in 4usize..16,
                      tiers in prop::array::uniform4(0u32..3), ns0 in prop::array::uniform4(0u8..2), wm in 0usize..3, mbt in prop::sample::select(vec![8usize, 24, 64])) {
-        run(ops, true, over, wm, 0.0, mbt, preempt, bs, pages, seqs, chunk, tiers, ns0)?;
+        run(ops, true, over, wm, 0.0, mbt, preempt, bs, pages, seqs, chunk, tiers, ns0, CachePartition::Shared, 0)?;
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 100, ..ProptestConfig::default() })]
+    /// The same runs with the cache partitioned by tenant (reserve mode): the
+    /// invariants add each tenant's quota and a free list that covers every
+    /// promised page, and no step ever finds a page the plan counted on gone.
+    #[test]
+    fn a_request_reads_only_kv_of_its_namespace_and_salt_partitioned(ops in ops(&PREFIX_MIX, 1..200), preempt in any::<bool>(),
+                     bs in 1usize..9, seqs in 1usize..6, chunk in 1usize..30, pages in 10usize..60,
+                     tiers in prop::array::uniform4(0u32..3), ns0 in prop::array::uniform4(0u8..3), ovh in prop::sample::select(vec![0.0, 0.1, 0.3]), mbt in prop::sample::select(vec![4usize, 8, 24, 64]), one_fam in any::<bool>(), floor0 in 0usize..3) {
+        run(ops, one_fam, false, 0, ovh, mbt, preempt, bs, pages, seqs, chunk, tiers, ns0, CachePartition::Tenant, floor0)?;
+    }
+    #[test]
+    fn a_request_reads_only_kv_of_its_namespace_and_salt_partitioned_in_a_tiny_pool(ops in ops(&PREFIX_MIX, 1..250), preempt in any::<bool>(),
+                     bs in 1usize..5, seqs in 1usize..8, chunk in 1usize..30, pages in 4usize..16,
+                     tiers in prop::array::uniform4(0u32..3), ns0 in prop::array::uniform4(0u8..2), mbt in prop::sample::select(vec![8usize, 24, 64]), floor0 in 0usize..2) {
+        run(ops, true, false, 0, 0.0, mbt, preempt, bs, pages, seqs, chunk, tiers, ns0, CachePartition::Tenant, floor0)?;
     }
 }
