@@ -23,6 +23,12 @@
 //! the pool hands it out again (dropping its name) only when no free page is
 //! left. A request releases its pages last to first, so a chain's tail is
 //! evicted before its head: the head is the part other prompts share.
+//!
+//! Partitioned by tenant (`partition_by_tenant`), each tenant parks on a list
+//! of its own and only its own allocations evict from it, so no tenant can
+//! learn another's allocations from which of its own blocks survived; the
+//! scheduler keeps each list within the tenant's quota (see
+//! `Scheduler::cache_quota`).
 
 mod naming;
 

@@ -191,7 +191,7 @@ impl Scheduler {
     fn check_partition(&self) -> Result<(), String> {
         let cache = self.kv.pool().cache();
         let mut parked = 0;
-        for tid in 0..self.tenants.slots_len().max(64) {
+        for tid in 0..self.tenants.slots_len() {
             let n = cache.parked_by(tid);
             parked += n;
             let quota = match self.tenants.iter().find(|&(id, _)| id == tid) {
