@@ -276,6 +276,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
                 n_tokens[rid] += len(out.token_ids)
             if out.finished:
                 ended[out.request_id] = (labels[out.request_id][0], out.finish_reason)
+                if out.finish_reason == "shed":  # displaced for a higher tier: refused after all
+                    who = rejected[labels[out.request_id][0]]
+                    who["displaced"] = who.get("displaced", 0) + 1
         progress(sched, steps, len(ended) + sum(sum(r.values()) for r in rejected.values()),
                  tokens, time.monotonic() - start)  # fmt: skip
     elapsed = time.monotonic() - start
@@ -296,7 +299,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     # from the core's FinishedRequest where there is one.
     table: dict[str, dict[str, Any]] = {}
     for name in names:
-        mine = [rid for rid, (t, _) in labels.items() if t == name and rid in ended]
+        mine = [rid for rid, (t, _) in labels.items()
+                if t == name and rid in ended and ended[rid][1] != "shed"]  # fmt: skip
         ttft = [first_at[r] - submitted_at[r] for r in mine if r in first_at]
         itl = [(last_at[r] - first_at[r]) / (n_tokens[r] - 1) for r in mine if n_tokens[r] > 1]
         cached = [f for f in finished if f.tenant == name]

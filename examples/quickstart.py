@@ -86,6 +86,12 @@ def main(seed: int = 0, n_requests: int = 300, quiet: bool = False) -> dict[str,
         events = sched.commit(plan, sampled, now=now)
         finished.extend(events.finished)
         steps += 1
+    finished.extend(sched.take_finished())  # ended outside a commit, not yet delivered
+    # A request displaced for a higher tier (reason "shed") was refused after all.
+    for f in finished:
+        if f.reason == "shed":
+            rejected[f.tenant]["displaced"] = rejected[f.tenant].get("displaced", 0) + 1
+    finished = [f for f in finished if f.reason != "shed"]
 
     stats = sched.stats(now=now)
     table: dict[str, dict[str, Any]] = {}

@@ -54,7 +54,7 @@ use crate::ladder::{Ladder, LadderConfig, LadderMove, Pressure};
 use crate::metrics::{Histogram, TenantMetrics};
 use crate::planner::{self, DecodeSeq, PlanBuffers, PlanShape, RowCache, SeqSlice};
 use crate::pool::{BlockPool, BlockSize};
-use crate::prefix::{BlockKey, Namespace, PrefixHasher, Scope};
+use crate::prefix::{BlockChain, BlockKey, Namespace, PrefixHasher, Scope};
 use crate::tenant::{TenantConfig, TenantId, Tenants};
 
 mod checkpoint;
@@ -154,6 +154,8 @@ pub struct Scheduler {
     next_row_key: u64,
     rejected: [u64; RejectReason::COUNT],
     preemptions: u64,
+    /// Requests ended `Shed` to make room for a higher tier, since start.
+    displaced: u64,
     /// Scratch: tokens served per tenant slot in the step being planned.
     served: Vec<usize>,
     /// Scratch: slots whose committed tokens filled a block, to name.
@@ -206,6 +208,7 @@ impl Scheduler {
             next_row_key: 1,
             rejected: [0; RejectReason::COUNT],
             preemptions: 0,
+            displaced: 0,
             served: Vec::new(),
             filled: Vec::new(),
             unreported_preempted: Vec::new(),
@@ -341,6 +344,23 @@ impl Scheduler {
     pub fn max_running(&self) -> usize {
         let cap = self.ladder.effects().max_running.unwrap_or(usize::MAX);
         self.config.max_num_seqs.min(cap)
+    }
+
+    /// Most sequences running at once while a request of `tier` enters: the
+    /// ladder's max_running rung binds the tiers below the top one (and every
+    /// tier when all tenants share one); the top tier is bounded by
+    /// max_num_seqs alone, so the rung gives the top tier the slots it takes
+    /// from the others.
+    pub fn max_running_for(&self, tier: u32) -> usize {
+        if self.ladder.effects().max_running.is_none() {
+            return self.config.max_num_seqs;
+        }
+        let (top, lowest) = self.tier_range();
+        if top < lowest && tier == top {
+            self.config.max_num_seqs
+        } else {
+            self.max_running()
+        }
     }
 
     // -- tenants ----------------------------------------------------------------
@@ -484,22 +504,22 @@ impl Scheduler {
         }
         self.update_ladder(now);
         let effects = self.ladder.effects();
+        // The ladder degrades the lower tiers and spares the top one: the
+        // max_tokens cap and reject-fast apply to every tier but the top (to
+        // everyone when all tenants share one tier), shedding to the lowest.
+        let (top, lowest) = self.tier_range();
+        let tier = self.tenants.get(tid).config.tier;
+        let spared = top < lowest && tier == top;
         let asked = max_tokens;
         let max_tokens = match effects.cap_max_tokens {
-            Some(c) if restored.is_empty() => max_tokens.min(c),
+            Some(c) if restored.is_empty() && !spared => max_tokens.min(c),
             _ => max_tokens,
         };
-        let shed_tier = if effects.shed_lowest_tier {
-            let tiers = self.tenants.iter().map(|(_, t)| t.config.tier);
-            let (lo, hi) = tiers.fold((u32::MAX, 0), |(lo, hi), t| (lo.min(t), hi.max(t)));
-            // The lowest tier, never the only one.
-            (hi > lo).then_some(hi)
-        } else {
-            None
-        };
+        // The lowest tier, never the only one.
+        let shed_tier = (effects.shed_lowest_tier && top < lowest).then_some(lowest);
         let capacity = Capacity {
             shed_tier,
-            reject_fast_would_wait: effects.reject_fast && self.would_wait(tid),
+            reject_fast_would_wait: effects.reject_fast && !spared && self.would_wait(tid),
             shed_retry_after: self.ladder.config().retry_after_s,
             block_size: self.config.block_size,
             max_seq_len: self.config.max_seq_len,
@@ -515,27 +535,58 @@ impl Scheduler {
         let mut hits: Vec<u32> = Vec::new();
         let mut chain = self.kv.chain(namespace.root);
         let mut newly_shared = 0;
-        let decision = {
-            let kv = &self.kv;
-            let (hits, chain, newly_shared) = (&mut hits, &mut chain, &mut newly_shared);
-            admission::decide(
-                self.tenants.get(tid),
-                &capacity,
-                prompt,
-                max_tokens,
-                now,
-                || {
-                    // Over-committed, waiting requests must not pin pages (nothing
-                    // could preempt them): the lookup waits for entry.
-                    *newly_shared = kv.lookup_at_submit(tid, prompt, hits, chain);
-                    *newly_shared
-                },
-                |room| self.room_wait(tid, room),
-            )
-        };
+        let mut room = None;
+        let decision = self.decide(
+            tid,
+            &capacity,
+            prompt,
+            max_tokens,
+            now,
+            (&mut hits, &mut chain, &mut newly_shared),
+            &mut room,
+        );
         let admit = match decision {
             Ok(a) => a,
-            Err(rejection) => return Err(self.reject(Some(tid), rejection)),
+            Err(rejection) => {
+                // A global limit (the live-request cap, the pool) that lower
+                // tiers hold: displace some of them if that is enough.
+                let limit = match (rejection.reason, room) {
+                    (RejectReason::Concurrency, Some(Room::Requests(_))) => "concurrency",
+                    (RejectReason::PoolFull, Some(Room::Pool { .. })) => "pool_full",
+                    _ => return Err(self.reject(Some(tid), rejection)),
+                };
+                let Some(victims) =
+                    self.displacement(tid, &capacity, prompt, max_tokens, now, namespace.root)
+                else {
+                    return Err(self.reject(Some(tid), rejection));
+                };
+                for slab in victims {
+                    self.end_displaced(slab, tid, limit, now);
+                }
+                let capacity = Capacity {
+                    committed_blocks: self.tenants.committed(),
+                    live_requests: self.requests.len(),
+                    ..capacity
+                };
+                hits.clear();
+                chain = self.kv.chain(namespace.root);
+                newly_shared = 0;
+                let again = self.decide(
+                    tid,
+                    &capacity,
+                    prompt,
+                    max_tokens,
+                    now,
+                    (&mut hits, &mut chain, &mut newly_shared),
+                    &mut None,
+                );
+                // `displacement` counts the room it frees conservatively.
+                debug_assert!(again.is_ok(), "displacement fell short: {again:?}");
+                match again {
+                    Ok(a) => a,
+                    Err(rejection) => return Err(self.reject(Some(tid), rejection)),
+                }
+            }
         };
 
         // An idle tenant rejoins at the lowest virtual time of its tier's active
@@ -593,6 +644,7 @@ impl Scheduler {
             preemptions: 0,
             cache_salt: opts.cache_salt.map(<[u8]>::to_vec),
             waiting_since: now,
+            asked_max_tokens: asked,
         };
         let slab = self.requests.insert(req);
         self.tenants.get_mut(tid).waiting.push_back(slab);
@@ -607,6 +659,150 @@ impl Scheduler {
             });
         }
         Ok(id)
+    }
+
+    /// The top (smallest) and lowest (largest) tier among the tenants.
+    fn tier_range(&self) -> (u32, u32) {
+        let tiers = self.tenants.iter().map(|(_, t)| t.config.tier);
+        tiers.fold((u32::MAX, 0), |(lo, hi), t| (lo.min(t), hi.max(t)))
+    }
+
+    /// `admission::decide` for tenant `tid` now. `lookup` receives the prefix
+    /// hits (when the pool is consulted); `room` the room a capacity refusal
+    /// waits for.
+    #[allow(clippy::too_many_arguments)]
+    fn decide(
+        &self,
+        tid: TenantId,
+        capacity: &Capacity,
+        prompt: &[i32],
+        max_tokens: usize,
+        now: f64,
+        lookup: (&mut Vec<u32>, &mut BlockChain, &mut usize),
+        room: &mut Option<Room>,
+    ) -> Result<admission::Admission, Rejection> {
+        let kv = &self.kv;
+        let (hits, chain, newly_shared) = lookup;
+        admission::decide(
+            self.tenants.get(tid),
+            capacity,
+            prompt,
+            max_tokens,
+            now,
+            || {
+                // Over-committed, waiting requests must not pin pages (nothing
+                // could preempt them): the lookup waits for entry.
+                *newly_shared = kv.lookup_at_submit(tid, prompt, hits, chain);
+                *newly_shared
+            },
+            |r| {
+                *room = Some(r);
+                self.room_wait(tid, r)
+            },
+        )
+    }
+
+    /// The requests to end (`Shed`) so that a request of `tid`, refused for a
+    /// global limit (the live-request cap or the pool), passes; None when
+    /// ending every candidate would not be enough, or when something else
+    /// would still refuse it. Nothing changes here: the caller ends them.
+    ///
+    /// Candidates are requests of lower tiers (larger numbers) that have not
+    /// entered the running set (their tenant's queue) and, with
+    /// `preempt_lower_tiers`, also running and preempted ones. Taken lowest
+    /// tier first; within a tier, those that never ran first, newest first;
+    /// just as many as needed. A tenant's own limits (its max_concurrent, its
+    /// cap) are not displaced for: they bound that tenant alone.
+    ///
+    /// The room is counted conservatively: a victim's tenant gives back its
+    /// reservation, less every page the victim referenced in case each was
+    /// one its tenant counted as shared (a floor holds what it holds).
+    fn displacement(
+        &self,
+        tid: TenantId,
+        capacity: &Capacity,
+        prompt: &[i32],
+        max_tokens: usize,
+        now: f64,
+        root: BlockKey,
+    ) -> Option<Vec<usize>> {
+        let tier = self.tenants.get(tid).config.tier;
+        let preempt = self.config.preempt_lower_tiers;
+        let mut candidates: Vec<(std::cmp::Reverse<u32>, bool, std::cmp::Reverse<u64>, usize)> =
+            Vec::new();
+        for (_, t) in self.tenants.iter().filter(|(_, t)| t.config.tier > tier) {
+            let lower = std::cmp::Reverse(t.config.tier);
+            for &slab in &t.waiting {
+                let r = self.requests.get(slab);
+                let started = r.first_scheduled.is_some();
+                if preempt || !started {
+                    candidates.push((lower, started, std::cmp::Reverse(r.id), slab));
+                }
+            }
+        }
+        if preempt {
+            for (slab, r) in self.requests.iter() {
+                let t = self.tenants.get(r.tenant);
+                if t.config.tier > tier && !matches!(r.place, Place::Queued) {
+                    let lower = std::cmp::Reverse(t.config.tier);
+                    candidates.push((lower, true, std::cmp::Reverse(r.id), slab));
+                }
+            }
+        }
+        if candidates.is_empty() {
+            return None;
+        }
+        candidates.sort_unstable();
+        // Per victim tenant: (reservation given back, pages referenced).
+        let mut freed: HashMap<TenantId, (usize, usize)> = HashMap::new();
+        let mut victims = Vec::new();
+        // The prefix lookup, once, when the pool is consulted (other tenants'
+        // endings do not change what the tenant's own requests share).
+        let shared = std::cell::OnceCell::new();
+        let shared_hits = || {
+            *shared.get_or_init(|| {
+                let (mut hits, mut chain) = (Vec::new(), self.kv.chain(root));
+                self.kv.lookup_at_submit(tid, prompt, &mut hits, &mut chain)
+            })
+        };
+        for (_, _, _, slab) in candidates {
+            let r = self.requests.get(slab);
+            let e = freed.entry(r.tenant).or_default();
+            e.0 += r.reserved_blocks;
+            e.1 += r.pages.len();
+            victims.push(slab);
+            let released: usize = freed
+                .iter()
+                .map(|(&v, &(blocks, pages))| {
+                    let t = self.tenants.get(v);
+                    let after = (t.reserved_blocks - blocks)
+                        .saturating_sub(t.shared_blocks.saturating_sub(pages))
+                        .max(t.config.kv_floor_blocks);
+                    t.footprint().saturating_sub(after)
+                })
+                .sum();
+            let hypothetical = Capacity {
+                committed_blocks: capacity.committed_blocks - released,
+                live_requests: capacity.live_requests - victims.len(),
+                ..*capacity
+            };
+            let decision = admission::decide(
+                self.tenants.get(tid),
+                &hypothetical,
+                prompt,
+                max_tokens,
+                now,
+                shared_hits,
+                |_| None,
+            );
+            match decision {
+                Ok(_) => return Some(victims),
+                Err(r)
+                    if matches!(r.reason, RejectReason::Concurrency | RejectReason::PoolFull) => {}
+                Err(_) => return None,
+            }
+        }
+        None
     }
 
     /// Count a refusal (for its tenant too, when it has one) and turn it into

@@ -134,13 +134,18 @@ def test_non_finite_now_is_invalid(sched):
 
 
 def test_concurrency_limits(sched):
-    for _ in range(3):
-        sched.submit("bulk", ids(4), 4, now=0.0)
+    bulk = [sched.submit("bulk", ids(4), 4, now=0.0) for _ in range(3)]
     with pytest.raises(kvsched.Rejected) as e:
         sched.submit("bulk", ids(4), 4, now=0.0)
     assert e.value.reason == "concurrency"
     for _ in range(9):  # 12 = max_num_seqs 8 + max_waiting 4
         sched.submit("gold", ids(4), 4, now=0.0)
+    # Gold (tier 0) takes the places of bulk's waiting requests (issue 14),
+    # newest first, each ended "shed"; with none left, it is refused.
+    for _ in range(3):
+        sched.submit("gold", ids(4), 4, now=0.0)
+    shed = sched.take_finished()
+    assert [(f.request_id, f.reason) for f in shed] == [(b, "shed") for b in reversed(bulk)]
     with pytest.raises(kvsched.Rejected) as e:
         sched.submit("gold", ids(4), 4, now=0.0)
     assert e.value.reason == "concurrency"

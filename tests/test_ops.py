@@ -50,6 +50,9 @@ def test_ladder_config_round_trips_and_bad_rungs_are_typed():
 
 def test_the_ladder_sheds_the_lowest_tier_caps_and_says_so():
     sched = make(ladder=RUNGS, ladder_retry_after_s=0.25)
+    # A middle tier: the ladder caps max_tokens below the top tier only (issue 14).
+    sched.update_tenant(kvsched.TenantConfig("bulk", tier=2), now=0.0)
+    sched.add_tenant(kvsched.TenantConfig("silver", tier=1))
     for _ in range(4):  # 4 x 16 blocks of 120: past half the pool
         sched.submit("bulk", ids(8), 120, now=0.0)
     with pytest.raises(kvsched.Rejected) as e:
@@ -60,19 +63,22 @@ def test_the_ladder_sheds_the_lowest_tier_caps_and_says_so():
     events = sched.take_events()
     assert [(ev["kind"], ev["rung"]) for ev in events] == [("rung_engaged", 0)]
     assert events[0]["pressure"]["reserved_share"] >= 0.5
-    # Queue depth 6: rung 1 caps the next admission at 6 tokens.
-    capped = sched.submit("gold", ids(8), 50, now=0.0)
+    # Queue depth 6: rung 1 caps the next admission at 6 tokens (of a tier
+    # below the top: tier 0 is never capped).
+    capped = sched.submit("silver", ids(8), 50, now=0.0)
     events = sched.take_events()
     assert [ev["kind"] for ev in events] == ["rung_engaged", "max_tokens_capped"]
-    assert events[1] == {"kind": "max_tokens_capped", "request_id": capped, "tenant": "gold",
+    assert events[1] == {"kind": "max_tokens_capped", "request_id": capped, "tenant": "silver",
                          "asked": 50, "admitted": 6, "at": 0.0}  # fmt: skip
+    uncapped = sched.submit("gold", ids(8), 50, now=0.0)
+    assert sched.take_events() == []
     st = sched.stats(now=0.0)
     assert st["ladder"]["level"] == 2
     assert [r["climbs"] for r in st["ladder"]["rungs"]] == [1, 1]
     assert st["tenants"]["bulk"]["rejected"]["shed"] == 1
     assert gold != capped and st["events_dropped"] == 0
     # Once the load is gone, both rungs release, in reverse order.
-    for rid in range(1, capped + 1):
+    for rid in range(1, uncapped + 1):
         sched.cancel(rid)
     assert sched.step(now=1.0) is None
     assert [(ev["kind"], ev["rung"]) for ev in sched.take_events()] == [

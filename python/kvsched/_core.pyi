@@ -61,7 +61,7 @@ _RejectReason = Literal[
 ]
 _Lifecycle = Literal["cold", "warming", "ready", "draining", "drained"]
 _Admission = Literal["reserve", "overcommit"]
-_FinishReason = Literal["length", "stop", "cancelled", "drain_deadline"]
+_FinishReason = Literal["length", "stop", "cancelled", "drain_deadline", "shed"]
 _LadderSignal = Literal["reserved_share", "queue_depth", "oldest_wait_s"]
 _LadderAction = Literal["shed_lowest_tier", "cap_max_tokens", "max_running", "reject_fast"]
 
@@ -205,6 +205,7 @@ class SchedulerStats(TypedDict):
     waiting: int
     steps: int
     preemptions: int
+    displaced: int
     rejected: RejectionCounts
     step_gap: Histogram
     lifecycle: _Lifecycle
@@ -232,6 +233,20 @@ class MaxTokensCappedEvent(TypedDict):
     tenant: str
     asked: int
     admitted: int
+    at: float
+
+@type_check_only
+class DisplacedEvent(TypedDict):
+    """A lower-tier request ended "shed" to make room for a request of
+    `by_tenant` (a higher tier) that the global `limit` would have refused
+    (Scheduler.take_events()); `ran`: it had entered the running set."""
+
+    kind: Literal["displaced"]
+    request_id: int
+    tenant: str
+    by_tenant: str
+    limit: Literal["concurrency", "pool_full"]
+    ran: bool
     at: float
 
 @type_check_only
@@ -613,7 +628,14 @@ class Scheduler:
         before a step period is measured; None when even all running requests
         ending would not make room. None for refusals that can never pass
         (too_long, invalid, unknown_tenant, a request over its tenant's cap or
-        burst, or, over-committed, over the pool)."""
+        burst, or, over-committed, over the pool).
+
+        A request the scheduler's global limits (the live-request cap
+        max_num_seqs + max_waiting, the pool) would refuse displaces requests of
+        lower tiers when that makes room, all or nothing: those not yet running
+        (with preempt_lower_tiers, running ones too), lowest tier and newest
+        first. Each ends with a FinishedRequest, reason "shed", with a
+        retry_after (delivered like a cancel's; a "displaced" event is logged)."""
     def cancel(self, request_id: int, /, *, now: float | None = None) -> bool:
         """Cancel a request: its pages and reservation are released at once, and
         its terminal event (a FinishedRequest, reason "cancelled", the tokens
@@ -669,7 +691,7 @@ class Scheduler:
         prefix_caching, prefix_cache_key, prefix_cache_partition, and raising
         max_num_seqs, max_seq_len or max_batched_tokens past the plan shape)
         raise RestartRequired naming the knob."""
-    def take_events(self) -> list[RungEvent | MaxTokensCappedEvent]:
+    def take_events(self) -> list[RungEvent | MaxTokensCappedEvent | DisplacedEvent]:
         """Events since the last call, oldest first: ladder rungs engaged and
         released, requests admitted with max_tokens capped. At most 4096 wait;
         older ones are dropped and counted in stats()["events_dropped"]."""
@@ -791,8 +813,10 @@ class FinishedRequest:
     @property
     def reason(self) -> _FinishReason:
         """ "length" (max_tokens reached), "stop" (a stop token was sampled, or
-        Scheduler.stop), "cancelled" (Scheduler.cancel) or "drain_deadline"
-        (unfinished at the drain's deadline, handed back)."""
+        Scheduler.stop), "cancelled" (Scheduler.cancel), "drain_deadline"
+        (unfinished at the drain's deadline, handed back) or "shed" (displaced
+        by a higher tier's request that a global limit would have refused; see
+        retry_after)."""
     @property
     def prompt_len(self) -> int: ...
     @property
@@ -813,6 +837,21 @@ class FinishedRequest:
     @property
     def cached_tokens(self) -> int:
         """Prompt tokens served from the prefix cache (not computed for it)."""
+    @property
+    def asked_max_tokens(self) -> int:
+        """The max_tokens the caller asked for."""
+    @property
+    def max_tokens(self) -> int:
+        """The max_tokens it was admitted with: less than asked_max_tokens when
+        the ladder's cap_max_tokens rung lowered it (see max_tokens_capped)."""
+    @property
+    def retry_after(self) -> float | None:
+        """Seconds after which a retry may pass: set for a request ended "shed",
+        None otherwise."""
+    @property
+    def max_tokens_capped(self) -> bool:
+        """Whether the ladder lowered its max_tokens at admission: a "length"
+        ending then stopped short of what was asked."""
     @property
     def ttft(self) -> float:
         """Submit to first token."""

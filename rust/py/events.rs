@@ -19,8 +19,10 @@ pub struct PyFinishedRequest {
     #[pyo3(get)]
     tenant: String,
     /// "length" (max_tokens reached), "stop" (a stop token was sampled, or
-    /// Scheduler.stop), "cancelled" (Scheduler.cancel) or "drain_deadline"
-    /// (unfinished at the drain's deadline, handed back).
+    /// Scheduler.stop), "cancelled" (Scheduler.cancel), "drain_deadline"
+    /// (unfinished at the drain's deadline, handed back) or "shed" (displaced
+    /// by a higher tier's request that a global limit would have refused; see
+    /// retry_after).
     #[pyo3(get)]
     reason: &'static str,
     #[pyo3(get)]
@@ -43,6 +45,17 @@ pub struct PyFinishedRequest {
     /// Prompt tokens served from the prefix cache (not computed for it).
     #[pyo3(get)]
     cached_tokens: usize,
+    /// The max_tokens the caller asked for.
+    #[pyo3(get)]
+    asked_max_tokens: usize,
+    /// The max_tokens it was admitted with: less than asked_max_tokens when
+    /// the ladder's cap_max_tokens rung lowered it (see max_tokens_capped).
+    #[pyo3(get)]
+    max_tokens: usize,
+    /// Seconds after which a retry may pass: set for a request ended "shed",
+    /// None otherwise.
+    #[pyo3(get)]
+    retry_after: Option<f64>,
 }
 
 #[pymethods]
@@ -56,6 +69,12 @@ impl PyFinishedRequest {
     #[getter]
     fn e2e(&self) -> f64 {
         self.finished - self.arrival
+    }
+    /// Whether the ladder lowered its max_tokens at admission: a "length"
+    /// ending then stopped short of what was asked.
+    #[getter]
+    fn max_tokens_capped(&self) -> bool {
+        self.asked_max_tokens > self.max_tokens
     }
     /// Submit to first entering the running set.
     #[getter]
@@ -88,6 +107,9 @@ impl PyFinishedRequest {
             finished: f.finished,
             preemptions: f.preemptions,
             cached_tokens: f.cached_tokens,
+            asked_max_tokens: f.asked_max_tokens,
+            max_tokens: f.max_tokens,
+            retry_after: f.retry_after,
         }
     }
 }
@@ -167,6 +189,22 @@ pub(super) fn event_dict<'py>(py: Python<'py>, e: &SchedulerEvent) -> PyResult<B
             d.set_item("tenant", tenant)?;
             d.set_item("asked", asked)?;
             d.set_item("admitted", admitted)?;
+            d.set_item("at", at)?;
+        }
+        SchedulerEvent::Displaced {
+            request,
+            tenant,
+            by_tenant,
+            limit,
+            ran,
+            at,
+        } => {
+            d.set_item("kind", "displaced")?;
+            d.set_item("request_id", request)?;
+            d.set_item("tenant", tenant)?;
+            d.set_item("by_tenant", by_tenant)?;
+            d.set_item("limit", limit)?;
+            d.set_item("ran", ran)?;
             d.set_item("at", at)?;
         }
     }

@@ -132,6 +132,13 @@ impl PyScheduler {
     /// ending would not make room. None for refusals that can never pass
     /// (too_long, invalid, unknown_tenant, a request over its tenant's cap or
     /// burst, or, over-committed, over the pool).
+    ///
+    /// A request the scheduler's global limits (the live-request cap
+    /// max_num_seqs + max_waiting, the pool) would refuse displaces requests of
+    /// lower tiers when that makes room, all or nothing: those not yet running
+    /// (with preempt_lower_tiers, running ones too), lowest tier and newest
+    /// first. Each ends with a FinishedRequest, reason "shed", with a
+    /// retry_after (delivered like a cancel's; a "displaced" event is logged).
     #[pyo3(signature = (tenant, prompt_ids, max_tokens, *, stop_token_ids=None,
         cache_salt=None, now=None))]
     #[allow(clippy::too_many_arguments)]

@@ -147,6 +147,7 @@ fn stats_dict<'py>(
     out.set_item("waiting", st.waiting)?;
     out.set_item("steps", st.steps)?;
     out.set_item("preemptions", st.preemptions)?;
+    out.set_item("displaced", st.displaced)?;
     out.set_item("rejected", reasons_dict(py, &st.rejected)?)?;
     out.set_item("step_gap", histogram_dict(py, &st.step_gap)?)?;
     Ok(out)

@@ -103,6 +103,39 @@ impl Scheduler {
             finished: now,
             preemptions: req.preemptions,
             cached_tokens: req.cached_tokens,
+            asked_max_tokens: req.asked_max_tokens,
+            max_tokens: req.max_tokens,
+            retry_after: (reason == FinishReason::Shed).then(|| self.ladder.config().retry_after_s),
         }
+    }
+
+    /// End live request `slab` as `Shed`: displaced at `now` by a request of
+    /// tenant `by` (a higher tier) that `limit` ("concurrency" or "pool_full")
+    /// would have refused. Its pages and reservation go back, it is counted
+    /// (cancelled, and in `displaced`), a `Displaced` event is logged, and its
+    /// terminal event is queued like a cancel's (see `take_finished`).
+    pub(super) fn end_displaced(
+        &mut self,
+        slab: usize,
+        by: TenantId,
+        limit: &'static str,
+        now: f64,
+    ) {
+        let req = self.release(slab);
+        let record = self.finished_record(&req, FinishReason::Shed, now);
+        let t = self.tenants.get_mut(req.tenant);
+        t.count_end(false, now - req.arrival);
+        let tenant = t.config.name.clone();
+        self.displaced += 1;
+        let by_tenant = self.tenants.get(by).config.name.clone();
+        self.push_event(SchedulerEvent::Displaced {
+            request: req.id,
+            tenant,
+            by_tenant,
+            limit,
+            ran: req.first_scheduled.is_some(),
+            at: now,
+        });
+        self.ended.push(record);
     }
 }

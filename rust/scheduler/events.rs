@@ -15,6 +15,18 @@ pub enum SchedulerEvent {
         admitted: usize,
         at: f64,
     },
+    /// A request of a lower tier was ended `Shed` to make room (a live slot,
+    /// pool blocks) for a request of `by_tenant`, a higher tier, that the
+    /// global `limit` ("concurrency" or "pool_full") would have refused.
+    /// `ran`: it had entered the running set (only with `preempt_lower_tiers`).
+    Displaced {
+        request: u64,
+        tenant: String,
+        by_tenant: String,
+        limit: &'static str,
+        ran: bool,
+        at: f64,
+    },
 }
 
 /// Most events kept between two `take_events` calls; older ones are dropped

@@ -334,7 +334,7 @@ impl Scheduler {
         } else {
             self.running.len()
         };
-        running + ahead >= self.max_running()
+        running + ahead >= self.max_running_for(tier)
     }
 
     // -- the running set ----------------------------------------------------------

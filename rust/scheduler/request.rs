@@ -21,6 +21,11 @@ pub enum FinishReason {
     /// Still unfinished when the drain's deadline came: handed back (see
     /// `checkpoint`) with what it had generated.
     DrainDeadline,
+    /// Displaced by a request of a higher tier that a global limit (the live
+    /// request cap, the pool) would have refused otherwise: admitted, then
+    /// given up before it ran (or, with `preempt_lower_tiers`, while it ran).
+    /// Its terminal event carries a `retry_after`.
+    Shed,
 }
 
 impl FinishReason {
@@ -30,6 +35,7 @@ impl FinishReason {
             FinishReason::Stop => "stop",
             FinishReason::Cancelled => "cancelled",
             FinishReason::DrainDeadline => "drain_deadline",
+            FinishReason::Shed => "shed",
         }
     }
 
@@ -112,6 +118,9 @@ pub struct Request {
     /// Since when it waits to (re)enter the running set: its arrival, or its
     /// last preemption. The ladder's oldest-wait signal reads this.
     pub waiting_since: f64,
+    /// The max_tokens its caller asked for (more than `max_tokens` when the
+    /// ladder capped it at admission).
+    pub asked_max_tokens: usize,
 }
 
 impl Request {
@@ -150,6 +159,21 @@ pub struct FinishedRequest {
     pub preemptions: u32,
     /// Prompt tokens served from the prefix cache at submit.
     pub cached_tokens: usize,
+    /// The max_tokens its caller asked for. Larger than the max_tokens it was
+    /// admitted with when the ladder's `cap_max_tokens` rung lowered it (see
+    /// `max_tokens_capped`): a `Length` ending then is short of what was asked.
+    pub asked_max_tokens: usize,
+    /// The max_tokens it was admitted with.
+    pub max_tokens: usize,
+    /// When a retry may pass: set for a request ended `Shed`, None otherwise.
+    pub retry_after: Option<f64>,
+}
+
+impl FinishedRequest {
+    /// Whether the ladder lowered its max_tokens at admission.
+    pub fn max_tokens_capped(&self) -> bool {
+        self.asked_max_tokens > self.max_tokens
+    }
 }
 
 /// A growable set of request ids, one bit each (ids are dense from 1).

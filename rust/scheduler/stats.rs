@@ -69,6 +69,9 @@ pub struct SchedulerStats {
     pub rejected: [u64; RejectReason::COUNT],
     /// Preemptions since start, over all tenants.
     pub preemptions: u64,
+    /// Requests ended `Shed` since start to make room for a higher tier
+    /// (see `FinishReason::Shed`).
+    pub displaced: u64,
 }
 
 impl Scheduler {
@@ -129,6 +132,7 @@ impl Scheduler {
             step_gap: self.step_gap.clone(),
             rejected: self.rejected,
             preemptions: self.preemptions,
+            displaced: self.displaced,
         }
     }
 }

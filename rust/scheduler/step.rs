@@ -163,11 +163,14 @@ impl Scheduler {
     /// New sequences enter while there are slots and budget. The best waiting
     /// request holds the line: nothing of lower priority passes it.
     fn enter_waiting(&mut self, batch: &mut Batch, now: f64) -> KvResult<()> {
-        let max_running = self.max_running();
-        while self.running.len() < max_running {
+        while self.running.len() < self.config.max_num_seqs {
             let Some((slab, from)) = self.peek_waiting() else {
                 break;
             };
+            let tier = self.tenants.get(self.requests.get(slab).tenant).config.tier;
+            if self.running.len() >= self.max_running_for(tier) {
+                break;
+            }
             self.prepare_entry(slab);
             let cap = self
                 .tenants
@@ -322,7 +325,7 @@ impl Scheduler {
                 return;
             };
             let tier = self.tenants.get(self.requests.get(slab).tenant).config.tier;
-            let no_slot = self.running.len() >= self.max_running();
+            let no_slot = self.running.len() >= self.max_running_for(tier);
             // Over-committed, a request that cannot get the pages of its
             // first chunk needs room as much as one without a slot.
             let no_room = self.config.admission.preempts_for_pages() && {

@@ -221,3 +221,4 @@ mod prefix;
 mod prefix_fuzz;
 mod random_ops;
 mod terminal;
+mod tiers;

@@ -59,14 +59,18 @@ def run(
 
 
 def table(results: list[SimResult]) -> str:
-    """Per scenario and tenant: TTFT and inter-token p50/p99, rejections, tokens/s."""
-    head = (f"{'scenario':<12}{'tenant':<12}{'offered':>8}{'done':>6}  {'TTFT p50/p99 (s)':>18}  "
-            f"{'ITL p50/p99 (ms)':>18}{'tok/s':>9}  rejected")  # fmt: skip
+    """Per scenario and tenant: TTFT and inter-token p50/p99, rejections, tokens/s;
+    `capped` (short): requests the ladder's max_tokens cap cut short, apart from
+    `done`, and the output tokens they did not get."""
+    head = (f"{'scenario':<12}{'tenant':<12}{'offered':>8}{'done':>6}{'capped (short)':>16}"
+            f"  {'TTFT p50/p99 (s)':>18}  {'ITL p50/p99 (ms)':>18}{'tok/s':>9}"
+            "  rejected")  # fmt: skip
     lines = [head, "-" * len(head)]
     for r in results:
         for t, row in r.summary().items():
+            capped = f"{row['capped']} ({row['tokens_short']})" if row["capped"] else "-"
             lines.append(
-                f"{r.name:<12}{t:<12}{row['requests']:>8}{row['finished']:>6}  "
+                f"{r.name:<12}{t:<12}{row['requests']:>8}{row['finished']:>6}{capped:>16}  "
                 f"{row['ttft_p50']:>8.3f}/{row['ttft_p99']:<9.3f}  "
                 f"{row['itl_p50'] * 1e3:>8.1f}/{row['itl_p99'] * 1e3:<9.1f}"
                 f"{row['tokens_per_s']:>9.1f}  {row['rejected'] or '-'}"
@@ -115,3 +119,27 @@ def plot(results: list[SimResult], out_dir: str) -> list[str]:
         fig.savefig(paths[-1], dpi=100)
     plt.close("all")
     return paths
+
+
+def squeezed_window(
+    arrivals: list[Arrival], start: float, seconds: float, load: float
+) -> list[Arrival]:
+    """The arrivals of [start, start + seconds), from 0, with time compressed
+    `load` times (3: three times the load)."""
+    return [
+        Arrival((a.at - start) / load, a.tenant, a.prompt, a.max_tokens)
+        for a in arrivals
+        if start <= a.at < start + seconds
+    ]
+
+
+def ladder_vs_none(
+    base: kvsched.SchedulerConfig,
+    tenants: Iterable[kvsched.TenantConfig],
+    arrivals: list[Arrival],
+    cost: StepCost,
+) -> tuple[SimResult, SimResult]:
+    """The same workload without a ladder and with the default one."""
+    off, on = run(base, tenants, arrivals, cost,
+                  [Scenario("no_ladder"), Scenario("ladder", {"ladder": "default"})])  # fmt: skip
+    return off, on

@@ -68,11 +68,21 @@ class RequestRecord:
     tenant: str
     arrival: float
     prompt_len: int
-    outcome: str = "pending"  # finished | rejected:<reason> | aborted:oom
+    # finished | capped (finished, but the ladder lowered its max_tokens) |
+    # rejected:<reason> (refused at submit; "displaced": admitted, then ended
+    # "shed" to make room for a higher tier) | aborted:oom
+    outcome: str = "pending"
     first_token: float | None = None
     last_token: float | None = None
     finished: float | None = None
     output_len: int = 0
+    asked_max_tokens: int = 0  # what the workload asked for
+    max_tokens: int = 0  # what it was admitted with (less when capped)
+
+    @property
+    def tokens_short(self) -> int:
+        """Output tokens a capped request did not get (0 for one not capped)."""
+        return self.asked_max_tokens - self.max_tokens if self.outcome == "capped" else 0
 
     @property
     def ttft(self) -> float | None:
@@ -105,7 +115,9 @@ class SimResult:
         for t in self.tenants():
             mine = [r for r in self.records if r.tenant == t]
             done = [r for r in mine if r.outcome == "finished"]
-            ttft = [r.ttft for r in done if r.ttft is not None]
+            # Served, but short of what was asked: counted apart, not as done.
+            capped = [r for r in mine if r.outcome == "capped"]
+            ttft = [r.ttft for r in done + capped if r.ttft is not None]
             # Every inter-token gap (a request's mean would hide the stall a long
             # prefill causes), exact rather than from the scheduler's histogram.
             gaps = self.gaps.get(t, [])
@@ -117,18 +129,21 @@ class SimResult:
             out[t] = {
                 "requests": len(mine),
                 "finished": len(done),
+                "capped": len(capped),
+                "tokens_short": sum(r.tokens_short for r in capped),
                 "rejected": rejected,
                 "ttft_p50": _pct(ttft, 50),
                 "ttft_p99": _pct(ttft, 99),
                 "itl_p50": _pct(gaps, 50),
                 "itl_p99": _pct(gaps, 99),
-                "tokens_per_s": sum(r.output_len for r in done) / max(self.virtual_s, 1e-9),
+                "tokens_per_s": sum(r.output_len for r in done + capped)
+                / max(self.virtual_s, 1e-9),
             }
         return out
 
     def throughput(self) -> float:
-        """Output tokens per virtual second, all tenants."""
-        done = [r for r in self.records if r.outcome == "finished"]
+        """Output tokens per virtual second, all tenants (capped requests' too)."""
+        done = [r for r in self.records if r.outcome in ("finished", "capped")]
         return sum(r.output_len for r in done) / max(self.virtual_s, 1e-9)
 
     def utilization(self) -> float:
@@ -167,6 +182,7 @@ def simulate(
     gaps: dict[str, list[float]] = {}
 
     def submit(a: Arrival, rec: RequestRecord, at: float) -> str | None:
+        rec.asked_max_tokens = a.max_tokens
         try:
             rid = sched.submit(a.tenant, a.prompt, a.max_tokens, now=at)
             by_id[rid] = rec
@@ -174,6 +190,18 @@ def simulate(
         except kvsched.Rejected as e:
             rec.outcome = f"rejected:{e.reason}"
             return e.reason
+
+    def end(finished: Iterable[kvsched.FinishedRequest], at: float) -> None:
+        for f in finished:
+            rec = by_id.pop(f.request_id)
+            rec.finished = at
+            rec.output_len = len(f.output_ids)
+            rec.max_tokens = f.max_tokens
+            if f.reason == "shed":
+                # Displaced by a higher tier: refused after all, not served.
+                rec.outcome = "rejected:displaced"
+            else:
+                rec.outcome = "capped" if f.max_tokens_capped else "finished"
 
     while nxt < n or sched.live_requests or held:
         while nxt < n and arrivals[nxt].at <= now:
@@ -197,6 +225,8 @@ def simulate(
                     break
                 held.pop(0)
                 taken += reason is None
+        # Requests a submit displaced end now (their waiter is told at once).
+        end(sched.take_finished(), now)
         try:
             plan = sched.step(now=now)
         except kvsched.KvSchedError:
@@ -225,11 +255,7 @@ def simulate(
             else:
                 gaps.setdefault(rec.tenant, []).append(now - rec.last_token)
             rec.last_token = now
-        for f in events.finished:
-            rec = by_id.pop(f.request_id)
-            rec.outcome = "finished"
-            rec.finished = now
-            rec.output_len = len(f.output_ids)
+        end(events.finished, now)
         if steps % 16 == 0:
             st = sched.stats(now=now)
             timeline["t"].append(now)

@@ -80,6 +80,8 @@ proptest! {
         // Terminal events of cancelled and handed-back requests, as delivered.
         let mut cancel_events = BTreeSet::new();
         let mut deadline_events = BTreeSet::new();
+        // Displaced for a higher tier (issue 14): ended Shed outside a commit.
+        let mut shed_events = BTreeSet::new();
         let mut k = 0i32;
         for op in ops {
             match op {
@@ -97,6 +99,7 @@ proptest! {
                             match f.reason {
                                 FinishReason::Cancelled => prop_assert!(cancel_events.insert(f.id)),
                                 FinishReason::DrainDeadline => prop_assert!(deadline_events.insert(f.id)),
+                                FinishReason::Shed => prop_assert!(shed_events.insert(f.id)),
                                 _ => prop_assert!(finished.insert(f.id)),
                             }
                         }
@@ -144,6 +147,7 @@ proptest! {
                     match f.reason {
                         FinishReason::Cancelled => prop_assert!(cancel_events.insert(f.id)),
                         FinishReason::DrainDeadline => prop_assert!(deadline_events.insert(f.id)),
+                        FinishReason::Shed => prop_assert!(shed_events.insert(f.id)),
                         _ => prop_assert!(finished.insert(f.id)),
                     }
                 },
@@ -156,18 +160,21 @@ proptest! {
             match f.reason {
                 FinishReason::Cancelled => prop_assert!(cancel_events.insert(f.id)),
                 FinishReason::DrainDeadline => prop_assert!(deadline_events.insert(f.id)),
+                FinishReason::Shed => prop_assert!(shed_events.insert(f.id)),
                 r => prop_assert!(false, "{:?} outside a commit", r),
             }
         }
         let (_, back) = h.s.checkpoint();
         let back: BTreeSet<u64> = back.iter().map(|r| r.id).collect();
         for id in &admitted {
-            let c = finished.contains(id) as u8 + cancelled.contains(id) as u8 + back.contains(id) as u8;
+            let c = finished.contains(id) as u8 + cancelled.contains(id) as u8 + back.contains(id) as u8
+                + shed_events.contains(id) as u8;
             prop_assert_eq!(c, 1, "request {} accounted {} times", id, c);
         }
         // Exactly one terminal event each, with the reason it ended for.
         prop_assert_eq!(&cancel_events, &cancelled);
         prop_assert_eq!(&deadline_events, &back);
+        prop_assert_eq!(h.s.stats(h.now).displaced, shed_events.len() as u64);
         prop_assert_eq!(h.s.pool().used(), 0);
     }
 }
