@@ -95,6 +95,7 @@ def test_scrape_matches_stats(served):
         assert got[(f"kvsched_pool_{key}_blocks", ())] == st["pool"][key]
     assert got[("kvsched_pool_utilization", ())] == st["pool"]["used"] / st["pool"]["total"]
     assert got[("kvsched_steps_total", ())] == st["steps"]
+    assert got[("kvsched_displaced_total", ())] == st["displaced"]
     assert got[("kvsched_step_gap_seconds_count", ())] == st["step_gap"]["count"] > 0
     assert got[("kvsched_ladder_level", ())] == st["ladder"]["level"]
     climbs = got[("kvsched_ladder_climbs_total", (("action", "reject_fast"), ("rung", "0")))]

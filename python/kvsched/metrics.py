@@ -196,6 +196,12 @@ class SchedulerCollector(Collector):
         yield climbs
 
         yield CounterMetricFamily(f"{p}_steps", "Steps planned.", value=st["steps"])
+        yield CounterMetricFamily(
+            f"{p}_displaced",
+            "Admitted requests that gave their place to a higher tier's request "
+            "(ended with finish reason shed).",
+            value=st["displaced"],
+        )  # fmt: skip
         gap = _histogram(
             f"{p}_step_gap_seconds",
             "Seconds between consecutive step() calls; a long gap is a starved host.",

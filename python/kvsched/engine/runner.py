@@ -110,7 +110,9 @@ class RequestOutput:
     """What one request produced in one step (only requests submitted through
     `Engine.submit`). The last output of a request has `finished` set and its
     `finish_reason`: "stop" (a stop token or stop string), "length" (max_tokens),
-    "cancelled", "drain_deadline", or "error": the engine could not serve it
+    "cancelled", "drain_deadline", "shed" (displaced before it finished by a
+    higher tier's request that a global limit would have refused; `retry_after`
+    says when a retry makes sense), or "error": the engine could not serve it
     (its logits were not finite, or it carried a token id outside the
     vocabulary), said in `error`; the other requests of the step run on."""
 
@@ -123,6 +125,7 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None  # why, when finish_reason is "error"
+    retry_after: float | None = None  # seconds, when finish_reason is "shed"
 
 
 @dataclass
@@ -343,21 +346,25 @@ class Engine:
             return None
         return self._final(request_id, live, "cancelled")
 
-    def _final(self, rid: int, live: _Live, reason: str) -> RequestOutput:
+    def _final(
+        self, rid: int, live: _Live, reason: str, retry_after: float | None = None
+    ) -> RequestOutput:
         """A request's last output: what its stop-string matcher still held back
         (nothing matched) and its ending."""
         text = live.stops.flush() if live.stops is not None else ""
-        return RequestOutput(rid, [], text, None, True, reason, live.prompt_len, live.generated)
+        return RequestOutput(rid, [], text, None, True, reason, live.prompt_len, live.generated,
+                             retry_after=retry_after)  # fmt: skip
 
     def _endings(self, finished: Iterable[kvsched.FinishedRequest]) -> list[RequestOutput]:
         """Final outputs of requests that ended without a token this step: the
         core's terminal events for cancels (also `scheduler.cancel` called
-        directly) and for requests a drain's deadline handed back."""
+        directly), for requests a drain's deadline handed back, and for requests
+        a higher tier displaced ("shed", with the core's retry_after)."""
         out = []
         for f in finished:
             live = self._live.pop(f.request_id, None)
             if live is not None:
-                out.append(self._final(f.request_id, live, f.reason))
+                out.append(self._final(f.request_id, live, f.reason, f.retry_after))
         return out
 
     def _sampling_batch(self, plan: kvsched.StepPlan) -> SamplingBatch:

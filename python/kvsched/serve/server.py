@@ -28,7 +28,11 @@ ended early ("drain_deadline": cut at the end of a drain; "cancelled") reports
 OpenAI's "length" (the answer is truncated, and OpenAI clients only know
 stop/length/...), with kvsched's own reason beside it in the choice's extra field
 `kvsched_finish_reason`. A request whose engine loop failed gets an error event in
-its stream (a 500 when not streamed).
+its stream (a 500 when not streamed). A request displaced after admission by a
+higher tier's request (kvsched's "shed": a global limit was full and this one,
+of a lower tier, gave up its place) is answered as the refusal it became: a 429
+with code "shed" and Retry-After when not streamed, an error event with code
+"shed" (and `retry_after` in seconds) in its stream otherwise.
 
 A client that disconnects, mid-stream or while waiting for a non-streamed
 answer, cancels its request at once (its KV pages are freed).
@@ -568,6 +572,8 @@ class OpenAIServer:
             return Response(status_code=499)  # the client is gone; nobody reads this
         if got.final is not None and got.final.finish_reason == "error":
             raise APIError(500, "the engine failed while generating", code="engine_error")
+        if got.final is not None and got.final.finish_reason == "shed":
+            raise _displaced(got.final)
         return JSONResponse(self._response(job, got))
 
     def _rejected(self, e: kvsched.Rejected, kind: str) -> APIError:
@@ -732,11 +738,29 @@ class OpenAIServer:
         if final is not None and final.finish_reason == "error":
             err = APIError(500, "the engine failed while generating", code="engine_error")
             yield sse_event(err.body())
+        elif final is not None and final.finish_reason == "shed":
+            err = _displaced(final)
+            body = err.body()
+            body["error"]["retry_after"] = final.retry_after
+            yield sse_event(body)
         else:
             yield chunk(final, self._finish_fields(final))
             if job.include_usage:
                 yield sse_event({**base, "choices": [], "usage": self._usage(job, got)})
         yield b"data: [DONE]\n\n"
+
+
+def _displaced(final: RequestOutput) -> APIError:
+    """The 429 of a request a higher tier displaced (finish reason "shed")."""
+    wait = final.retry_after
+    headers = {}
+    if wait is not None and math.isfinite(wait):
+        headers["Retry-After"] = str(max(1, math.ceil(wait)))
+    else:
+        headers["Retry-After"] = "1"
+    return APIError(429, "overloaded: a higher tier's request took this request's place "
+                    f"after {final.completion_tokens} generated token(s); retry later",
+                    code="shed", headers=headers)  # fmt: skip
 
 
 def _invalid(e: kvsched.Rejected, kind: str) -> APIError:
