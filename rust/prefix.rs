@@ -31,7 +31,7 @@ use std::hash::Hasher;
 
 use siphasher::sip128::{Hasher128, SipHasher13};
 
-use crate::pool::PageId;
+use crate::pool::{resident, PageId};
 use crate::tenant::TenantId;
 
 use index::PageIndex;
@@ -163,11 +163,11 @@ impl PrefixCache {
     pub fn new(num_blocks: usize) -> Self {
         PrefixCache {
             map: PageIndex::new(num_blocks),
-            key: vec![0; num_blocks],
+            key: resident(num_blocks, 0),
             scope: vec![NOT_CACHED; num_blocks],
-            prev: vec![END; num_blocks],
-            next: vec![END; num_blocks],
-            parked: vec![false; num_blocks],
+            prev: resident(num_blocks, END),
+            next: resident(num_blocks, END),
+            parked: resident(num_blocks, false),
             evictable: 0,
             evictions: 0,
         }
