@@ -37,29 +37,58 @@ const PAGES_PER_BUCKET: usize = 9;
 #[derive(Clone, Copy, Debug, Default)]
 #[repr(C, align(64))]
 struct Bucket {
-    /// Per slot: 0 when empty, else 0x80 | 7 bits of the entry's name.
-    tags: [u8; SLOTS],
-    /// Entries stored past this bucket whose probe passed it (home here or
-    /// before): a search goes on to the next bucket only while this is not 0.
-    overflow: u32,
+    /// Bytes 0..12, per slot: 0 when empty, else 0x80 | 7 bits of the
+    /// entry's name. Bytes 12..16, little-endian: how many entries stored
+    /// past this bucket passed it (their home is here or before); a search
+    /// goes on to the next bucket only while this is not 0. One 16-byte
+    /// word, so that a tag search is a few word operations.
+    ctrl: [u8; 16],
     pages: [u32; SLOTS],
 }
 
+/// A byte mask of the slots' tags: 0x80 in each of the low 12 bytes.
+const SLOT_HIGH_BITS: u128 = ((1 << (8 * SLOTS)) - 1) & (u128::MAX / 0xff * 0x80);
+const LOW_BITS: u128 = u128::MAX / 0xff * 0x7f;
+
+/// The first slot of a byte mask (0x80 in the byte of each slot it holds).
+#[inline]
+fn slot(mask: u128) -> usize {
+    mask.trailing_zeros() as usize / 8
+}
+
 impl Bucket {
-    /// Slots whose tag is `tag`, as bits.
+    /// The slots whose tag byte is `byte`, as 0x80 in their byte of a mask.
+    /// Exact (no false positives): a byte of `y` is 0 iff adding 0x7f to its
+    /// low 7 bits and or-ing in its high bit leaves the high bit clear, and
+    /// no byte carries into the next.
     #[inline]
-    fn matching(&self, tag: u8) -> u32 {
-        let mut m = 0;
-        for (i, &t) in self.tags.iter().enumerate() {
-            m |= u32::from(t == tag) << i;
-        }
-        m
+    fn bytes_equal(&self, byte: u8) -> u128 {
+        let y = u128::from_le_bytes(self.ctrl) ^ (u128::MAX / 0xff * u128::from(byte));
+        !(((y & LOW_BITS) + LOW_BITS) | y) & SLOT_HIGH_BITS
+    }
+
+    /// Slots whose tag is `tag` (never 0), as a byte mask (see `slot`).
+    #[inline]
+    fn matching(&self, tag: u8) -> u128 {
+        self.bytes_equal(tag)
     }
 
     /// The first empty slot.
     #[inline]
     fn free_slot(&self) -> Option<usize> {
-        self.tags.iter().position(|&t| t == 0)
+        let empty = self.bytes_equal(0);
+        (empty != 0).then(|| slot(empty))
+    }
+
+    #[inline]
+    fn overflow(&self) -> u32 {
+        let [.., a, b, c, d] = self.ctrl;
+        u32::from_le_bytes([a, b, c, d])
+    }
+
+    #[inline]
+    fn set_overflow(&mut self, n: u32) {
+        self.ctrl[SLOTS..].copy_from_slice(&n.to_le_bytes());
     }
 }
 
@@ -115,13 +144,13 @@ impl PageIndex {
             let bucket = &self.buckets[b];
             let mut m = bucket.matching(tag);
             while m != 0 {
-                let page = bucket.pages[m.trailing_zeros() as usize];
+                let page = bucket.pages[slot(m)];
                 if name_of(page) == key {
                     return Some(page);
                 }
                 m &= m - 1;
             }
-            if bucket.overflow == 0 {
+            if bucket.overflow() == 0 {
                 break;
             }
             b = self.next(b);
@@ -149,7 +178,7 @@ impl PageIndex {
             let bucket = &self.buckets[b];
             let mut m = bucket.matching(tag);
             while m != 0 {
-                if name_of(bucket.pages[m.trailing_zeros() as usize]) == key {
+                if name_of(bucket.pages[slot(m)]) == key {
                     return false;
                 }
                 m &= m - 1;
@@ -157,7 +186,7 @@ impl PageIndex {
             if free.is_none() {
                 free = bucket.free_slot().map(|i| (b, i));
             }
-            if bucket.overflow == 0 {
+            if bucket.overflow() == 0 {
                 break;
             }
             b = self.next(b);
@@ -175,11 +204,12 @@ impl PageIndex {
         };
         let mut p = home;
         while p != at {
-            self.buckets[p].overflow += 1;
+            let b = &mut self.buckets[p];
+            b.set_overflow(b.overflow() + 1);
             p = self.next(p);
         }
         let bucket = &mut self.buckets[at];
-        bucket.tags[slot] = tag;
+        bucket.ctrl[slot] = tag;
         bucket.pages[slot] = page;
         self.len += 1;
         true
@@ -201,24 +231,24 @@ impl PageIndex {
             let bucket = &self.buckets[b];
             let mut m = bucket.matching(tag);
             while m != 0 {
-                let i = m.trailing_zeros() as usize;
-                if bucket.pages[i] == page {
+                if bucket.pages[slot(m)] == page {
                     break;
                 }
                 m &= m - 1;
             }
             if m != 0 {
-                break m.trailing_zeros() as usize;
+                break slot(m);
             }
-            if bucket.overflow == 0 {
+            if bucket.overflow() == 0 {
                 return false;
             }
             b = self.next(b);
         };
-        self.buckets[b].tags[slot] = 0;
+        self.buckets[b].ctrl[slot] = 0;
         let mut p = home;
         while p != b {
-            self.buckets[p].overflow -= 1;
+            let b = &mut self.buckets[p];
+            b.set_overflow(b.overflow() - 1);
             p = self.next(p);
         }
         self.len -= 1;
@@ -234,14 +264,14 @@ impl PageIndex {
         }
         for key in keys {
             let (home, _) = home_and_tag(key, self.buckets.len());
-            std::hint::black_box(self.buckets[home].overflow);
+            std::hint::black_box(self.buckets[home].ctrl[0]);
         }
     }
 
     /// Every page stored, in no particular order.
     pub(super) fn pages(&self) -> impl Iterator<Item = u32> + '_ {
         self.buckets.iter().flat_map(|b| {
-            b.tags
+            b.ctrl[..SLOTS]
                 .iter()
                 .zip(&b.pages)
                 .filter(|&(&t, _)| t != 0)
@@ -255,7 +285,7 @@ impl PageIndex {
         let mut passing = vec![0u32; n];
         let mut count = 0;
         for (b, bucket) in self.buckets.iter().enumerate() {
-            for (&t, &page) in bucket.tags.iter().zip(&bucket.pages) {
+            for (&t, &page) in bucket.ctrl[..SLOTS].iter().zip(&bucket.pages) {
                 if t == 0 {
                     continue;
                 }
@@ -275,10 +305,10 @@ impl PageIndex {
             return Err(format!("{count} entries, the count says {}", self.len));
         }
         for (b, (bucket, &want)) in self.buckets.iter().zip(&passing).enumerate() {
-            if bucket.overflow != want {
+            if bucket.overflow() != want {
                 return Err(format!(
                     "bucket {b} counts {} entries passing, {want} do",
-                    bucket.overflow
+                    bucket.overflow()
                 ));
             }
         }
