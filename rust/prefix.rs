@@ -30,15 +30,17 @@
 //! scheduler keeps each list within the tenant's quota (see
 //! `Scheduler::cache_quota`).
 
+mod index;
 mod naming;
 
 use std::hash::Hasher;
 
 use siphasher::sip128::{Hasher128, SipHasher13};
 
-use crate::pool::PageId;
+use crate::pool::{resident, PageId};
 use crate::tenant::TenantId;
 
+use index::PageIndex;
 pub use naming::{BlockChain, BlockNamer};
 
 /// A block's name.
@@ -146,9 +148,9 @@ const SHARED: u32 = u32::MAX - 1;
 pub struct PrefixCache {
     /// The cached pages, found by name. A slot holds a page id (4 bytes, not
     /// the 32 of a (u128, u32) pair): the name itself is stored once, in
-    /// `key`. Names are uniform and secret, so their low 64 bits are the hash.
-    /// Sized once for every page, it never grows (no rehash, no transient).
-    map: hashbrown::HashTable<u32>,
+    /// `key`. Names are uniform and secret, so their bits are the hash.
+    /// Sized once for every page, it never grows (see `index`).
+    map: PageIndex,
     /// Per page: its key while cached.
     key: Vec<BlockKey>,
     /// Per page: NOT_CACHED, SHARED or the owning tenant's id.
@@ -179,12 +181,12 @@ impl PrefixCache {
     /// its queries then answer "not cached").
     pub fn new(num_blocks: usize) -> Self {
         PrefixCache {
-            map: hashbrown::HashTable::with_capacity(num_blocks),
-            key: vec![0; num_blocks],
+            map: PageIndex::new(num_blocks),
+            key: resident(num_blocks, 0),
             scope: vec![NOT_CACHED; num_blocks],
-            prev: vec![END; num_blocks],
-            next: vec![END; num_blocks],
-            parked: vec![false; num_blocks],
+            prev: resident(num_blocks, END),
+            next: resident(num_blocks, END),
+            parked: resident(num_blocks, false),
             evictable: 0,
             evictions: 0,
             home: Vec::new(),
@@ -237,9 +239,7 @@ impl PrefixCache {
     #[inline]
     pub fn lookup(&self, key: BlockKey) -> Option<u32> {
         let names = &self.key;
-        self.map
-            .find(key as u64, |&p| names[p as usize] == key)
-            .copied()
+        self.map.find(key, |p| names[p as usize])
     }
 
     #[inline]
@@ -290,18 +290,10 @@ impl PrefixCache {
             return false; // a cache of no pages (caching off) names nothing
         }
         debug_assert!(page != END && !self.is_cached(page) && !self.is_parked(page));
-        // One probe finds the key or the slot it goes in (the table never
-        // grows, so the rehash callback is never called).
+        // One probe finds the key or the slot it goes in.
         let names = &self.key;
-        match self.map.entry(
-            key as u64,
-            |&p| names[p as usize] == key,
-            |&p| names[p as usize] as u64,
-        ) {
-            hashbrown::hash_table::Entry::Occupied(_) => return false,
-            hashbrown::hash_table::Entry::Vacant(slot) => {
-                slot.insert(page);
-            }
+        if !self.map.insert(key, page, |p| names[p as usize]) {
+            return false;
         }
         self.key[page as usize] = key;
         self.scope[page as usize] = match scope {
@@ -314,14 +306,12 @@ impl PrefixCache {
         true
     }
 
-    /// Touch the index slots `keys` would probe, so that registering them
-    /// next finds those lines in the cache: the probes are independent, so
+    /// Touch the index lines `keys` would probe, so that registering them
+    /// next finds those lines in the cache: the loads are independent, so
     /// their misses overlap here instead of stalling one register each. It
-    /// changes nothing (a lookup whose answer is dropped).
+    /// changes nothing.
     pub fn prefetch(&self, keys: impl Iterator<Item = BlockKey>) {
-        for key in keys {
-            std::hint::black_box(self.map.find(key as u64, |_| false).is_some());
-        }
+        self.map.touch(keys);
     }
 
     /// A cached page lost its last reference: it becomes the newest evictable
@@ -429,9 +419,7 @@ impl PrefixCache {
 
     fn forget(&mut self, page: u32) {
         let p = page as usize;
-        if let Ok(slot) = self.map.find_entry(self.key[p] as u64, |&q| q == page) {
-            slot.remove();
-        }
+        self.map.remove(self.key[p], page);
         self.scope[p] = NOT_CACHED;
     }
 
@@ -476,7 +464,10 @@ impl PrefixCache {
                 (n, e) => Err(format!("a cache of no pages holds {n} names, {e} parked")),
             };
         }
-        for &page in &self.map {
+        let names = &self.key;
+        self.map
+            .check(|p| names.get(p as usize).copied().unwrap_or(0))?;
+        for page in self.map.pages() {
             if self
                 .scope
                 .get(page as usize)

@@ -918,7 +918,9 @@ impl Scheduler {
             r.last_token = Some(now);
             events.request_ids.push(r.id);
             events.tokens.push(token);
-            let reason = if !r.stop_token_ids.is_empty() && r.stop_token_ids.contains(&token) {
+            // `s.stops`: the plan's copy, so that a request without stop
+            // tokens (most) is decided without opening the line of its list.
+            let reason = if s.stops && r.stop_token_ids.contains(&token) {
                 Some(FinishReason::Stop)
             } else if r.generated() >= r.max_tokens {
                 Some(FinishReason::Length)

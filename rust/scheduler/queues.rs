@@ -46,6 +46,9 @@ pub(super) struct RunningSet {
 pub(super) struct Owner {
     pub(super) id: u64,
     pub(super) tenant: TenantId,
+    /// Whether it has stop tokens: a commit opens the request's list of them
+    /// (a line of its own) only then.
+    pub(super) stops: bool,
 }
 
 /// The hot record of request `r` entering with row key `row_key`.
@@ -348,6 +351,7 @@ impl Scheduler {
         let owner = Owner {
             id: r.id,
             tenant: r.tenant,
+            stops: !r.stop_token_ids.is_empty(),
         };
         let pos = self.running.push(slab, owner, hot_record(r, key));
         r.place = Place::Running(pos);
@@ -396,7 +400,9 @@ impl Scheduler {
                 && r.tokens.last() == Some(&h.token)
                 && r.pages.len() == h.num_pages
                 && r.pages.last() == Some(&h.last_page);
-            if !(lists && r.id == o.id && r.tenant == o.tenant && r.num_computed == h.pos) {
+            let owner =
+                r.id == o.id && r.tenant == o.tenant && o.stops != r.stop_token_ids.is_empty();
+            if !(lists && owner && r.num_computed == h.pos) {
                 return Err(KvError::Internal(format!(
                     "the hot record of decode {pos} (request {}) disagrees with it",
                     r.id

@@ -32,6 +32,8 @@ pub(super) struct PendingSeq {
     pub(super) q_len: usize,
     pub(super) samples: bool,
     pub(super) decode: bool,
+    /// Whether the request has stop tokens (see `queues::Owner`).
+    pub(super) stops: bool,
 }
 
 /// The step being planned: tokens per sequence in plan order (decodes first),
@@ -236,6 +238,7 @@ impl Scheduler {
                     q_len: 1,
                     samples: true,
                     decode: true,
+                    stops: o.stops,
                 });
             }
             request_ids.extend(owners[..num_decode].iter().map(|o| o.id));
@@ -252,6 +255,7 @@ impl Scheduler {
                     q_len: q,
                     samples: done,
                     decode: false,
+                    stops: o.stops,
                 });
                 request_ids.push(o.id);
                 samples.push(done);
