@@ -179,7 +179,12 @@ pub fn decide(
     let final_blocks = final_len.div_ceil(cap.block_size);
     let blocks = match cap.overcommit_watermark_blocks {
         None => final_blocks,
-        Some(w) => (prompt.len().div_ceil(cap.block_size) + w).min(final_blocks),
+        // Saturating: a watermark past the final length reserves the final length.
+        Some(w) => prompt
+            .len()
+            .div_ceil(cap.block_size)
+            .saturating_add(w)
+            .min(final_blocks),
     };
 
     // A configured cap counts every page a request references, shared or not;
@@ -190,7 +195,7 @@ pub fn decide(
         Some(_) => tenant.reserved_blocks,
         None => 0,
     };
-    if held + blocks > tenant_cap {
+    if held.saturating_add(blocks) > tenant_cap {
         let never = blocks > tenant_cap;
         let wait = if never {
             None
@@ -255,10 +260,10 @@ pub fn decide(
     // to max(reserved + blocks - shared - newly shared, floor); everyone else's
     // footprint is unchanged.
     let shared = tenant.shared_blocks + shared_hits();
-    let grown = (tenant.reserved_blocks + blocks)
+    let grown = (tenant.reserved_blocks.saturating_add(blocks))
         .saturating_sub(shared)
         .max(tenant.config.kv_floor_blocks);
-    let committed_after = cap.committed_blocks - tenant.footprint() + grown;
+    let committed_after = (cap.committed_blocks - tenant.footprint()).saturating_add(grown);
     if committed_after > cap.usable_blocks {
         let free_now = cap.usable_blocks.saturating_sub(cap.committed_blocks);
         return Err(reject(

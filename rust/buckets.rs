@@ -19,7 +19,11 @@ impl TokenBuckets {
         let mut b = MIN_BUCKET;
         while b < max_batched_tokens {
             sizes.push(b);
-            b *= 2;
+            // Stop doubling before it wraps (max_batched_tokens near usize::MAX).
+            match b.checked_mul(2) {
+                Some(next) => b = next,
+                None => break,
+            }
         }
         sizes.push(max_batched_tokens);
         TokenBuckets { sizes }
@@ -55,6 +59,25 @@ impl TokenBuckets {
         *self.sizes.last().expect("non-empty")
     }
 
+    /// The buckets up to the smallest one holding `reachable` tokens (all of
+    /// them when none does): larger ones could never be used by a step that
+    /// holds at most `reachable` tokens, so no buffer is sized for them.
+    pub fn truncated(&self, reachable: usize) -> Self {
+        let end = self.sizes.partition_point(|&b| b < reachable);
+        TokenBuckets {
+            sizes: self.sizes[..(end + 1).min(self.sizes.len())].to_vec(),
+        }
+    }
+
+    /// These buckets with the largest one replaced by `size`, which must be
+    /// larger than every other one.
+    pub fn with_largest(&self, size: usize) -> Self {
+        let mut sizes = self.sizes.clone();
+        *sizes.last_mut().expect("non-empty") = size;
+        debug_assert!(sizes.windows(2).all(|w| w[0] < w[1]));
+        TokenBuckets { sizes }
+    }
+
     /// The smallest bucket holding `tokens`; None if none does.
     pub fn fit(&self, tokens: usize) -> Option<usize> {
         let i = self.sizes.partition_point(|&b| b < tokens);
@@ -80,6 +103,23 @@ mod tests {
         assert_eq!(b.fit(17), Some(32));
         assert_eq!(b.fit(2048), Some(2048));
         assert_eq!(b.fit(2049), None);
+    }
+
+    #[test]
+    fn powers_of_two_never_wrap_and_truncation_keeps_the_reachable_ones() {
+        let b = TokenBuckets::powers_of_two(usize::MAX);
+        assert_eq!(b.largest(), usize::MAX);
+        assert_eq!(b.sizes()[b.sizes().len() - 2], 1 << (usize::BITS - 1));
+        let t = TokenBuckets::powers_of_two(2048).truncated(1000);
+        assert_eq!(t.sizes(), &[16, 32, 64, 128, 256, 512, 1024]);
+        assert_eq!(
+            TokenBuckets::powers_of_two(2048).truncated(1024).largest(),
+            1024
+        );
+        assert_eq!(
+            TokenBuckets::powers_of_two(2048).truncated(5000).largest(),
+            2048
+        );
     }
 
     #[test]

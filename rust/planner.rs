@@ -124,6 +124,13 @@ impl RowCache {
             filled: vec![0; max_seqs],
         }
     }
+
+    /// Forget every row: the buffer set's page table must be all zeros
+    /// (padding) before its next plan, which then writes every row in full.
+    pub fn forget(&mut self) {
+        self.keys.fill(0);
+        self.filled.fill(0);
+    }
 }
 
 /// A prefill chunk (or any sequence planned from its lists), in plan order.

@@ -88,6 +88,10 @@ impl BlockSize {
     }
 }
 
+/// Bytes the prefix cache takes per page, rounded up: a 16-byte name, scope,
+/// two LRU links, a flag and its hash-table slot (see `PrefixCache::new`).
+const PREFIX_CACHE_BYTES_PER_PAGE: usize = 48;
+
 /// Checks on a pool's shape, shared by `BlockPool::new` and the scheduler's config.
 ///
 /// Slots (`page * block_size + offset`) are int32 in the step plan, and the
@@ -159,11 +163,44 @@ impl BlockPool {
         caching: bool,
     ) -> KvResult<Self> {
         validate_shape(num_blocks, block_size)?;
+        // Fallible: a pool the process cannot hold is an InvalidConfig, not
+        // an abort (the global allocator aborts on failure).
+        let cannot = |what: &str| {
+            KvError::InvalidConfig(format!(
+                "num_blocks={num_blocks}: cannot allocate the pool's {what} (about \
+                 {} bytes a page); lower num_blocks",
+                if caching {
+                    8 + PREFIX_CACHE_BYTES_PER_PAGE
+                } else {
+                    8
+                }
+            ))
+        };
+        let mut refcount: Vec<u32> = Vec::new();
+        refcount
+            .try_reserve_exact(num_blocks)
+            .map_err(|_| cannot("refcounts"))?;
+        refcount.resize(num_blocks, 0);
+        let mut free: Vec<u32> = Vec::new();
+        free.try_reserve_exact(num_blocks - 1)
+            .map_err(|_| cannot("free list"))?;
         // Reverse order so that pages come out 1, 2, 3, ... from a fresh pool.
-        let free: Vec<u32> = (1..num_blocks as u32).rev().collect();
+        free.extend((1..num_blocks as u32).rev());
+        if caching {
+            // The prefix cache allocates its per-page arrays infallibly: ask
+            // the allocator for their size first, and give it back. Not a
+            // guarantee (another thread may take the memory in between), but
+            // a pool far too large for the address space or a memory limit is
+            // refused here instead of aborting there.
+            let mut probe: Vec<u8> = Vec::new();
+            probe
+                .try_reserve_exact(num_blocks.saturating_mul(PREFIX_CACHE_BYTES_PER_PAGE))
+                .map_err(|_| cannot("prefix-cache index"))?;
+            drop(probe);
+        }
         Ok(BlockPool {
             block_size: BlockSize::new(block_size),
-            refcount: resident(num_blocks, 0),
+            refcount,
             free,
             shared: 0,
             cache: PrefixCache::new(if caching { num_blocks } else { 0 }),

@@ -111,6 +111,32 @@ pub struct CommitEvents {
     pub preempted: Vec<u64>,
 }
 
+/// Largest `now` accepted, in seconds (about 31,700 years): any clock in
+/// seconds a server uses (`time.monotonic()`, `time.time()`) is far below it;
+/// a larger value is a unit mistake (ns, ms) or garbage, refused.
+pub const MAX_TIME_S: f64 = 1e12;
+
+/// How far `now` may go back behind the latest one (the scheduler's clock)
+/// and still be jitter (a time read before waiting for the lock): nothing
+/// changes, as when time stands still. Further back, the caller's clock was
+/// re-based (another clock, a restart): the scheduler's clock and every rate
+/// bucket follow it (`TokenBucket::rebase`), so none waits for a time that
+/// will not come.
+pub const CLOCK_JITTER_S: f64 = 60.0;
+
+/// The one check on a `now` (and on every time the bindings take for one):
+/// finite, not negative, at most `MAX_TIME_S`. InvalidRequest naming `what`.
+pub fn check_time(now: f64, what: &str) -> KvResult<()> {
+    if now.is_finite() && (0.0..=MAX_TIME_S).contains(&now) {
+        Ok(())
+    } else {
+        Err(KvError::InvalidRequest(format!(
+            "{what} must be a finite number of seconds in [0, {MAX_TIME_S:e}] (a monotonic \
+             or Unix clock), got {now}"
+        )))
+    }
+}
+
 /// Gaps between productive steps kept for the step-rate estimate.
 const STEP_GAP_WINDOW: usize = 32;
 
@@ -193,16 +219,13 @@ impl Scheduler {
         Ok(Scheduler {
             kv,
             instance: INSTANCES.fetch_add(1, Ordering::Relaxed) % (1 << (63 - STEP_ID_BITS)),
-            buckets: config.buckets()?,
+            buckets: config.plan_buckets()?,
             shape,
             tenants: Tenants::default(),
             requests: RequestTable::default(),
             running: RunningSet::default(),
             resume: ResumeQueues::default(),
-            rows: [
-                RowCache::new(config.max_num_seqs),
-                RowCache::new(config.max_num_seqs),
-            ],
+            rows: [RowCache::new(shape.max_seqs), RowCache::new(shape.max_seqs)],
             steps: 0,
             pending: None,
             next_row_key: 1,
@@ -272,6 +295,19 @@ impl Scheduler {
         (self.steps % 2) as usize
     }
 
+    /// Every method that takes a `now` calls this first: a bad time is
+    /// refused (`check_time`; nothing changes), and a time more than
+    /// `CLOCK_JITTER_S` behind the clock re-bases the clock and the rate
+    /// buckets to it (see `CLOCK_JITTER_S`).
+    pub(crate) fn accept_now(&mut self, now: f64) -> KvResult<()> {
+        check_time(now, "now")?;
+        if now < self.clock - CLOCK_JITTER_S {
+            self.clock = now;
+            self.tenants.rebase_buckets(now);
+        }
+        Ok(())
+    }
+
     // -- live knobs ---------------------------------------------------------------
 
     /// Change the configuration live, effective from the next step. Validated
@@ -309,13 +345,16 @@ impl Scheduler {
         if new.prefix_cache_key.is_some() && new.prefix_cache_key != old.prefix_cache_key {
             return restart("prefix_cache_key");
         }
-        if new.max_num_seqs > self.shape.max_seqs {
+        // Against the plan shape as bounded by the pool (`plan_shape`): a
+        // value past what the pool can use needs no larger buffer.
+        let shape = new.plan_shape()?;
+        if shape.max_seqs > self.shape.max_seqs {
             return restart("max_num_seqs");
         }
-        if new.max_seq_len > self.shape.pages_per_seq * self.config.block_size {
+        if shape.pages_per_seq > self.shape.pages_per_seq {
             return restart("max_seq_len");
         }
-        if new.max_batched_tokens > self.buckets.largest() {
+        if new.reachable_step_tokens() > self.buckets.largest() {
             return restart("max_batched_tokens");
         }
         let total = self.kv.pool().total();
@@ -343,7 +382,7 @@ impl Scheduler {
     /// rung says so.
     pub fn max_running(&self) -> usize {
         let cap = self.ladder.effects().max_running.unwrap_or(usize::MAX);
-        self.config.max_num_seqs.min(cap)
+        self.config.max_num_seqs.min(self.shape.max_seqs).min(cap)
     }
 
     /// Most sequences running at once while a request of `tier` enters: the
@@ -376,6 +415,7 @@ impl Scheduler {
     /// group the tenant has left. A new tier applies to its waiting requests
     /// at once (preempted ones move to the new tier's resume queue).
     pub fn update_tenant(&mut self, config: TenantConfig, now: f64) -> KvResult<()> {
+        self.accept_now(now)?;
         let usable = self.usable_blocks();
         let Some(tid) = self.tenants.id(&config.name) else {
             return Err(KvError::UnknownTenant(config.name));
@@ -465,6 +505,7 @@ impl Scheduler {
         restored: &[i32],
         now: f64,
     ) -> KvResult<u64> {
+        self.accept_now(now)?;
         let Some(tid) = self.tenants.id(tenant) else {
             return Err(self.reject(
                 None,
@@ -526,7 +567,11 @@ impl Scheduler {
             usable_blocks: self.usable_blocks(),
             committed_blocks: self.tenants.committed(),
             live_requests: self.requests.len(),
-            max_live_requests: self.config.max_num_seqs + self.config.max_waiting,
+            // Saturating: a huge max_waiting means no limit but the pool's.
+            max_live_requests: self
+                .config
+                .max_num_seqs
+                .saturating_add(self.config.max_waiting),
             overcommit_watermark_blocks: self.config.admission.watermark_blocks(),
         };
         let namespace = self
@@ -836,6 +881,7 @@ impl Scheduler {
     /// also delivers the terminal events queued since the last delivery (see
     /// `take_finished`).
     pub fn commit(&mut self, step_id: u64, sampled: &[i32], now: f64) -> KvResult<CommitEvents> {
+        self.accept_now(now)?;
         let pending = self.pending.as_ref().ok_or_else(|| {
             KvError::StalePlan(format!(
                 "no plan is pending (step {step_id} already committed?)"

@@ -14,6 +14,15 @@ use crate::metrics::TenantMetrics;
 /// Longest tenant name accepted; names become metric labels.
 pub const MAX_NAME_LEN: usize = 128;
 
+/// The most pages any pool can have: slots (`page * block_size + offset`)
+/// are int32 in the step plan (see `pool::validate_shape`). A floor above it
+/// could never be honoured, whatever the pool.
+pub const MAX_POOL_BLOCKS: usize = i32::MAX as usize;
+
+/// Slowest rate limit accepted, in tokens per second (one token in about 11.6
+/// days): below it `retry_after` stops being a meaningful number of seconds.
+pub const MIN_RATE_TOKENS_PER_S: f64 = 1e-6;
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct TenantConfig {
     pub name: String,
@@ -22,6 +31,7 @@ pub struct TenantConfig {
     /// Blocks guaranteed to this tenant.
     pub kv_floor_blocks: usize,
     /// Most blocks this tenant may hold reserved at once; None: bounded by the pool.
+    /// A cap above the usable pool acts as the pool (no wrap: admission's sums saturate).
     pub kv_cap_blocks: Option<usize>,
     /// Most live (admitted, unfinished) requests; None: no per-tenant limit. 0 pauses the tenant.
     pub max_concurrent: Option<u32>,
@@ -70,6 +80,13 @@ impl TenantConfig {
         if self.name.chars().any(|c| c.is_control()) {
             return bad("name must not contain control characters".into());
         }
+        if self.kv_floor_blocks > MAX_POOL_BLOCKS {
+            return bad(format!(
+                "kv_floor_blocks ({}) exceeds {MAX_POOL_BLOCKS}, the most pages a pool can \
+                 have (int32 slots): a floor larger than the pool cannot be honoured",
+                self.kv_floor_blocks
+            ));
+        }
         if let Some(cap) = self.kv_cap_blocks {
             if self.kv_floor_blocks > cap {
                 return bad(format!(
@@ -97,8 +114,11 @@ impl TenantConfig {
         match (self.rate_tokens_per_s, self.burst_tokens) {
             (None, Some(_)) => return bad("burst_tokens needs rate_tokens_per_s".into()),
             (Some(rate), burst) => {
-                if !(rate.is_finite() && rate > 0.0) {
-                    return bad(format!("rate_tokens_per_s must be positive, got {rate}"));
+                if !(rate.is_finite() && rate >= MIN_RATE_TOKENS_PER_S) {
+                    return bad(format!(
+                        "rate_tokens_per_s must be a finite number of at least \
+                         {MIN_RATE_TOKENS_PER_S}, got {rate}"
+                    ));
                 }
                 if let Some(b) = burst {
                     if !(b.is_finite() && b >= 1.0) {
@@ -118,7 +138,10 @@ impl TenantConfig {
 }
 
 /// A token bucket driven by caller-supplied time, so it is deterministic.
-/// It starts full. Time that goes backwards refills nothing.
+/// It starts full. Time that goes backwards refills nothing; when the caller's
+/// clock is re-based (it went back by more than the scheduler tolerates as
+/// jitter, see `Scheduler::accept_now`), `rebase` moves the last refill time
+/// back with it, so a bucket never waits for a time that will not come.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TokenBucket {
     rate: f64,
@@ -167,6 +190,16 @@ impl TokenBucket {
         let level = self.level_at(now);
         self.level = (level - cost).max(0.0);
         self.last = Some(self.last.map_or(now, |last| last.max(now)));
+    }
+
+    /// The caller's clock was re-based at `now`: a last refill time in its
+    /// future becomes `now` (the level is kept; refill resumes from `now`).
+    pub fn rebase(&mut self, now: f64) {
+        if let Some(last) = self.last {
+            if last > now {
+                self.last = Some(now);
+            }
+        }
     }
 
     /// New rate and size; the current level is kept, clipped to the new size.
@@ -413,6 +446,15 @@ impl Tenants {
         self.committed = self.committed - before + t.footprint();
     }
 
+    /// The caller's clock was re-based at `now` (see `TokenBucket::rebase`).
+    pub fn rebase_buckets(&mut self, now: f64) {
+        for t in self.slots.iter_mut().flatten() {
+            if let Some(b) = t.bucket.as_mut() {
+                b.rebase(now);
+            }
+        }
+    }
+
     /// Give back `blocks` of a tenant's reservation.
     pub fn release(&mut self, id: TenantId, blocks: usize) {
         let t = self.slots[id].as_mut().expect("live tenant id");
@@ -474,7 +516,8 @@ impl Tenants {
         if self.by_name.contains_key(&config.name) {
             return Err(KvError::TenantExists(config.name));
         }
-        let committed = self.committed() + config.kv_floor_blocks;
+        // Saturating: a sum past usize::MAX is past `usable` all the same.
+        let committed = self.committed().saturating_add(config.kv_floor_blocks);
         if committed > usable {
             return Err(floors_do_not_fit(&config, committed, usable));
         }
@@ -500,11 +543,12 @@ impl Tenants {
             .id(&config.name)
             .ok_or_else(|| KvError::UnknownTenant(config.name.clone()))?;
         let tenant = self.get(id);
-        let committed = self.committed() - tenant.footprint()
-            + tenant
+        let committed = (self.committed() - tenant.footprint()).saturating_add(
+            tenant
                 .reserved_blocks
                 .saturating_sub(tenant.shared_blocks)
-                .max(config.kv_floor_blocks);
+                .max(config.kv_floor_blocks),
+        );
         if committed > usable {
             return Err(floors_do_not_fit(&config, committed, usable));
         }

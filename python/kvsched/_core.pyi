@@ -449,19 +449,21 @@ class SchedulerConfig:
         """Tokens per page. Restart-only."""
     @property
     def max_num_seqs(self) -> int:
-        """Most sequences in one step."""
+        """Most sequences in one step (a plan has at most num_blocks - 1 rows)."""
     @property
     def max_batched_tokens(self) -> int:
         """Token budget of one step."""
     @property
     def max_seq_len(self) -> int:
-        """Longest prompt + max_tokens admitted."""
+        """Longest prompt + max_tokens admitted (a plan row holds at most
+        num_blocks - 1 pages)."""
     @property
     def overhead_reserve(self) -> float:
         """Share of the pool kept out of admission."""
     @property
     def max_waiting(self) -> int:
-        """Admitted requests that may wait beyond the max_num_seqs that run."""
+        """Admitted requests that may wait beyond the max_num_seqs that run (the
+        sum saturates: a huge value means no limit but the pool)."""
     @property
     def long_prefill_chunk(self) -> int:
         """Most prompt tokens one sequence gets in one step."""
@@ -473,7 +475,8 @@ class SchedulerConfig:
         """ "reserve" (final-length reservation) or "overcommit" (with preemption)."""
     @property
     def watermark_blocks(self) -> int | None:
-        """Over-commit: blocks reserved beyond the prompt (None in reserve mode)."""
+        """Over-commit: blocks reserved beyond the prompt (None in reserve mode;
+        never more than the final length)."""
     @property
     def preempt_lower_tiers(self) -> bool:
         """Whether a waiting higher-tier request preempts a lower-tier running one."""
@@ -540,16 +543,19 @@ class TenantConfig:
         """0 is the most important tier."""
     @property
     def kv_floor_blocks(self) -> int:
-        """Blocks guaranteed to this tenant, never lent to others' reservations."""
+        """Blocks guaranteed to this tenant, never lent to others' reservations
+        (at most 2**31 - 1; all floors together must fit the usable pool)."""
     @property
     def kv_cap_blocks(self) -> int | None:
-        """Most blocks it may hold reserved at once (None: bounded by the pool)."""
+        """Most blocks it may hold reserved at once (None, or more than the pool:
+        bounded by the pool)."""
     @property
     def max_concurrent(self) -> int | None:
         """Most live requests (None: no per-tenant limit; 0 pauses the tenant)."""
     @property
     def rate_tokens_per_s(self) -> float | None:
-        """Token-bucket refill rate, in prompt + max_tokens tokens per second."""
+        """Token-bucket refill rate, in prompt + max_tokens tokens per second (at
+        least 1e-6)."""
     @property
     def burst_tokens(self) -> float | None:
         """Token-bucket size (None: one second of rate)."""
@@ -569,7 +575,10 @@ class Scheduler:
     """The KV-cache manager and scheduler. Safe to share between threads.
 
     Every time-dependent method takes `now` (seconds, float); left out, it is
-    `time.monotonic()`. Pass it always or never."""
+    `time.monotonic()`. Pass it always or never. A `now` that is not finite or
+    not in [0, 1e12] raises InvalidRequest and changes nothing; one up to 60 s
+    behind the latest is jitter (nothing refills), further behind re-bases the
+    clock and the rate buckets to it."""
 
     def __new__(cls, config: SchedulerConfig | None = None, /) -> Scheduler: ...
     @property
@@ -580,11 +589,15 @@ class Scheduler:
         """Live (admitted, unfinished) requests."""
     @property
     def token_buckets(self) -> list[int]:
-        """The token buckets a step is padded to: one compiled program each."""
+        """The token buckets a step is padded to: one compiled program each. The
+        configured ones up to the first holding the most tokens a step can hold
+        (max_batched_tokens, at most the pool's slots), which becomes that
+        number when it is larger than the pool's slots."""
     @property
     def plan_shape(self) -> PlanShape:
         """Fixed plan dimensions: max_tokens (largest bucket), max_seqs (S),
-        pages_per_seq (PPS), block_size, pad_slot."""
+        pages_per_seq (PPS), block_size, pad_slot. S and PPS are at most
+        num_blocks - 1: no plan can use more."""
     def add_tenant(self, config: TenantConfig, /) -> None:
         """Register a tenant. Raises TenantExists, or InvalidConfig when its floor does
         not fit beside the other tenants' floors and reservations."""

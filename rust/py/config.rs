@@ -99,15 +99,17 @@ knob_table! {
     num_blocks: usize = |c, py| c.num_blocks;
     /// Tokens per page. Restart-only.
     block_size: usize = |c, py| c.block_size;
-    /// Most sequences in one step.
+    /// Most sequences in one step (a plan has at most num_blocks - 1 rows).
     max_num_seqs: usize = |c, py| c.max_num_seqs;
     /// Token budget of one step.
     max_batched_tokens: usize = |c, py| c.max_batched_tokens;
-    /// Longest prompt + max_tokens admitted.
+    /// Longest prompt + max_tokens admitted (a plan row holds at most
+    /// num_blocks - 1 pages).
     max_seq_len: usize = |c, py| c.max_seq_len;
     /// Share of the pool kept out of admission.
     overhead_reserve: f64 = |c, py| c.overhead_reserve;
-    /// Admitted requests that may wait beyond the max_num_seqs that run.
+    /// Admitted requests that may wait beyond the max_num_seqs that run (the
+    /// sum saturates: a huge value means no limit but the pool).
     max_waiting: usize = |c, py| c.max_waiting;
     /// Most prompt tokens one sequence gets in one step.
     long_prefill_chunk: usize = |c, py| c.long_prefill_chunk;
@@ -119,7 +121,8 @@ knob_table! {
         scheduler::AdmissionMode::Reserve => "reserve",
         scheduler::AdmissionMode::Overcommit { .. } => "overcommit",
     };
-    /// Over-commit: blocks reserved beyond the prompt (None in reserve mode).
+    /// Over-commit: blocks reserved beyond the prompt (None in reserve mode;
+    /// never more than the final length).
     watermark_blocks: Option<usize> = |c, py| match c.admission {
         scheduler::AdmissionMode::Reserve => None,
         scheduler::AdmissionMode::Overcommit { watermark_blocks } => Some(watermark_blocks),
@@ -326,13 +329,16 @@ knob_table! {
     name: String = |c, py| c.name.clone();
     /// 0 is the most important tier.
     tier: u32 = |c, py| c.tier;
-    /// Blocks guaranteed to this tenant, never lent to others' reservations.
+    /// Blocks guaranteed to this tenant, never lent to others' reservations
+    /// (at most 2**31 - 1; all floors together must fit the usable pool).
     kv_floor_blocks: usize = |c, py| c.kv_floor_blocks;
-    /// Most blocks it may hold reserved at once (None: bounded by the pool).
+    /// Most blocks it may hold reserved at once (None, or more than the pool:
+    /// bounded by the pool).
     kv_cap_blocks: Option<usize> = |c, py| c.kv_cap_blocks;
     /// Most live requests (None: no per-tenant limit; 0 pauses the tenant).
     max_concurrent: Option<u32> = |c, py| c.max_concurrent;
-    /// Token-bucket refill rate, in prompt + max_tokens tokens per second.
+    /// Token-bucket refill rate, in prompt + max_tokens tokens per second (at
+    /// least 1e-6).
     rate_tokens_per_s: Option<f64> = |c, py| c.rate_tokens_per_s;
     /// Token-bucket size (None: one second of rate).
     burst_tokens: Option<f64> = |c, py| c.burst_tokens;

@@ -60,13 +60,14 @@ fn monotonic(py: Python<'_>) -> PyResult<f64> {
 }
 
 fn now_or_monotonic(py: Python<'_>, now: Option<f64>) -> PyResult<f64> {
-    match now {
-        Some(t) if t.is_finite() => Ok(t),
-        Some(t) => Err(invalid(format!(
-            "now must be a finite number of seconds, got {t}"
-        ))),
-        None => monotonic(py),
-    }
+    // The core's one check on times (`scheduler::check_time`), here too for
+    // the calls that only read (stats, pressure).
+    let t = match now {
+        Some(t) => t,
+        None => monotonic(py)?,
+    };
+    crate::scheduler::check_time(t, "now")?;
+    Ok(t)
 }
 
 /// A 1-D numpy int32 array argument, borrowed read-only.

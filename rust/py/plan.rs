@@ -2,11 +2,17 @@
 //!
 //! The plan arrays are numpy arrays the scheduler object owns, two sets used in
 //! turn (double buffering). The core writes into them in place through raw
-//! slices; to Python they are read-only (the WRITEABLE flag is cleared on every
-//! one, and the per-bucket token arrays are views of them), so a step creates no
-//! arrays for the kernel inputs at all.
+//! slices; to Python they are read-only, and cannot be made writeable again:
+//! their memory is a Rust allocation whose numpy base is an opaque object
+//! without a writable buffer (numpy refuses `flags.writeable = True` on such
+//! an array and on every view of it), and the WRITEABLE flag is cleared on
+//! every one. So a step creates no arrays for the kernel inputs at all, and
+//! no caller can write another tenant's pages into a row the core reuses.
+//!
+//! The buffers are allocated fallibly: a plan shape whose buffers cannot be
+//! allocated is an InvalidConfig naming the shape, never an abort or a panic.
 
-use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PySlice;
 
@@ -35,6 +41,63 @@ fn freeze(arr: &Bound<'_, PyAny>) -> PyResult<()> {
     arr.getattr("flags")?.setattr("writeable", false)
 }
 
+/// `len` int32 zeros, or None when the allocator refuses. The memory is
+/// zeroed by the allocator (calloc-like), so pages never written cost nothing.
+fn try_zeroed(len: usize) -> Option<Vec<i32>> {
+    if len == 0 {
+        return Some(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<i32>(len).ok()?;
+    // SAFETY: the layout has a non-zero size. On success the block holds
+    // `len` zeroed i32 (a valid value for every bit pattern of zeros),
+    // allocated by the global allocator with the layout of `[i32; len]`,
+    // which is what `Vec::from_raw_parts` requires of it (capacity `len`).
+    unsafe {
+        let p = std::alloc::alloc_zeroed(layout).cast::<i32>();
+        if p.is_null() {
+            return None;
+        }
+        Some(Vec::from_raw_parts(p, len, len))
+    }
+}
+
+/// A plan buffer of `len` values, all `fill`, as a numpy array whose base is
+/// rust-numpy's opaque container: numpy cannot make it writeable again.
+fn plan_array<'py>(
+    py: Python<'py>,
+    shape: &PlanShape,
+    what: &str,
+    len: Option<usize>,
+    fill: i32,
+) -> PyResult<Bound<'py, PyArray1<i32>>> {
+    let cannot = || {
+        KvError::InvalidConfig(format!(
+            "cannot allocate the step plan's {what} ({} int32 values) for the plan shape \
+             T={} tokens, S={} sequences, PPS={} pages per sequence (S is max_num_seqs and \
+             PPS is max_seq_len / block_size, both at most num_blocks - 1; T the largest \
+             usable token bucket): lower max_num_seqs, max_seq_len or max_batched_tokens",
+            len.map_or_else(|| "too many".to_owned(), |n| n.to_string()),
+            shape.max_tokens,
+            shape.max_seqs,
+            shape.pages_per_seq
+        ))
+    };
+    let len = len.ok_or_else(cannot)?;
+    let mut v = try_zeroed(len).ok_or_else(cannot)?;
+    if fill != 0 {
+        v.fill(fill);
+    }
+    // Handed out as a view of the flat array, so `arr.base` is a frozen
+    // ndarray (writes through it raise "read-only"), whose own base is the
+    // opaque container.
+    let flat = PyArray1::from_vec(py, v);
+    freeze(flat.as_any())?;
+    Ok(flat
+        .as_any()
+        .get_item(PySlice::new(py, 0, len as isize, 1))?
+        .cast_into::<PyArray1<i32>>()?)
+}
+
 fn prefix_view(py: Python<'_>, base: &Bound<'_, PyAny>, len: usize) -> PyResult<Py<PyAny>> {
     Ok(base
         .get_item(PySlice::new(py, 0, len as isize, 1))?
@@ -44,15 +107,21 @@ fn prefix_view(py: Python<'_>, base: &Bound<'_, PyAny>, len: usize) -> PyResult<
 impl PlanArrays {
     fn new(py: Python<'_>, shape: &PlanShape, buckets: &[usize]) -> PyResult<Self> {
         let (t, s, pps) = (shape.max_tokens, shape.max_seqs, shape.pages_per_seq);
-        let token_ids = PyArray1::<i32>::zeros(py, t, false);
-        let positions = PyArray1::<i32>::zeros(py, t, false);
-        let slot_mapping = PyArray1::from_vec(py, vec![shape.pad_slot; t]);
-        let cu_q_lens = PyArray1::<i32>::zeros(py, s + 1, false);
-        let kv_lens = PyArray1::<i32>::zeros(py, s, false);
-        let page_indices = PyArray2::<i32>::zeros(py, [s, pps], false);
-        let num_seqs = PyArray1::<i32>::zeros(py, 1, false);
-        let distribution = PyArray1::<i32>::zeros(py, 3, false);
-        let logits_indices = PyArray1::<i32>::zeros(py, s, false);
+        let arr =
+            |what: &str, len: Option<usize>, fill: i32| plan_array(py, shape, what, len, fill);
+        let token_ids = arr("token_ids", Some(t), 0)?;
+        let positions = arr("positions", Some(t), 0)?;
+        let slot_mapping = arr("slot_mapping", Some(t), shape.pad_slot)?;
+        let cu_q_lens = arr("cu_q_lens", s.checked_add(1), 0)?;
+        let kv_lens = arr("kv_lens", Some(s), 0)?;
+        // [S, PPS] as a view of one flat buffer: its base is the flat array,
+        // whose base refuses writeable.
+        let page_indices = arr("page_indices", s.checked_mul(pps), 0)?;
+        let page_indices: Bound<'_, PyArray2<i32>> = page_indices.reshape([s, pps])?;
+        debug_assert!(page_indices.is_c_contiguous());
+        let num_seqs = arr("num_seqs", Some(1), 0)?;
+        let distribution = arr("distribution", Some(3), 0)?;
+        let logits_indices = arr("logits_indices", Some(s), 0)?;
         for arr in [
             token_ids.as_any(),
             positions.as_any(),

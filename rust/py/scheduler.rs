@@ -21,7 +21,10 @@ use crate::scheduler::{self, StepOutcome, SubmitOptions};
 /// The KV-cache manager and scheduler. Safe to share between threads.
 ///
 /// Every time-dependent method takes `now` (seconds, float); left out, it is
-/// `time.monotonic()`. Pass it always or never.
+/// `time.monotonic()`. Pass it always or never. A `now` that is not finite or
+/// not in [0, 1e12] raises InvalidRequest and changes nothing; one up to 60 s
+/// behind the latest is jitter (nothing refills), further behind re-bases the
+/// clock and the rate buckets to it.
 #[pyclass(name = "Scheduler", module = "kvsched", frozen)]
 pub struct PyScheduler {
     inner: Mutex<scheduler::Scheduler>,
@@ -51,14 +54,18 @@ impl PyScheduler {
         })
     }
 
-    /// The token buckets a step is padded to: one compiled program each.
+    /// The token buckets a step is padded to: one compiled program each. The
+    /// configured ones up to the first holding the most tokens a step can hold
+    /// (max_batched_tokens, at most the pool's slots), which becomes that
+    /// number when it is larger than the pool's slots.
     #[getter]
     fn token_buckets(&self) -> Vec<usize> {
         self.plans.buckets().to_vec()
     }
 
     /// Fixed plan dimensions: max_tokens (largest bucket), max_seqs (S),
-    /// pages_per_seq (PPS), block_size, pad_slot.
+    /// pages_per_seq (PPS), block_size, pad_slot. S and PPS are at most
+    /// num_blocks - 1: no plan can use more.
     #[getter]
     fn plan_shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = locked(&self.inner, |s| *s.plan_shape())?;

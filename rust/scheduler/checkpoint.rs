@@ -145,6 +145,7 @@ impl Scheduler {
     ///
     /// On an error nothing was restored and no refusal was counted.
     pub fn restore_all(&mut self, records: &[InFlight], now: f64) -> KvResult<Vec<u64>> {
+        self.accept_now(now)?;
         for rec in records {
             rec.validate()?;
         }

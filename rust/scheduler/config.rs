@@ -13,6 +13,8 @@ pub enum AdmissionMode {
     Reserve,
     /// Reserve the prompt plus `watermark_blocks`; when pages run out, preempt
     /// the lowest-tier, most recently admitted sequence and recompute it later.
+    /// A watermark past the final length reserves the final length (the sum
+    /// saturates: any huge watermark means "reserve the final length").
     Overcommit { watermark_blocks: usize },
 }
 
@@ -64,6 +66,7 @@ pub struct SchedulerConfig {
     /// Share of the pool kept out of admission, for what the estimate missed.
     pub overhead_reserve: f64,
     /// Admitted requests that may wait beyond the `max_num_seqs` that run.
+    /// The sum saturates: a huge value means "no limit but the pool".
     pub max_waiting: usize,
     /// Most prompt tokens one sequence gets in one step.
     pub long_prefill_chunk: usize,
@@ -184,11 +187,43 @@ impl SchedulerConfig {
         }
     }
 
+    /// Most tokens one step can ever hold: max_batched_tokens, and never more
+    /// than the pool's slots (each token of a step writes its own KV slot, in
+    /// a page its sequence holds alone; page 0 is never handed out).
+    pub fn reachable_step_tokens(&self) -> usize {
+        let slots = self
+            .num_blocks
+            .saturating_sub(1)
+            .saturating_mul(self.block_size);
+        self.max_batched_tokens.min(slots)
+    }
+
+    /// The buckets a step can be padded to: the configured ones up to the
+    /// smallest that holds `reachable_step_tokens` (a larger one could never
+    /// be used, so no buffer is sized for it); that last one, when it is
+    /// larger than the pool's slots (num_blocks * block_size), becomes
+    /// `reachable_step_tokens` itself (no buffer larger than the pool).
+    pub fn plan_buckets(&self) -> KvResult<TokenBuckets> {
+        let reachable = self.reachable_step_tokens();
+        let buckets = self.buckets()?.truncated(reachable);
+        let slots = self.num_blocks.saturating_mul(self.block_size);
+        Ok(if buckets.largest() > slots {
+            buckets.with_largest(reachable)
+        } else {
+            buckets
+        })
+    }
+
+    /// The plan's dimensions, bounded by what this configuration can use: a
+    /// row never holds more pages than the pool hands out (num_blocks - 1),
+    /// no step runs more sequences than that either (each holds a page of
+    /// its own), and the token buffers stop at the largest usable bucket.
     pub fn plan_shape(&self) -> KvResult<PlanShape> {
+        let pages = self.num_blocks.saturating_sub(1);
         Ok(PlanShape {
-            max_tokens: self.buckets()?.largest(),
-            max_seqs: self.max_num_seqs,
-            pages_per_seq: self.max_seq_len.div_ceil(self.block_size),
+            max_tokens: self.plan_buckets()?.largest(),
+            max_seqs: self.max_num_seqs.min(pages),
+            pages_per_seq: self.max_seq_len.div_ceil(self.block_size).min(pages),
             block_size: crate::pool::BlockSize::new(self.block_size),
             pad_slot: (self.num_blocks * self.block_size) as i32,
         })

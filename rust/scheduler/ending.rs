@@ -49,6 +49,7 @@ impl Scheduler {
         reason: FinishReason,
         now: f64,
     ) -> KvResult<Option<Request>> {
+        self.accept_now(now)?;
         let Some(slab) = self.requests.slot_of(id) else {
             if !self.requests.issued(id) || self.caller_ended.contains(id) {
                 return Err(KvError::UnknownRequest(id));

@@ -3,6 +3,65 @@
 use super::*;
 
 impl Scheduler {
+    /// `full_validation` (and debug builds): every page-table row of the plan
+    /// just written in buffer set `parity` holds its request's own page list
+    /// (`Request::pages`, not the row cache, which a write into the arrays
+    /// would fool), then page 0; rows past the plan are all page 0.
+    ///
+    /// On a difference it raises Internal, and repairs first: the set's page
+    /// table is cleared and its row cache forgotten, so the next step writes
+    /// every row again from the page lists. Raising (not repairing silently)
+    /// because the plan just written must not run, and the difference means a
+    /// bug or something writing the arrays behind the scheduler's back.
+    pub(super) fn check_plan_rows(
+        &mut self,
+        bufs: &mut PlanBuffers<'_>,
+        seqs: &[step::PendingSeq],
+        parity: usize,
+    ) -> KvResult<()> {
+        let pps = self.shape.pages_per_seq;
+        let mut wrong = None;
+        for (i, s) in seqs.iter().enumerate() {
+            let pages = &self.requests.get(s.slab).pages;
+            let row = &bufs.page_indices[i * pps..(i + 1) * pps];
+            let same = pages.len() <= pps
+                && row[..pages.len()]
+                    .iter()
+                    .zip(pages)
+                    .all(|(&got, &want)| got as i64 == want as i64)
+                && row[pages.len()..].iter().all(|&p| p == 0);
+            if !same {
+                wrong = Some(format!(
+                    "row {i} (request {}) does not hold the request's pages",
+                    s.id
+                ));
+                break;
+            }
+        }
+        if wrong.is_none()
+            && bufs.page_indices[seqs.len() * pps..]
+                .iter()
+                .any(|&p| p != 0)
+        {
+            wrong = Some(format!(
+                "a padding row past the {} sequences is not page 0",
+                seqs.len()
+            ));
+        }
+        match wrong {
+            None => Ok(()),
+            Some(what) => {
+                bufs.page_indices.fill(0);
+                self.rows[parity].forget();
+                Err(KvError::Internal(format!(
+                    "invalid step plan: {what}; the page table was written outside the \
+                     scheduler, or a bug; its rows are rewritten from the page lists at the \
+                     next step"
+                )))
+            }
+        }
+    }
+
     /// Every cross-structure invariant, for tests: pages conserved and owned once,
     /// usage within reservations (reserve mode), reservations within the usable
     /// pool, floors honoured, the running set and queues consistent.

@@ -66,6 +66,7 @@ impl Scheduler {
     /// page for every decode; the running prefills' next chunks; new entries
     /// while there are slots and budget; then the arrays (`planner::write_plan`).
     pub fn step(&mut self, now: f64, bufs: &mut PlanBuffers<'_>) -> KvResult<Option<StepOutcome>> {
+        self.accept_now(now)?;
         if self.pending.is_some() {
             return Err(KvError::StalePlan(
                 "the previous plan was not committed; commit it first".into(),
@@ -279,6 +280,7 @@ impl Scheduler {
             )?
         };
         if cfg!(debug_assertions) || self.config.full_validation {
+            self.check_plan_rows(bufs, &seqs, parity)?;
             planner::validate(&self.shape, bufs, &written, self.kv.pool())?;
         }
         // Weighted fair share: virtual time grows by tokens served / weight (summed

@@ -209,6 +209,7 @@ fn prompt(n: usize, seed: i32) -> Vec<i32> {
 const NAMES: [&str; 4] = ["t0", "t1", "t2", "ghost"];
 
 mod admission;
+mod extreme_knobs;
 mod fairness;
 mod lifecycle;
 mod lifecycle_fuzz;
@@ -222,3 +223,4 @@ mod prefix_fuzz;
 mod random_ops;
 mod terminal;
 mod tiers;
+mod time_and_rows;

@@ -1,0 +1,120 @@
+//! Issue 14, F4 and F5: the times a scheduler takes, and plan rows checked
+//! against the requests' own page lists.
+
+use super::*;
+
+fn rate_limited(rate: f64, burst: f64) -> Scheduler {
+    let mut s = sched(256, 16);
+    let mut t = TenantConfig::new("a");
+    t.rate_tokens_per_s = Some(rate);
+    t.burst_tokens = Some(burst);
+    s.add_tenant(t).unwrap();
+    s
+}
+
+/// F4: a time that is not a clock in seconds is refused, naming `now`, and
+/// changes nothing, at every call that takes one.
+#[test]
+fn times_that_are_not_clocks_are_refused_and_change_nothing() {
+    let mut s = rate_limited(10.0, 100.0);
+    let id = s.submit("a", &prompt(4, 1), 4, 1.0).unwrap();
+    let before = s.stats(1.0);
+    let mut bufs = OwnedPlanBuffers::new(s.plan_shape());
+    for bad in [
+        1e308,
+        1e13,
+        f64::NAN,
+        f64::INFINITY,
+        f64::NEG_INFINITY,
+        -1.0,
+        -1e-9,
+    ] {
+        let is_bad_now = |e: KvError| matches!(&e, KvError::InvalidRequest(m) if m.contains("now"));
+        assert!(
+            is_bad_now(s.submit("a", &prompt(4, 2), 4, bad).unwrap_err()),
+            "{bad}"
+        );
+        assert!(
+            is_bad_now(s.step(bad, &mut bufs.as_mut()).unwrap_err()),
+            "{bad}"
+        );
+        assert!(is_bad_now(s.cancel_at(id, bad).unwrap_err()), "{bad}");
+        assert!(is_bad_now(s.stop(id, bad).unwrap_err()), "{bad}");
+        assert!(is_bad_now(
+            s.update_tenant(TenantConfig::new("a"), bad).unwrap_err()
+        ));
+        assert!(check_time(bad, "now").is_err());
+        assert_eq!(s.stats(1.0), before, "{bad}");
+    }
+    assert!(check_time(0.0, "now").is_ok() && check_time(MAX_TIME_S, "now").is_ok());
+    s.check_invariants().unwrap();
+}
+
+/// F4: a bucket recovers from any time it accepted. Far ahead and back (a
+/// clock switched, a unit slip within bounds) re-bases it; time going back a
+/// little is jitter and refills nothing, as before.
+#[test]
+fn a_rate_bucket_recovers_from_a_jump_ahead_and_back() {
+    let mut s = rate_limited(10.0, 100.0);
+    // 92 tokens of 100 taken at a time far ahead.
+    s.submit("a", &prompt(2, 1), 90, 1e11).unwrap();
+    // Back to the real clock: refused for now, with a finite wait ...
+    let wait = match s.submit("a", &prompt(2, 2), 90, 100.0).unwrap_err() {
+        KvError::Rejected(r) => {
+            assert_eq!(r.reason, RejectReason::RateLimited);
+            r.retry_after.unwrap()
+        }
+        e => panic!("{e}"),
+    };
+    assert!(wait > 0.0 && wait < 10.0, "{wait}");
+    // ... and admitted once it has passed (before the fix: never).
+    s.submit("a", &prompt(2, 2), 90, 100.0 + wait + 1e-6)
+        .unwrap();
+
+    // Jitter: a time a little behind refills nothing (nor does it re-base).
+    let mut s = rate_limited(10.0, 100.0);
+    s.submit("a", &prompt(2, 1), 98, 1000.0).unwrap();
+    assert!(s
+        .submit("a", &prompt(2, 1), 8, 1000.0 - CLOCK_JITTER_S + 1.0)
+        .is_err());
+    assert!(s.submit("a", &prompt(2, 1), 8, 1000.0).is_err());
+    s.submit("a", &prompt(2, 1), 8, 1001.0).unwrap();
+}
+
+/// F5: a page-table row written behind the scheduler's back (another
+/// request's page) is found against the requests' own page lists, even
+/// where the row cache says the row is unchanged, and repaired for the next
+/// step.
+#[test]
+fn a_row_written_behind_the_schedulers_back_is_found_and_rewritten() {
+    let mut h = Harness::new(SchedulerConfig {
+        full_validation: true,
+        ..config(64, 4)
+    });
+    h.tenant(TenantConfig::new("a"));
+    h.tenant(TenantConfig::new("b"));
+    let ida = h.submit("a", &prompt(12, 1), 40);
+    let idb = h.submit("b", &prompt(12, 2), 40);
+    // Both prefilled (step 0, parity 0) and decoding (step 1, parity 1).
+    h.step().unwrap();
+    h.step().unwrap();
+    let pps = h.s.plan_shape().pages_per_seq;
+    let a_pages = h.s.request(ida).unwrap().pages.clone();
+    let b_pages = h.s.request(idb).unwrap().pages.clone();
+    let out = h.outcomes.last().unwrap().clone();
+    let row_a = out.request_ids.iter().position(|&id| id == ida).unwrap();
+    // Parity 0's row of `a` gets `b`'s first page where `a`'s first is.
+    let other = 1 - out.parity;
+    assert_eq!(h.bufs[other].page_indices[row_a * pps], a_pages[0] as i32);
+    h.bufs[other].page_indices[row_a * pps] = b_pages[0] as i32;
+    let err = h.plan().unwrap_err();
+    assert!(
+        matches!(&err, KvError::Internal(m) if m.contains("does not hold the request's pages")),
+        "{err}"
+    );
+    // Repaired: the next plan rewrites every row from the page lists, and runs.
+    h.step().unwrap();
+    h.run(200);
+    assert_eq!(h.s.live_requests(), 0);
+    assert!(h.finished.contains_key(&ida) && h.finished.contains_key(&idb));
+}
