@@ -85,6 +85,57 @@ fn kwargs_repr(kwargs: &Bound<'_, PyDict>, skip: &[&str]) -> PyResult<String> {
     Ok(parts.join(", "))
 }
 
+/// Argument readers for the integer knobs (`from_py_with`): each names its
+/// knob when a value is out of range, where pyo3's own conversion raises a bare
+/// OverflowError. A reader, not a wrapper type, so the signatures' defaults
+/// stay the plain `0` / `None` that `inspect.signature` shows.
+macro_rules! int_knob_args {
+    ($($f:ident -> $ret:ty = $via:ident($knob:literal);)*) => {$(
+        fn $f(o: &Bound<'_, PyAny>) -> PyResult<$ret> {
+            super::$via(o, $knob)
+        }
+    )*};
+}
+
+int_knob_args! {
+    num_blocks_arg -> Option<usize> = opt_uint_knob("num_blocks");
+    block_size_arg -> Option<usize> = opt_uint_knob("block_size");
+    max_num_seqs_arg -> Option<usize> = opt_uint_knob("max_num_seqs");
+    max_batched_tokens_arg -> Option<usize> = opt_uint_knob("max_batched_tokens");
+    max_seq_len_arg -> Option<usize> = opt_uint_knob("max_seq_len");
+    max_waiting_arg -> Option<usize> = opt_uint_knob("max_waiting");
+    long_prefill_chunk_arg -> Option<usize> = opt_uint_knob("long_prefill_chunk");
+    watermark_blocks_arg -> Option<usize> = opt_uint_knob("watermark_blocks");
+    tier_arg -> u32 = uint_knob("tier");
+    kv_floor_blocks_arg -> usize = uint_knob("kv_floor_blocks");
+    kv_cap_blocks_arg -> Option<usize> = opt_uint_knob("kv_cap_blocks");
+    max_concurrent_arg -> Option<u32> = opt_uint_knob("max_concurrent");
+    max_step_tokens_arg -> Option<usize> = opt_uint_knob("max_step_tokens");
+}
+
+/// `token_buckets`: None or a sequence of sizes, each read like the other
+/// integer knobs.
+fn token_buckets_arg(o: &Bound<'_, PyAny>) -> PyResult<Option<Vec<usize>>> {
+    if o.is_none() {
+        return Ok(None);
+    }
+    let items: Vec<Bound<'_, PyAny>> = o.extract().map_err(|_| {
+        let found = o
+            .get_type()
+            .name()
+            .map(|n| n.to_string())
+            .unwrap_or_else(|_| "?".into());
+        pyo3::exceptions::PyTypeError::new_err(format!(
+            "token_buckets must be a list of ints, got {found}"
+        ))
+    })?;
+    items
+        .iter()
+        .map(|i| super::uint_knob(i, "token_buckets entry"))
+        .collect::<PyResult<Vec<usize>>>()
+        .map(Some)
+}
+
 /// Scheduler configuration. `num_blocks` and `block_size` are restart-only;
 /// every argument left out takes the core's default.
 #[pyclass(name = "SchedulerConfig", module = "kvsched", frozen, from_py_object)]
@@ -165,17 +216,17 @@ knob_table! {
             retry_after_hint_s=None))]
         #[allow(clippy::too_many_arguments)]
         fn new(
-            num_blocks: Option<usize>,
-            block_size: Option<usize>,
-            max_num_seqs: Option<usize>,
-            max_batched_tokens: Option<usize>,
-            max_seq_len: Option<usize>,
+            #[pyo3(from_py_with = num_blocks_arg)] num_blocks: Option<usize>,
+            #[pyo3(from_py_with = block_size_arg)] block_size: Option<usize>,
+            #[pyo3(from_py_with = max_num_seqs_arg)] max_num_seqs: Option<usize>,
+            #[pyo3(from_py_with = max_batched_tokens_arg)] max_batched_tokens: Option<usize>,
+            #[pyo3(from_py_with = max_seq_len_arg)] max_seq_len: Option<usize>,
             overhead_reserve: Option<f64>,
-            max_waiting: Option<usize>,
-            long_prefill_chunk: Option<usize>,
-            token_buckets: Option<Vec<usize>>,
+            #[pyo3(from_py_with = max_waiting_arg)] max_waiting: Option<usize>,
+            #[pyo3(from_py_with = long_prefill_chunk_arg)] long_prefill_chunk: Option<usize>,
+            #[pyo3(from_py_with = token_buckets_arg)] token_buckets: Option<Vec<usize>>,
             admission: Option<&str>,
-            watermark_blocks: Option<usize>,
+            #[pyo3(from_py_with = watermark_blocks_arg)] watermark_blocks: Option<usize>,
             preempt_lower_tiers: Option<bool>,
             full_validation: Option<bool>,
             prefix_caching: Option<bool>,
@@ -358,14 +409,14 @@ knob_table! {
         #[allow(clippy::too_many_arguments)]
         fn new(
             name: String,
-            tier: u32,
-            kv_floor_blocks: usize,
-            kv_cap_blocks: Option<usize>,
-            max_concurrent: Option<u32>,
+            #[pyo3(from_py_with = tier_arg)] tier: u32,
+            #[pyo3(from_py_with = kv_floor_blocks_arg)] kv_floor_blocks: usize,
+            #[pyo3(from_py_with = kv_cap_blocks_arg)] kv_cap_blocks: Option<usize>,
+            #[pyo3(from_py_with = max_concurrent_arg)] max_concurrent: Option<u32>,
             rate_tokens_per_s: Option<f64>,
             burst_tokens: Option<f64>,
             weight: f64,
-            max_step_tokens: Option<usize>,
+            #[pyo3(from_py_with = max_step_tokens_arg)] max_step_tokens: Option<usize>,
             prefix_namespace: Option<String>,
         ) -> PyResult<Self> {
             let inner = tenant::TenantConfig {

@@ -110,6 +110,65 @@ fn count_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
     })
 }
 
+/// An unsigned integer type a config knob is read into, with the text of its
+/// largest value for the error.
+trait KnobInt: TryFrom<u64> {
+    const RANGE: &'static str;
+}
+impl KnobInt for usize {
+    const RANGE: &'static str = if usize::BITS == 64 {
+        "0 to 2**64-1"
+    } else {
+        "0 to 2**32-1"
+    };
+}
+impl KnobInt for u32 {
+    const RANGE: &'static str = "0 to 2**32-1";
+}
+
+/// An unsigned integer config knob from any Python int (or object with
+/// `__index__`, as pyo3's own conversion takes): one out of range is
+/// InvalidConfig naming the knob and the range, instead of pyo3's bare
+/// OverflowError; a wrong type is a TypeError naming the knob. Nothing is built
+/// from a refused argument, so a refusal changes nothing.
+fn uint_knob<T: KnobInt>(obj: &Bound<'_, PyAny>, knob: &str) -> PyResult<T> {
+    let py = obj.py();
+    let refused = || -> PyResult<PyErr> {
+        // Python refuses to print ints of more than ~4300 digits; say so then.
+        let shown = match obj.repr() {
+            Ok(r) if r.len()? <= 48 => r.to_string(),
+            _ => "an int too large to print".to_owned(),
+        };
+        Ok(KvError::InvalidConfig(format!(
+            "{knob} out of range: must be an integer from {}, got {shown}",
+            T::RANGE
+        ))
+        .into())
+    };
+    match obj.extract::<u64>() {
+        Ok(v) => match T::try_from(v) {
+            Ok(v) => Ok(v),
+            Err(_) => Err(refused()?),
+        },
+        Err(e) if e.is_instance_of::<pyo3::exceptions::PyOverflowError>(py) => Err(refused()?),
+        Err(e) if e.is_instance_of::<pyo3::exceptions::PyTypeError>(py) => {
+            Err(pyo3::exceptions::PyTypeError::new_err(format!(
+                "{knob} must be an int, got {}",
+                obj.get_type().name()?
+            )))
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// `uint_knob` for a knob that may be None.
+fn opt_uint_knob<T: KnobInt>(obj: &Bound<'_, PyAny>, knob: &str) -> PyResult<Option<T>> {
+    if obj.is_none() {
+        return Ok(None);
+    }
+    uint_knob(obj, knob).map(Some)
+}
+
 /// A prefix-cache salt: str (its UTF-8 bytes) or bytes.
 fn salt_arg(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
     if let Ok(s) = obj.cast::<PyString>() {
