@@ -116,7 +116,8 @@ pub fn validate_shape(num_blocks: usize, block_size: usize) -> KvResult<()> {
     Ok(())
 }
 
-/// `vec![value; n]`, with every memory page of it written now.
+/// `vec![value; n]`, allocated fallibly, with every memory page of it written
+/// now.
 ///
 /// The per-page arrays are sized for the whole pool at start-up, and a
 /// zero-filled one comes from the allocator as untouched memory that the
@@ -124,14 +125,23 @@ pub fn validate_shape(num_blocks: usize, block_size: usize) -> KvResult<()> {
 /// a running scheduler through each array pays a page fault every 4 KiB
 /// (every 256 names, 1,024 refcounts), a few microseconds each, in the middle
 /// of its steps. Written here, they are paid once, while the pool is built.
-pub(crate) fn resident<T: Copy>(n: usize, value: T) -> Vec<T> {
-    let mut v = vec![value; n];
+///
+/// An array the process cannot hold is an error for the caller to report
+/// (`try_reserve_exact`), never the global allocator's abort.
+pub(crate) fn resident<T: Copy>(
+    n: usize,
+    value: T,
+) -> Result<Vec<T>, std::collections::TryReserveError> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n)?;
+    v.resize(n, value);
     let stride = (4096 / std::mem::size_of::<T>().max(1)).max(1);
     for i in (0..n).step_by(stride) {
-        // An opaque value: the store cannot be elided, so the page is mapped.
+        // An opaque value: the store cannot be elided (nor the fill above
+        // turned into a zeroed allocation nobody writes), so the page is mapped.
         v[i] = std::hint::black_box(value);
     }
-    v
+    Ok(v)
 }
 
 #[derive(Clone, Debug)]
@@ -186,24 +196,14 @@ impl BlockPool {
             .map_err(|_| cannot("free list"))?;
         // Reverse order so that pages come out 1, 2, 3, ... from a fresh pool.
         free.extend((1..num_blocks as u32).rev());
-        if caching {
-            // The prefix cache allocates its per-page arrays infallibly: ask
-            // the allocator for their size first, and give it back. Not a
-            // guarantee (another thread may take the memory in between), but
-            // a pool far too large for the address space or a memory limit is
-            // refused here instead of aborting there.
-            let mut probe: Vec<u8> = Vec::new();
-            probe
-                .try_reserve_exact(num_blocks.saturating_mul(PREFIX_CACHE_BYTES_PER_PAGE))
-                .map_err(|_| cannot("prefix-cache index"))?;
-            drop(probe);
-        }
+        let cache = PrefixCache::new(if caching { num_blocks } else { 0 })
+            .map_err(|_| cannot("prefix cache"))?;
         Ok(BlockPool {
             block_size: BlockSize::new(block_size),
             refcount,
             free,
             shared: 0,
-            cache: PrefixCache::new(if caching { num_blocks } else { 0 }),
+            cache,
         })
     }
 

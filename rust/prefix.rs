@@ -178,20 +178,22 @@ pub(crate) const SHARED_LIST: List = END;
 
 impl PrefixCache {
     /// A cache for `num_blocks` pages; 0 for a pool that caches nothing (all
-    /// its queries then answer "not cached").
-    pub fn new(num_blocks: usize) -> Self {
-        PrefixCache {
-            map: PageIndex::new(num_blocks),
-            key: resident(num_blocks, 0),
-            scope: vec![NOT_CACHED; num_blocks],
-            prev: resident(num_blocks, END),
-            next: resident(num_blocks, END),
-            parked: resident(num_blocks, false),
+    /// its queries then answer "not cached"). Every array is allocated
+    /// fallibly and written through (`resident`): a cache the process cannot
+    /// hold is an error here, not an abort.
+    pub fn new(num_blocks: usize) -> Result<Self, std::collections::TryReserveError> {
+        Ok(PrefixCache {
+            map: PageIndex::new(num_blocks)?,
+            key: resident(num_blocks, 0)?,
+            scope: resident(num_blocks, NOT_CACHED)?,
+            prev: resident(num_blocks, END)?,
+            next: resident(num_blocks, END)?,
+            parked: resident(num_blocks, false)?,
             evictable: 0,
             evictions: 0,
             home: Vec::new(),
             parked_by: Vec::new(),
-        }
+        })
     }
 
     /// Give every tenant an LRU list of its own (call before anything is
@@ -599,7 +601,7 @@ mod tests {
 
     #[test]
     fn lru_evicts_oldest_first_and_unpark_removes_from_the_middle() {
-        let mut c = PrefixCache::new(8);
+        let mut c = PrefixCache::new(8).unwrap();
         for (p, k) in [(1u32, 10u128), (2, 20), (3, 30), (4, 40)] {
             assert!(c.register(p, k, Scope::Tenant(0)));
         }
@@ -626,7 +628,7 @@ mod tests {
 
     #[test]
     fn unpark_all_cuts_runs_out_of_the_lru_list_and_keeps_the_rest_in_order() {
-        let mut c = PrefixCache::new(12);
+        let mut c = PrefixCache::new(12).unwrap();
         for p in 1..12u32 {
             assert!(c.register(p, 100 + p as u128, Scope::Shared));
         }

@@ -108,13 +108,14 @@ fn home_and_tag(key: BlockKey, buckets: usize) -> (usize, u8) {
 }
 
 impl PageIndex {
-    /// An index for a pool of `num_blocks` pages (0: one that holds nothing).
-    pub(super) fn new(num_blocks: usize) -> Self {
+    /// An index for a pool of `num_blocks` pages (0: one that holds nothing),
+    /// allocated fallibly and written through (see `pool::resident`).
+    pub(super) fn new(num_blocks: usize) -> Result<Self, std::collections::TryReserveError> {
         let n = num_blocks.div_ceil(PAGES_PER_BUCKET);
-        PageIndex {
-            buckets: vec![Bucket::default(); n],
+        Ok(PageIndex {
+            buckets: crate::pool::resident(n, Bucket::default())?,
             len: 0,
-        }
+        })
     }
 
     /// Entries held.
@@ -332,7 +333,7 @@ mod tests {
     #[test]
     fn agrees_with_a_map_under_crowding_and_wrap_around() {
         for (num_pages, spread) in [(18usize, 3u64), (90, 1), (400, 2), (1000, 7)] {
-            let mut index = PageIndex::new(num_pages);
+            let mut index = PageIndex::new(num_pages).unwrap();
             let mut name = vec![0 as BlockKey; num_pages];
             let mut model: HashMap<BlockKey, u32> = HashMap::new();
             let mut s = 0x9e37_79b9_7f4a_7c15u64 ^ num_pages as u64;
@@ -383,7 +384,7 @@ mod tests {
 
     #[test]
     fn an_index_of_no_pages_holds_nothing() {
-        let mut index = PageIndex::new(0);
+        let mut index = PageIndex::new(0).unwrap();
         assert!(!index.insert(5, 1, |_| 5));
         assert_eq!(index.find(5, |_| 5), None);
         assert!(!index.remove(5, 1));
