@@ -13,6 +13,15 @@ impl Scheduler {
     /// every row again from the page lists. Raising (not repairing silently)
     /// because the plan just written must not run, and the difference means a
     /// bug or something writing the arrays behind the scheduler's back.
+    ///
+    /// The refused step serves nobody (`write_step`): no tenant's virtual
+    /// time moves, the step id, parity and step rate do not advance, and its
+    /// preemptions are reported with the next plan. What it did before the
+    /// plan was written stays: the clock and the gap since the last step()
+    /// call, the ladder's update, preemptions, the pages it gave decodes and
+    /// prefill chunks, the requests it moved from waiting to running. That is
+    /// harmless: none of it is a token computed or charged, and the next step
+    /// plans the same sequences again, their pages already in hand.
     pub(super) fn check_plan_rows(
         &mut self,
         bufs: &mut PlanBuffers<'_>,

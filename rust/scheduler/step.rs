@@ -277,12 +277,25 @@ impl Scheduler {
                 &hot[..num_decode],
                 chunks,
                 |i| &requests.get(slots[i]).pages,
-            )?
+            )
         };
-        if cfg!(debug_assertions) || self.config.full_validation {
-            self.check_plan_rows(bufs, &seqs, parity)?;
-            planner::validate(&self.shape, bufs, &written, self.kv.pool())?;
-        }
+        let checked = written.and_then(|written| {
+            if cfg!(debug_assertions) || self.config.full_validation {
+                self.check_plan_rows(bufs, &seqs, parity)?;
+                planner::validate(&self.shape, bufs, &written, self.kv.pool())?;
+            }
+            Ok(written)
+        });
+        let written = match checked {
+            Ok(written) => written,
+            Err(e) => {
+                // This plan does not run (see `check_plan_rows`): nobody was
+                // served by it, and its preemptions go out with the next plan.
+                self.served.fill(0);
+                self.unreported_preempted.extend(preempted);
+                return Err(e);
+            }
+        };
         // Weighted fair share: virtual time grows by tokens served / weight (summed
         // per tenant first: one division per tenant, not per sequence).
         for (tid, tokens) in self.served.iter_mut().enumerate() {

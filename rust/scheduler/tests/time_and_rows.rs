@@ -118,3 +118,111 @@ fn a_row_written_behind_the_schedulers_back_is_found_and_rewritten() {
     assert_eq!(h.s.live_requests(), 0);
     assert!(h.finished.contains_key(&ida) && h.finished.contains_key(&idb));
 }
+
+/// The tenants' virtual times, by name.
+fn vtimes(s: &Scheduler, now: f64) -> Vec<(String, f64)> {
+    s.stats(now)
+        .tenants
+        .into_iter()
+        .map(|t| (t.name, t.vtime))
+        .collect()
+}
+
+/// A step refused by full_validation serves nobody: the tenants' virtual
+/// times stay as if it never ran, then and after the next step. Before, the
+/// refused step's per-tenant token counts stayed in the scratch counts and
+/// were charged with the next step's (each tenant served twice for it).
+#[test]
+fn a_refused_plan_charges_no_tenant() {
+    let setup = || {
+        let mut h = Harness::new(SchedulerConfig {
+            full_validation: true,
+            ..config(64, 4)
+        });
+        h.tenant(TenantConfig::new("a"));
+        let mut b = TenantConfig::new("b");
+        b.weight = 3.0;
+        h.tenant(b);
+        let ida = h.submit("a", &prompt(12, 1), 40);
+        let idb = h.submit("b", &prompt(12, 2), 40);
+        h.step().unwrap();
+        h.step().unwrap();
+        (h, ida, idb)
+    };
+    let (mut h, ida, idb) = setup();
+    // The same scheduler where the refused step never happens.
+    let (mut never, _, _) = setup();
+    assert_eq!(vtimes(&h.s, h.now), vtimes(&never.s, never.now));
+
+    let pps = h.s.plan_shape().pages_per_seq;
+    let b_pages = h.s.request(idb).unwrap().pages.clone();
+    let out = h.outcomes.last().unwrap().clone();
+    let row_a = out.request_ids.iter().position(|&id| id == ida).unwrap();
+    h.bufs[1 - out.parity].page_indices[row_a * pps] = b_pages[0] as i32;
+    assert!(matches!(h.plan(), Err(KvError::Internal(_))));
+    assert_eq!(vtimes(&h.s, h.now), vtimes(&never.s, never.now));
+
+    // The next steps charge what they serve, once.
+    for _ in 0..3 {
+        h.step().unwrap();
+        never.step().unwrap();
+        assert_eq!(vtimes(&h.s, h.now), vtimes(&never.s, never.now));
+    }
+}
+
+/// A step refused by full_validation after it preempted a request: the
+/// preemption is reported with the next plan, not lost (the engine drops a
+/// preempted request's state when told).
+#[test]
+fn a_refused_plans_preemptions_go_out_with_the_next_plan() {
+    let setup = || {
+        let mut h = Harness::new(SchedulerConfig {
+            num_blocks: 11,
+            block_size: 8,
+            max_num_seqs: 4,
+            max_batched_tokens: 32,
+            max_seq_len: 100,
+            overhead_reserve: 0.0,
+            long_prefill_chunk: 16,
+            admission: AdmissionMode::Overcommit {
+                watermark_blocks: 0,
+            },
+            full_validation: true,
+            ..SchedulerConfig::default()
+        });
+        h.tenant(TenantConfig::new("a"));
+        // Each fits the 10-page pool alone (80 tokens), not both together:
+        // decoding, one is preempted when the pool runs out.
+        h.submit("a", &prompt(8, 1), 72);
+        h.submit("a", &prompt(8, 2), 72);
+        h
+    };
+    let mut first = setup();
+    let mut k = 0;
+    let preempted = loop {
+        first.step().expect("something runs");
+        k += 1;
+        let out = first.outcomes.last().unwrap();
+        if !out.preempted.is_empty() {
+            break out.preempted.clone();
+        }
+        assert!(k < 200, "no preemption");
+    };
+
+    // The same run, with the plan of step k refused: a padding row of its
+    // buffer set is written behind the scheduler's back.
+    let mut h = setup();
+    for _ in 0..k - 1 {
+        h.step().unwrap();
+    }
+    let parity = h.s.next_parity();
+    let last = h.bufs[parity].page_indices.len() - 1;
+    h.bufs[parity].page_indices[last] = 1;
+    let err = h.plan().unwrap_err();
+    assert!(
+        matches!(&err, KvError::Internal(m) if m.contains("padding row")),
+        "{err}"
+    );
+    let out = h.plan().unwrap().expect("the step is planned again");
+    assert_eq!(out.preempted, preempted);
+}
