@@ -275,6 +275,9 @@ class InFlightRecord(TypedDict):
     prompt_ids: list[int]
     generated_ids: list[int]
     max_tokens: int
+    # What the caller asked for (more than max_tokens when the ladder capped
+    # it); absent in records written before it was kept: max_tokens then.
+    asked_max_tokens: NotRequired[int]
     stop_token_ids: list[int]
     cache_salt_hex: str | None
     arrival: float

@@ -24,8 +24,12 @@ The format (version 2): UTF-8 JSON lines, one JSON object a line.
     (request_id, tenant, reason, prompt_len, output_ids, arrival, finished,
     cached_tokens). Restore returns these as they are.
   - ``"in_flight"``: an unfinished request (request_id, tenant, reason,
-    prompt_ids, generated_ids, max_tokens, stop_token_ids, cache_salt_hex,
-    arrival). Restore submits it again to continue after generated_ids.
+    prompt_ids, generated_ids, max_tokens, asked_max_tokens, stop_token_ids,
+    cache_salt_hex, arrival). Restore submits it again to continue after
+    generated_ids. ``asked_max_tokens`` (what the caller asked for: more than
+    max_tokens when the ladder capped it) keeps a capped request marked capped;
+    it was added within version 2, and a record without it restores as before
+    (asked_max_tokens = max_tokens).
 
 - The last line, the trailer: ``{"kind": "trailer", "records": N, "sha256":
   "..."}``, the SHA-256 of the header line and the record lines, each with its

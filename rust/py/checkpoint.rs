@@ -35,6 +35,7 @@ fn in_flight_record<'py>(py: Python<'py>, r: &InFlight) -> PyResult<Bound<'py, P
     d.set_item("prompt_ids", r.prompt.clone())?;
     d.set_item("generated_ids", r.generated.clone())?;
     d.set_item("max_tokens", r.max_tokens)?;
+    d.set_item("asked_max_tokens", r.asked_max_tokens)?;
     d.set_item("stop_token_ids", r.stop_token_ids.clone())?;
     let salt: Option<String> = r
         .cache_salt
@@ -103,12 +104,20 @@ fn read_in_flight(d: &Bound<'_, PyDict>) -> PyResult<InFlight> {
             Some(bytes.ok_or_else(|| bad("cache_salt_hex"))?)
         }
     };
+    let max_tokens: usize = get(d, "max_tokens").ok_or_else(|| bad("max_tokens"))?;
+    // Optional: records written before it was kept were not capped, as far as
+    // anyone can tell, and restore as they always did.
+    let asked_max_tokens = match d.get_item("asked_max_tokens")? {
+        None => max_tokens,
+        Some(v) => v.extract().map_err(|_| bad("asked_max_tokens"))?,
+    };
     Ok(InFlight {
         id: get(d, "request_id").ok_or_else(|| bad("request_id"))?,
         tenant: get(d, "tenant").ok_or_else(|| bad("tenant"))?,
         prompt: get(d, "prompt_ids").ok_or_else(|| bad("prompt_ids"))?,
         generated: get(d, "generated_ids").ok_or_else(|| bad("generated_ids"))?,
-        max_tokens: get(d, "max_tokens").ok_or_else(|| bad("max_tokens"))?,
+        max_tokens,
+        asked_max_tokens,
         stop_token_ids: get(d, "stop_token_ids").ok_or_else(|| bad("stop_token_ids"))?,
         cache_salt: salt,
         arrival: get(d, "arrival").unwrap_or(0.0),

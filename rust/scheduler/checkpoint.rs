@@ -41,6 +41,11 @@ pub struct InFlight {
     pub prompt: Vec<i32>,
     pub generated: Vec<i32>,
     pub max_tokens: usize,
+    /// The max_tokens its caller asked for: more than `max_tokens` when the
+    /// ladder's `cap_max_tokens` rung lowered it at admission. Restored as
+    /// is, so the request still finishes marked capped
+    /// (`FinishedRequest::max_tokens_capped`).
+    pub asked_max_tokens: usize,
     pub stop_token_ids: Vec<i32>,
     pub cache_salt: Option<Vec<u8>>,
     pub arrival: f64,
@@ -64,6 +69,12 @@ impl InFlight {
                 "{} tokens generated of max_tokens {}: it had finished",
                 self.generated.len(),
                 self.max_tokens
+            ));
+        }
+        if self.asked_max_tokens < self.max_tokens {
+            return bad(format!(
+                "asked_max_tokens {} is less than the max_tokens {} it was admitted with",
+                self.asked_max_tokens, self.max_tokens
             ));
         }
         if self
@@ -98,6 +109,7 @@ impl Scheduler {
             prompt: r.tokens[..r.prompt_len].to_vec(),
             generated: r.output().to_vec(),
             max_tokens: r.max_tokens,
+            asked_max_tokens: r.asked_max_tokens,
             stop_token_ids: r.stop_token_ids.clone(),
             cache_salt: r.cache_salt.clone(),
             arrival: r.arrival,
@@ -114,14 +126,21 @@ impl Scheduler {
             stop_token_ids: &record.stop_token_ids,
             cache_salt: record.cache_salt.as_deref(),
         };
-        self.submit_inner(
+        let id = self.submit_inner(
             &record.tenant,
             &record.prompt,
             record.max_tokens,
             &opts,
             &record.generated,
             now,
-        )
+        )?;
+        // What the caller asked for before a ladder capped it elsewhere: the
+        // cap was told then (its event), so only the mark is carried over.
+        if let Some(slab) = self.requests.slot_of(id) {
+            let r = self.requests.get_mut(slab);
+            r.asked_max_tokens = r.asked_max_tokens.max(record.asked_max_tokens);
+        }
+        Ok(id)
     }
 
     /// Submit every record of a checkpoint (see `submit_restored`), all or
@@ -300,6 +319,7 @@ mod tests {
             prompt: (1..=prompt_len as i32).collect(),
             generated: vec![7],
             max_tokens,
+            asked_max_tokens: max_tokens,
             stop_token_ids: vec![],
             cache_salt: None,
             arrival: 0.0,

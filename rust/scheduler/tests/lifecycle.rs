@@ -213,6 +213,7 @@ fn record(prompt_: Vec<i32>, generated: Vec<i32>, max_tokens: usize, stops: Vec<
         prompt: prompt_,
         generated,
         max_tokens,
+        asked_max_tokens: max_tokens,
         stop_token_ids: stops,
         cache_salt: None,
         arrival: 0.0,
@@ -250,6 +251,68 @@ fn a_restored_request_keeps_its_max_tokens_under_a_cap_rung() {
         assert_eq!(h.finished[&id].output.len(), 20, "{admission:?}");
         assert_eq!(&h.finished[&id].output[..10], &[5; 10]);
     }
+}
+
+/// A request the ladder's cap_max_tokens rung capped keeps the mark through a
+/// checkpoint: restored into a fresh scheduler (no ladder), it finishes with
+/// the max_tokens it was admitted with, its caller's asked_max_tokens, and
+/// `max_tokens_capped()`. Before, the record held no asked_max_tokens and the
+/// restored request looked uncapped (asked == max_tokens).
+#[test]
+fn a_capped_request_stays_capped_through_a_checkpoint() {
+    let mut c = config(200, 8);
+    c.ladder = LadderConfig {
+        rungs: vec![Rung {
+            signal: Signal::QueueDepth,
+            engage: 1.0,
+            release: 0.5,
+            action: Action::CapMaxTokens(6),
+        }],
+        retry_after_s: 1.0,
+    };
+    let mut lo = TenantConfig::new("lo");
+    lo.tier = 1;
+    let mut h = Harness::new(c);
+    h.tenant(TenantConfig::new("top"));
+    h.tenant(lo.clone());
+    h.submit("top", &prompt(8, 1), 20); // the cap rung engages at the next submit
+    let id = h.submit("lo", &prompt(8, 2), 20);
+    assert_eq!(h.s.request(id).unwrap().max_tokens, 6);
+    h.step(); // its prefill, and a first token
+    let (_, records) = h.s.checkpoint();
+    let rec = records.iter().find(|r| r.id == id).unwrap();
+    assert_eq!((rec.max_tokens, rec.asked_max_tokens), (6, 20));
+    assert!(!rec.generated.is_empty());
+
+    let mut fresh = Harness::new(config(200, 8));
+    fresh.tenant(lo);
+    let new_id = fresh
+        .s
+        .restore_all(std::slice::from_ref(rec), fresh.now)
+        .unwrap()[0];
+    fresh.run(200);
+    let f = &fresh.finished[&new_id];
+    assert_eq!(
+        (f.asked_max_tokens, f.max_tokens, f.output.len()),
+        (20, 6, 6)
+    );
+    assert!(f.max_tokens_capped());
+}
+
+/// A record whose asked_max_tokens is below its max_tokens cannot be right:
+/// refused before anything is submitted.
+#[test]
+fn a_record_asking_less_than_it_was_admitted_with_is_refused() {
+    let mut h = Harness::new(config(200, 8));
+    h.tenant(TenantConfig::new("a"));
+    let before = h.s.stats(h.now);
+    let mut rec = record(prompt(8, 2), vec![3], 6, vec![]);
+    rec.asked_max_tokens = 5;
+    assert!(matches!(
+        h.s.restore_all(&[rec], h.now),
+        Err(KvError::InvalidRequest(m)) if m.contains("asked_max_tokens")
+    ));
+    assert_eq!(h.s.stats(h.now), before);
 }
 
 #[test]
