@@ -104,6 +104,11 @@ fn read_in_flight(d: &Bound<'_, PyDict>) -> PyResult<InFlight> {
             Some(bytes.ok_or_else(|| bad("cache_salt_hex"))?)
         }
     };
+    // The fields in record order: the first bad one is the one named.
+    let id = get(d, "request_id").ok_or_else(|| bad("request_id"))?;
+    let tenant = get(d, "tenant").ok_or_else(|| bad("tenant"))?;
+    let prompt = get(d, "prompt_ids").ok_or_else(|| bad("prompt_ids"))?;
+    let generated = get(d, "generated_ids").ok_or_else(|| bad("generated_ids"))?;
     let max_tokens: usize = get(d, "max_tokens").ok_or_else(|| bad("max_tokens"))?;
     // Optional: records written before it was kept were not capped, as far as
     // anyone can tell, and restore as they always did.
@@ -112,10 +117,10 @@ fn read_in_flight(d: &Bound<'_, PyDict>) -> PyResult<InFlight> {
         Some(v) => v.extract().map_err(|_| bad("asked_max_tokens"))?,
     };
     Ok(InFlight {
-        id: get(d, "request_id").ok_or_else(|| bad("request_id"))?,
-        tenant: get(d, "tenant").ok_or_else(|| bad("tenant"))?,
-        prompt: get(d, "prompt_ids").ok_or_else(|| bad("prompt_ids"))?,
-        generated: get(d, "generated_ids").ok_or_else(|| bad("generated_ids"))?,
+        id,
+        tenant,
+        prompt,
+        generated,
         max_tokens,
         asked_max_tokens,
         stop_token_ids: get(d, "stop_token_ids").ok_or_else(|| bad("stop_token_ids"))?,
