@@ -112,14 +112,18 @@ def test_token_bucket_entry_out_of_range(bad):
 
 @pytest.mark.parametrize("knob", sorted(SCHEDULER_INT_KNOBS) + ["token_buckets"])
 def test_scheduler_knob_wrong_type_names_it(knob):
-    with pytest.raises(TypeError, match=knob):
+    # In the message itself (pyo3 names the argument only in a note, which
+    # pytest's match= also reads but a log line or an HTTP error does not).
+    with pytest.raises(TypeError) as e:
         kvsched.SchedulerConfig(**{knob: "7"}, **_overcommit_if_needed(knob))
+    assert knob in str(e.value)
 
 
 @pytest.mark.parametrize("knob", sorted(TENANT_INT_KNOBS))
 def test_tenant_knob_wrong_type_names_it(knob):
-    with pytest.raises(TypeError, match=knob):
+    with pytest.raises(TypeError) as e:
         kvsched.TenantConfig("a", **{knob: "7"})
+    assert knob in str(e.value)
 
 
 def test_in_range_values_still_accepted():
