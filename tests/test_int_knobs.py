@@ -134,3 +134,12 @@ def test_in_range_values_still_accepted():
     with pytest.raises(kvsched.InvalidConfig) as e:
         kvsched.TenantConfig("a", kv_floor_blocks=2**64 - 1)
     assert "out of range: must be an integer" not in str(e.value)
+
+
+@pytest.mark.parametrize("bad", BAD, ids=BAD_IDS)
+@pytest.mark.parametrize("knob", ["num_blocks", "block_size"])
+def test_a_block_pool_out_of_range_names_its_argument(knob, bad):
+    args = {"num_blocks": 8, "block_size": 16, knob: bad}
+    with pytest.raises(kvsched.InvalidConfig) as e:
+        kvsched.BlockPool(**args)
+    assert knob in str(e.value) and _range(64) in str(e.value)

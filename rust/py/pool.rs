@@ -12,6 +12,15 @@ use crate::pool;
 /// page and is never handed out. Refcounted: `retain` adds an owner, `free`
 /// drops one. Batch calls take and return numpy int32 arrays and are all or
 /// nothing.
+/// `num_blocks` / `block_size` out of range: InvalidConfig naming them.
+fn pool_blocks_arg(o: &Bound<'_, PyAny>) -> PyResult<usize> {
+    super::uint_knob(o, "num_blocks")
+}
+
+fn pool_block_size_arg(o: &Bound<'_, PyAny>) -> PyResult<usize> {
+    super::uint_knob(o, "block_size")
+}
+
 #[pyclass(name = "BlockPool", module = "kvsched", frozen)]
 pub struct PyBlockPool {
     inner: Mutex<pool::BlockPool>,
@@ -21,7 +30,10 @@ pub struct PyBlockPool {
 impl PyBlockPool {
     #[new]
     #[pyo3(signature = (num_blocks, block_size))]
-    fn new(num_blocks: usize, block_size: usize) -> PyResult<Self> {
+    fn new(
+        #[pyo3(from_py_with = pool_blocks_arg)] num_blocks: usize,
+        #[pyo3(from_py_with = pool_block_size_arg)] block_size: usize,
+    ) -> PyResult<Self> {
         Ok(PyBlockPool {
             inner: Mutex::new(pool::BlockPool::new(num_blocks, block_size)?),
         })
