@@ -423,6 +423,7 @@ class Prediction:
     t_fixed: float  # not overlapped: chains' cold first fetches, grid steps
     step_s: float
     bound: str  # which term of the max dominates
+    hbm_bytes_per_s: float  # the device's
 
     @property
     def achieved_bytes_per_s(self) -> float:
@@ -433,7 +434,7 @@ class Prediction:
     def hbm_fraction(self) -> float:
         """Share of the device's HBM bandwidth counted on the KV that must be read
         (what the check scripts report from a measured time)."""
-        return self.counts.kv_bytes_needed / DEVICES[self.device].hbm_bytes_per_s / self.step_s
+        return self.counts.kv_bytes_needed / self.hbm_bytes_per_s / self.step_s
 
 
 def predict(plan: Plan, shapes: Shapes, kernel: KernelDesc, device: str | Device) -> Prediction:
@@ -470,7 +471,7 @@ def predict(plan: Plan, shapes: Shapes, kernel: KernelDesc, device: str | Device
     terms = {"hbm": t_hbm, "mxu": t_mxu, "latency": t_pipe, "scalar": t_scalar}
     bound = max(terms, key=terms.__getitem__)
     step = max(terms.values()) + t_fixed
-    return Prediction(c, dev.name, t_hbm, t_mxu, t_pipe, t_scalar, t_fixed, step, bound)
+    return Prediction(c, dev.name, t_hbm, t_mxu, t_pipe, t_scalar, t_fixed, step, bound, bw)
 
 
 def kernels_for(plan: Plan, shapes: Shapes, platform: str) -> list[KernelDesc]:
