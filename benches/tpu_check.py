@@ -173,14 +173,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     q = jnp.asarray(rng.standard_normal((t, hq, d)), jnp.bfloat16)
     shapes = cost.Shapes(hq, hkv, d, bs)
     plan_model = cost.Plan((1,) * seqs, (ctx,) * seqs, t)
-    bkv, bq = cost.jax_rpa_block_sizes(shapes, t, per_seq)
+    bkv, bq = cost.jax_rpa_block_sizes(shapes, t, per_seq, dev_name)
+    kvh = cost.jax_rpa_kv_heads_per_block(shapes)
     runs: list[tuple[str, Any, cost.KernelDesc | None]] = [
         ("pallas", jax.jit(lambda q, c: ragged_paged_attention(
             q, c, inputs, scale=scale, block_q=args.block_q)), cost.ours_tpu(args.block_q)),
     ]  # fmt: skip
     if jax_known:
         runs.append(("jax", jax.jit(lambda q, c: paged_attention(
-            q, c, inputs, scale=scale, backend="jax")), cost.jax_tpu(bkv, bq)))  # fmt: skip
+            q, c, inputs, scale=scale, backend="jax")),
+            cost.jax_tpu(bkv, bq, None if kvh == hkv else kvh)))  # fmt: skip
     ref = jax.jit(lambda q, c: reference_attention(q, c, inputs, scale=scale))
     runs.append(("reference", ref, None))
     kv_bytes = seqs * ctx * 2 * hkv * d * 2

@@ -119,7 +119,7 @@ def test_decode_bounds_hold_for_the_target_and_jax_not_for_todays_kernel():
     assert t.dma_waits == t.kv_blocks  # one wait per block
 
     bkv, bq = C.jax_rpa_block_sizes(C.LLAMA3_8B, 256, 128)
-    assert (bkv, bq) == (128, 32)
+    assert (bkv, bq) == (128, 32) and C.jax_rpa_kv_heads_per_block(C.LLAMA3_8B) == 8
     j = C.count(DECODE, C.LLAMA3_8B, C.jax_tpu(bkv, bq))
     assert ideal_bounds(j, bkv) == (True, True)
     assert (j.kv_blocks, j.dma_starts, j.dma_waits) == (256, PAGES, PAGES)
@@ -388,3 +388,40 @@ def test_the_counts_are_what_the_kernel_does_in_the_interpreter(dma_log):
         assert set(dma_log["waits"]) == {shapes.page_bytes}
         seen += c.dma_starts > 0
     assert seen == 3 and mixed, "three plans that read KV, one of them mixed"
+
+
+def test_jax_block_sizes_are_what_its_tuned_table_gives():
+    """jax_rpa_block_sizes and jax_rpa_kv_heads_per_block against JAX's own
+    functions (its get_tuned_block_sizes asks for a TPU, so its table is read
+    directly here): the Llama-3-8B decode key is in neither the v5 nor the v6
+    table, so the default (128 pages, 32 queries) applies, clipped; an 8/4-head
+    shape with pages of 64 is in the v6 table."""
+    pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    try:
+        from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa
+        from jax.experimental.pallas.ops.tpu.ragged_paged_attention import tuned_block_sizes as t
+    except ImportError as e:  # pragma: no cover
+        pytest.skip(f"JAX's ragged_paged_attention is not in this jax: {e}")
+    for hq, hkv in ((32, 8), (8, 4), (16, 16), (12, 2), (64, 8)):
+        shapes = C.Shapes(hq, hkv, 128, 16)
+        qh, ch = rpa.get_min_heads_per_blk(hq, 2 * hkv, jnp.bfloat16, jnp.bfloat16)
+        assert C.jax_rpa_kv_heads_per_block(shapes) == ch // 2 and qh == ch // 2 * shapes.group
+    s = C.LLAMA3_8B
+    for tokens, pps in ((256, 128), (512, 128), (16, 4)):
+        key = t.simplify_key((jnp.bfloat16, jnp.bfloat16, 32, 8, 128, 16, tokens, pps))
+        for table in t.TUNED_BLOCK_SIZES.values():
+            assert key not in table
+        for dev in ("tpu-v5e", "tpu-v6e"):
+            got = C.jax_rpa_block_sizes(s, tokens, pps, dev)
+            assert got == (min(pps, 128), min(tokens, 32))
+    # Keys that are in the tables: 8/4 heads with pages of 64, and Llama-3-8B's
+    # heads at a short max_model_len (8 pages of 16 = 128 tokens, 512 tokens).
+    hit = C.Shapes(8, 4, 128, 64)
+    for dev, chip in (("tpu-v5e", "TPU v5"), ("tpu-v6e", "TPU v6")):
+        table = t.TUNED_BLOCK_SIZES[chip]
+        bkv, bq = table[("bfloat16", "bfloat16", 8, 4, 128, 64, 2048, 512)]
+        assert C.jax_rpa_block_sizes(hit, 2048, 8, dev) == (min(8, bkv), min(2048, bq))
+        bkv, bq = table[("bfloat16", "bfloat16", 32, 8, 128, 16, 512, 128)]
+        assert C.jax_rpa_block_sizes(s, 512, 8, dev) == (min(8, bkv), min(512, bq))

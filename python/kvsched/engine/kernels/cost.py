@@ -51,11 +51,12 @@ which parses an exported program and imports jaxlib's MLIR bindings on use.
 
 from __future__ import annotations
 
+import importlib
 import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -242,16 +243,57 @@ def ours_gpu(block_q: int = 16) -> KernelDesc:
     )  # fmt: skip
 
 
-def jax_rpa_block_sizes(shapes: Shapes, tokens: int, pages_per_seq: int) -> tuple[int, int]:
+def jax_rpa_kv_heads_per_block(shapes: Shapes) -> int:
+    """KV heads per head block of JAX's ragged_paged_attention (jax 0.10.2's
+    get_min_heads_per_blk): the combined K/V heads are split into blocks of one
+    sublane tile (8 x the dtype's packing) when they divide evenly, else kept
+    whole. Llama-3-8B in bf16: 16 combined heads, one block."""
+
+    def tiled(x: int, packing: int) -> bool:
+        return x % packing == 0 and (x // packing in (1, 2, 4, 8) or (x // packing) % 8 == 0)
+
+    kv_pack, q_pack = 4 // shapes.kv_bytes, 4 // shapes.q_bytes
+    combined = 2 * shapes.kv_heads
+    tile = 8 * kv_pack
+    block = tile if combined % tile == 0 else combined
+    if tiled(block // 2 * shapes.group, q_pack):
+        return block // 2
+    return shapes.kv_heads
+
+
+def jax_rpa_block_sizes(
+    shapes: Shapes, tokens: int, pages_per_seq: int, device: str = "tpu-v5e"
+) -> tuple[int, int]:
     """(pages per KV block, queries per block) that JAX's ragged_paged_attention
-    (jax 0.10.2) picks on TPU v5e/v6e: get_tuned_block_sizes looks the shapes up
-    in its table, whose entries are all for 12 or 8 query heads per block; a
-    Llama-3-8B shape (32 q heads, 8 KV heads per block, bf16) misses it and takes
-    the default (128, 32), clipped to (pages_per_seq, tokens)."""
-    return min(pages_per_seq, 128), min(tokens, 32)
+    picks on a TPU: its get_tuned_block_sizes looks the (power-of-two rounded)
+    shapes up in its table for the chip and otherwise takes (128, 32), clipped to
+    (pages_per_seq, tokens). The table is read from the installed jax when it is
+    there (else the default applies). For Llama-3-8B heads with pages of 16 the
+    tables hold max_model_len 64 to 256 only, and 512+ tokens: issue 15's decode
+    (256 tokens, 2048) and prefill (512 tokens at 2048) cases take the default."""
+    bkv, bq = 128, 32
+    tuned: Any
+    try:
+        tuned = importlib.import_module(
+            "jax.experimental.pallas.ops.tpu.ragged_paged_attention.tuned_block_sizes"
+        )
+    except ImportError:  # pragma: no cover - no jax, or a jax without the kernel
+        tuned = None
+    if tuned is not None:
+        kvh = jax_rpa_kv_heads_per_block(shapes)
+        key = tuned.simplify_key((
+            "bfloat16" if shapes.q_bytes == 2 else "float32",
+            "bfloat16" if shapes.kv_bytes == 2 else "float32",
+            kvh * shapes.group, kvh, shapes.head_dim, shapes.page_size, tokens, pages_per_seq,
+        ))  # fmt: skip
+        chip = {"tpu-v5e": "TPU v5", "tpu-v6e": "TPU v6"}.get(device, "")
+        bkv, bq = tuned.TUNED_BLOCK_SIZES.get(chip, {}).get(key, (bkv, bq))
+    return min(pages_per_seq, bkv), min(tokens, bq)
 
 
-def jax_tpu(pages_per_block: int, block_q: int) -> KernelDesc:
+def jax_tpu(
+    pages_per_block: int, block_q: int, kv_heads_per_block: int | None = None
+) -> KernelDesc:
     """JAX's jax.experimental.pallas.ops.tpu.ragged_paged_attention (RPA v1):
     grid (head blocks, query blocks); the sequence index is carried, not
     scanned; a KV block is `pages_per_block` page DMAs on one semaphore (pages
@@ -267,6 +309,7 @@ def jax_tpu(pages_per_block: int, block_q: int) -> KernelDesc:
         block_q=block_q, pages_per_block=pages_per_block, prefetch_depth=1,
         prefetch_across=True, causal_bound=False, fixed_blocks=True, scan_all_seqs=False,
         rows="block", operands="bf16", wait_per_page=True, pv_operands="f32",
+        kv_heads_per_program=kv_heads_per_block,
     )  # fmt: skip
 
 
@@ -474,14 +517,15 @@ def predict(plan: Plan, shapes: Shapes, kernel: KernelDesc, device: str | Device
     return Prediction(c, dev.name, t_hbm, t_mxu, t_pipe, t_scalar, t_fixed, step, bound, bw)
 
 
-def kernels_for(plan: Plan, shapes: Shapes, platform: str) -> list[KernelDesc]:
-    """Today's kernels for a platform, JAX's (TPU) with its own block sizes, and
-    the target design (TPU): what the table in the README compares."""
-    if platform == "gpu":
+def kernels_for(plan: Plan, shapes: Shapes, device: str) -> list[KernelDesc]:
+    """Today's kernels for a device, JAX's (TPU) with the block sizes it picks
+    there, and the target design (TPU): what the table in the README compares."""
+    if DEVICES[device].platform == "gpu":
         return [ours_gpu()]
     pps = max(-(-kv // shapes.page_size) for kv in plan.kv_lens)
-    bkv, bq = jax_rpa_block_sizes(shapes, plan.padded_tokens, pps)
-    return [ours_tpu(), jax_tpu(bkv, bq), target_tpu()]
+    bkv, bq = jax_rpa_block_sizes(shapes, plan.padded_tokens, pps, device)
+    kvh = jax_rpa_kv_heads_per_block(shapes)
+    return [ours_tpu(), jax_tpu(bkv, bq, None if kvh == shapes.kv_heads else kvh), target_tpu()]
 
 
 def table(
@@ -493,7 +537,7 @@ def table(
     rows: list[dict[str, object]] = []
     for pname, plan in plans.items():
         for dname in devices:
-            for k in kernels_for(plan, shapes, DEVICES[dname].platform):
+            for k in kernels_for(plan, shapes, dname):
                 p = predict(plan, shapes, k, dname)
                 c = p.counts
                 rows.append({
@@ -622,7 +666,7 @@ def _summarise(text: str) -> MosaicSummary:
 
 __all__ = [
     "DEVICES", "LLAMA3_8B", "Counts", "Device", "KernelDesc", "MosaicSummary", "Plan",
-    "Prediction", "Shapes", "count", "format_table", "jax_rpa_block_sizes", "jax_tpu",
-    "kernels_for", "mosaic_summary", "ours_gpu", "ours_tpu", "predict", "table",
-    "target_tpu",
+    "Prediction", "Shapes", "count", "format_table", "jax_rpa_block_sizes",
+    "jax_rpa_kv_heads_per_block", "jax_tpu", "kernels_for", "mosaic_summary", "ours_gpu",
+    "ours_tpu", "predict", "table", "target_tpu",
 ]  # fmt: skip
