@@ -3,9 +3,11 @@ how many DMAs it issues and waits on, what its matmuls cost, and the step time
 and share of HBM bandwidth that follow, per device. Before any hardware, it makes
 the performance claims about kernels/tpu.py, kernels/gpu.py and JAX's
 `ragged_paged_attention` falsifiable: tests fix the counts on hand-computed
-plans and check the descriptions against the kernels' exported Mosaic programs
-(`mosaic_summary`), and benches/tpu_check.py / gpu_check.py print the model's
-prediction beside the measured time.
+plans, check the TPU descriptions against the kernels' exported Mosaic programs
+(`mosaic_summary`) and today's TPU kernel's counts against the DMAs it runs in
+Pallas' interpreter; benches/tpu_check.py / gpu_check.py print the model's
+prediction beside the measured time. (The GPU description has no such check
+here: reading its Triton program needs the jax CUDA plugin.)
 
 Counting (exact, from each kernel's own loops). A kernel is a `KernelDesc`: its
 query block rows, KV pages per block, prefetch depth and reach, whether a query
@@ -39,14 +41,16 @@ Timing (a model, with stated constants; see `DEVICES`):
   check scripts report from a measured time.
 
 What is not modelled: VPU/EUP work (the softmax's exp, masks, f32 relayouts),
-register spills, VMEM capacity, HBM bank conflicts, TensorCore megacore (v5e and
-v6e have one TensorCore per chip), L2 hits on GPU. They can only make a kernel
-slower than predicted, so a prediction is an upper bound on the bandwidth share
-under the stated latency constants, which are themselves the largest unknowns:
-the first device run (benches/tpu_check.py) calibrates them.
+register spills, VMEM capacity, HBM bank conflicts; they can only make a kernel
+slower than predicted. On GPU the model runs one program per SM at a time;
+when programs outnumber SMs, several resident per SM would hide more latency
+than it credits (issue 15's decode has 128 programs for 132 SMs). The
+latency constants are the largest unknowns: the first device run
+(benches/tpu_check.py, gpu_check.py) calibrates them.
 
-Imports numpy and kvsched.capacity only (no JAX) except `mosaic_summary`,
-which parses an exported program and imports jaxlib's MLIR bindings on use.
+Imports numpy and kvsched.capacity at import (no JAX); `mosaic_summary` imports
+jaxlib's MLIR bindings on use, `jax_rpa_block_sizes` reads JAX's tuned table
+when jax is installed.
 """
 
 from __future__ import annotations
