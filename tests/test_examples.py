@@ -64,7 +64,7 @@ def test_the_example_engine_serves_the_real_model_in_real_text():
     assert all("\n" not in texts[r] for r, (t, _) in labels.items() if t == "digest")
 
 
-def test_the_gpu_check_script_runs_its_checks_in_the_interpreter():
+def test_the_gpu_check_script_runs_its_checks_in_the_interpreter(capsys):
     import pytest
 
     pytest.importorskip("jax")
@@ -76,6 +76,12 @@ def test_the_gpu_check_script_runs_its_checks_in_the_interpreter():
     spec.loader.exec_module(module)
     out = module.main(["--interpret"])
     assert out["ran"] and out["ok"] and out["max_error"] < 1e-2
+    # One real mixed plan, and the decode table with the cost model's columns.
+    text = capsys.readouterr().out
+    assert out["mixed"] and "a mixed one" in text
+    kernel = next(line.split() for line in text.splitlines() if "pallas_gpu" in line)
+    assert kernel[3].endswith("%") and kernel[5].endswith("%") and kernel[6] == "latency"
+    assert 0 < out["model_share"] < 1 and out["model_s"] > 0
 
 
 def test_the_embedding_example_streams_real_answers_over_its_socket():

@@ -1,0 +1,427 @@
+"""The kernel cost model (kvsched.engine.kernels.cost): its counts on plans small
+enough to count by hand, the bounds issue 15 sets for the decode and prefill
+cases, and its kernel descriptions held to the Mosaic programs the kernels
+export for TPU (today's kvsched kernel and JAX's ragged_paged_attention)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from kvsched.engine.kernels import cost as C
+
+# q heads 2, KV heads 1 (group 2), head_dim 8, pages of 4 tokens, bf16:
+# one page of every head, K and V, is 4 * 2 * 1 * 8 * 2 = 128 bytes.
+SMALL = C.Shapes(q_heads=2, kv_heads=1, head_dim=8, page_size=4)
+# A decode (kv 5) then a 3-token chunk (kv 7): rows 0 and 1..3.
+MIXED = C.Plan(q_lens=(1, 3), kv_lens=(5, 7))
+
+
+def test_small_shapes_page_bytes():
+    assert SMALL.page_bytes == 128 and SMALL.group == 2
+    assert C.LLAMA3_8B.page_bytes == 16 * 16 * 128 * 2 == 64 * 1024
+
+
+def test_todays_tpu_kernel_counts_by_hand():
+    """block_q 2: block 0 = rows 0, 1 meets both sequences, block 1 = rows 2, 3
+    meets the chunk only; no causal bound, so every visit reads the sequence's
+    whole KV: 2 + 2 + 2 pages, one DMA and one wait each."""
+    c = C.count(MIXED, SMALL, C.ours_tpu(block_q=2))
+    assert (c.grid_steps, c.pairs, c.seq_visits) == (2, 3, 4)  # 2 blocks x 2 seqs scanned
+    assert (c.kv_blocks, c.dma_starts, c.dma_waits, c.chains) == (6, 6, 6, 3)
+    assert c.kv_bytes_moved == 6 * 128
+    assert c.kv_bytes_needed == (5 + 7) * 2 * 8 * 2 == 384
+    assert c.reread == 2.0
+    # M = block_q x group = 4 rows per matmul, 4 keys per page, D 8: 2 matmuls of
+    # 2*M*N*D per page and KV head.
+    assert c.mxu_flops == 6 * 4 * 4 * 4 * 8
+    assert c.useful_flops == 4 * (1 * 2 * 5 * 8 + 3 * 2 * 7 * 8)
+    assert c.qo_bytes == 2 * 4 * 2 * 8 * 2  # q in, out back: T=4 rows of 2 heads x 8
+
+
+def test_jax_kernel_moves_whole_blocks_by_hand():
+    """JAX's kernel DMAs pages_per_block pages per block whatever the sequence
+    holds (the pages past its end read its first page again)."""
+    c = C.count(MIXED, SMALL, C.jax_tpu(pages_per_block=4, block_q=4))
+    assert (c.grid_steps, c.pairs, c.seq_visits) == (1, 2, 2)  # sequences carried, not scanned
+    assert (c.kv_blocks, c.dma_starts, c.dma_waits, c.chains) == (2, 8, 8, 1)
+    assert c.kv_bytes_moved == 8 * 128
+
+
+def test_target_design_counts_by_hand():
+    """One block of 4 rows; M is each sequence's own rows x group (2, then 6);
+    one wait per block of 2 pages."""
+    c = C.count(MIXED, SMALL, C.target_tpu(pages_per_block=2, block_q=4, depth=1))
+    assert (c.kv_blocks, c.dma_starts, c.dma_waits, c.chains) == (2, 4, 2, 1)
+    assert c.kv_bytes_moved == 4 * 128
+    assert c.mxu_flops == 4 * 2 * 8 * 8 + 4 * 6 * 8 * 8
+
+
+def test_causal_bound_by_hand():
+    """An 8-token chunk ending at 16, blocks of 4 rows: without a causal bound
+    each block reads all 4 pages; with it block 0 (positions 8..11) reads 3."""
+    plan = C.Plan((8,), (16,))
+    assert C.count(plan, SMALL, C.ours_tpu(block_q=4)).kv_bytes_moved == 8 * 128
+    target = C.target_tpu(pages_per_block=1, block_q=4, depth=1)
+    assert C.count(plan, SMALL, target).kv_bytes_moved == (3 + 4) * 128
+
+
+def test_gpu_kernel_counts_per_head_program():
+    """One program per (query block, KV head), each loading its head's K and V
+    tiles page by page: two loads per page and head."""
+    shapes = C.Shapes(q_heads=4, kv_heads=2, head_dim=8, page_size=4)
+    c = C.count(MIXED, shapes, C.ours_gpu(block_q=4))
+    assert c.grid_steps == 2  # 1 query block x 2 heads
+    assert c.kv_blocks == 2 * 4  # (2 + 2 pages) per head
+    assert c.dma_starts == c.dma_waits == 2 * 4 * 2
+    assert c.kv_bytes_moved == 4 * shapes.page_bytes  # every page once, split over heads
+
+
+def test_prediction_arithmetic_by_hand():
+    """Today's TPU kernel on the small plan, v5e: every term of the formula."""
+    dev = C.DEVICES["tpu-v5e"]
+    p = C.predict(MIXED, SMALL, C.ours_tpu(block_q=2), "tpu-v5e")
+    c = p.counts
+    bw, lat = dev.hbm_bytes_per_s, dev.dma_latency_s
+    assert p.t_hbm == pytest.approx(c.bytes_moved / bw)
+    # f32 matmuls: M 4 -> 8 sublanes, 4 keys -> 128, D 8 -> 128; 6 passes.
+    assert c.mxu_flops_padded == c.mxu_f32_flops_padded == 6 * 2 * 2 * 8 * 128 * 128
+    assert p.t_mxu == pytest.approx(c.mxu_flops_padded * 6 / dev.bf16_flops)
+    per_block = max(lat + 128 / bw, p.t_mxu / 6)
+    assert p.t_pipeline == pytest.approx(6 * per_block)
+    assert p.t_scalar == pytest.approx(12 * dev.dma_issue_s + 4 * dev.scalar_iter_s)
+    assert p.t_fixed == pytest.approx(3 * lat + 2 * dev.grid_step_s)
+    assert p.step_s == pytest.approx(max(p.t_hbm, p.t_mxu, p.t_pipeline, p.t_scalar) + p.t_fixed)
+    assert p.hbm_fraction == pytest.approx(384 / bw / p.step_s)
+
+
+DECODE = C.Plan.decode(256, 2048)
+PAGES = 256 * 2048 // 16
+
+
+def ideal_bounds(c: C.Counts, pages_per_block: int, seqs: int = 256) -> tuple[bool, bool]:
+    """Issue 15's decode bounds: bytes <= 1.1 x the KV to read, and DMA blocks
+    (waits on a block) <= pages / pages-per-block + sequences."""
+    return (
+        c.kv_bytes_moved <= 1.1 * c.kv_bytes_needed,
+        c.kv_blocks <= PAGES / pages_per_block + seqs,
+    )
+
+
+def test_decode_bounds_hold_for_the_target_and_jax_not_for_todays_kernel():
+    needed = 256 * 2048 * 2 * 8 * 128 * 2
+    target = C.target_tpu()
+    t = C.count(DECODE, C.LLAMA3_8B, target)
+    assert t.kv_bytes_needed == needed
+    assert ideal_bounds(t, target.pages_per_block) == (True, True)
+    assert t.kv_blocks == PAGES // target.pages_per_block
+    assert t.dma_waits == t.kv_blocks  # one wait per block
+
+    bkv, bq = C.jax_rpa_block_sizes(C.LLAMA3_8B, 256, 128)
+    assert (bkv, bq) == (128, 32) and C.jax_rpa_kv_heads_per_block(C.LLAMA3_8B) == 8
+    j = C.count(DECODE, C.LLAMA3_8B, C.jax_tpu(bkv, bq))
+    assert ideal_bounds(j, bkv) == (True, True)
+    assert (j.kv_blocks, j.dma_starts, j.dma_waits) == (256, PAGES, PAGES)
+
+    # Today's kernel reads the KV once (decode rows never straddle blocks), but
+    # one page per DMA and a wait per page: 32x the target's DMA blocks, 25x the bound.
+    o = C.count(DECODE, C.LLAMA3_8B, C.ours_tpu())
+    assert o.kv_bytes_moved == needed
+    assert (o.kv_blocks, o.dma_starts, o.dma_waits) == (PAGES, PAGES, PAGES)
+    assert ideal_bounds(o, target.pages_per_block) == (True, False)
+    assert o.kv_blocks >= 10 * (PAGES / target.pages_per_block + 256)
+    assert (o.grid_steps, o.chains, o.seq_visits) == (32, 256, 32 * 256)  # O(T x S) scan
+    # M = 8 rows x 4 heads, of which 4 are real: 8x the useful matmul work.
+    assert o.mxu_flops == 8 * o.useful_flops
+
+
+def test_decode_predictions_order_the_kernels():
+    """Under the stated constants: today's TPU kernel is latency bound, far from
+    the bandwidth (a few percent, as the design review estimated); the target
+    design is bandwidth bound. The exact figures are in the README's table."""
+    for dev in ("tpu-v5e", "tpu-v6e"):
+        ours = C.predict(DECODE, C.LLAMA3_8B, C.ours_tpu(), dev)
+        target = C.predict(DECODE, C.LLAMA3_8B, C.target_tpu(), dev)
+        jax_ = C.predict(DECODE, C.LLAMA3_8B, C.jax_tpu(128, 32), dev)
+        assert ours.bound == "latency" and ours.hbm_fraction < 0.10
+        assert target.bound == "hbm" and target.hbm_fraction > 0.9
+        assert ours.hbm_fraction < jax_.hbm_fraction < target.hbm_fraction
+        # Latency bound: 32768 page DMAs, each L + 64 KiB / BW, one in flight.
+        d = C.DEVICES[dev]
+        assert ours.t_pipeline == pytest.approx(
+            PAGES * max(d.dma_latency_s + 65536 / d.hbm_bytes_per_s, ours.t_mxu / PAGES)
+        )
+    gpu = C.predict(DECODE, C.LLAMA3_8B, C.ours_gpu(), "h200")
+    assert gpu.bound == "latency" and gpu.hbm_fraction < 0.25
+
+
+def test_prefill_chunk_rereads_per_query_block():
+    """A 512-token chunk at 2k context: today's kernel re-reads all 128 pages for
+    each of 64 8-row blocks (512 MiB to use 8 MiB); a causal bound reads, per
+    128-row block, only the pages up to its last row."""
+    plan = C.Plan.prefill_chunk(512, 2048)
+    o = C.count(plan, C.LLAMA3_8B, C.ours_tpu())
+    assert o.kv_bytes_needed == 8 * 2**20
+    assert o.kv_bytes_moved == 64 * 128 * 65536 == 512 * 2**20
+    assert o.reread == 64
+    t = C.count(plan, C.LLAMA3_8B, C.target_tpu())
+    causal_pages = sum(-(-(1536 + 128 * (b + 1)) // 16) for b in range(4))
+    assert causal_pages == 104 + 112 + 120 + 128
+    assert t.kv_bytes_moved == causal_pages * 65536
+    j = C.count(plan, C.LLAMA3_8B, C.jax_tpu(128, 32))  # no causal bound either
+    assert j.kv_bytes_moved == 16 * 128 * 65536
+
+
+def test_plans_from_arrays_and_bad_plans():
+    p = C.Plan.from_arrays([0, 1, 4, 4], [5, 7, 0], num_seqs=2, tokens=8)
+    assert (p.q_lens, p.kv_lens, p.padded_tokens) == ((1, 3), (5, 7), 8)
+    with pytest.raises(ValueError, match="q_len <= kv_len"):
+        C.Plan((4,), (3,))
+    with pytest.raises(ValueError, match="one entry per sequence"):
+        C.Plan((1,), (3, 4))
+    with pytest.raises(ValueError, match="cover"):
+        C.Plan((4,), (4,), tokens=2)
+    with pytest.raises(ValueError, match="group"):
+        C.count(MIXED, C.Shapes(3, 2, 8, 4), C.ours_tpu())
+
+
+def test_table_has_every_kernel_and_device():
+    rows = C.table({"decode": C.Plan.decode(4, 64)}, C.Shapes(8, 2, 128, 16))
+    assert {(r["device"], r["kernel"].split(",")[0]) for r in rows} == {
+        (d, k)
+        for d in ("tpu-v5e", "tpu-v6e")
+        for k in ("kvsched pallas (TPU)", "jax ragged_paged_attention (TPU)",
+                  "target design (not built)")
+    } | {("h200", "kvsched pallas_gpu (Triton)")}  # fmt: skip
+    text = C.format_table(rows)
+    assert text.count("\n") == len(rows) + 1 and "HBM share" in text
+
+
+# -- the exported programs -------------------------------------------------------
+
+T, HQ, D, P, BS, HKV, S, PPS = 64, 8, 128, 64, 16, 2, 8, 16
+
+
+def _export(f):
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    from jax import export
+
+    shapes = [((T, HQ, D), jnp.bfloat16), ((P, BS, 2 * HKV, D), jnp.bfloat16),
+              ((S,), jnp.int32), ((S, PPS), jnp.int32), ((S + 1,), jnp.int32),
+              ((1,), jnp.int32)]  # fmt: skip
+    args = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in shapes]
+    text = export.export(jax.jit(f), platforms=["tpu"])(*args).mlir_module()
+    try:
+        return C.mosaic_summary(text)
+    except RuntimeError as e:  # pragma: no cover - a jax without the private modules
+        pytest.skip(str(e))
+
+
+def test_todays_tpu_kernel_description_matches_its_mosaic_program():
+    """Lowered for TPU on this CPU: the kernel's grid, its DMAs (one page of all
+    heads each, one wait per page in the page loop, plus a cold start per
+    sequence visit outside it) and its matmuls (f32, M = block_q x group, N =
+    one page) are what ours_tpu() says. Lowering duplicates loop bodies (a main
+    loop and a remainder), so loop bodies are checked, not site counts."""
+    pytest.importorskip("jax")
+    from kvsched.engine.kernels.tpu import _call
+
+    block_q = 16
+    m = _export(functools.partial(_call, scale=0.1, block_q=block_q, interpret=False))
+    desc = C.ours_tpu(block_q)
+    shapes = C.Shapes(HQ, HKV, D, BS)
+    plan = C.Plan((1,) * S, (PPS * BS,) * S, T)
+    assert m.name == "kvsched_ragged_paged_attention"
+    assert m.grid == (C.count(plan, shapes, desc).grid_steps,) == (T // block_q,)
+    dmas = [o for o in m.ops if o.op in ("enqueue_dma", "wait_dma")]
+    assert dmas and all(C.memref_bytes(o.shapes[0], o.dtypes[0]) == shapes.page_bytes
+                        for o in dmas)  # fmt: skip
+    assert desc.pages_per_block == 1 and desc.wait_per_page
+    bodies = m.loops_with("wait_dma")
+    assert bodies
+    for ops in bodies.values():
+        kinds = [o.op for o in ops]
+        assert kinds.count("wait_dma") == 1 and kinds.count("enqueue_dma") == 1  # depth 1
+        mm = [o for o in ops if o.op == "matmul"]
+        assert len(mm) == 2 * HKV
+        for o in mm:
+            assert o.dtypes == ("f32", "f32") == (desc.operands, desc.pv)
+            assert o.shapes[2][0] == block_q * shapes.group  # M: rows x group
+            assert BS in o.shapes[2] or o.shapes[0][1] == BS  # N (QK) or K (PV): one page
+    cold = [o for o in m.ops if o.op == "enqueue_dma" and o.loop not in bodies]
+    assert cold and all(o.depth == 1 for o in cold)  # in the sequence loop: a chain each
+
+
+def test_jax_kernel_description_matches_its_mosaic_program():
+    """JAX's ragged_paged_attention lowered for TPU (its tuned-size lookup needs a
+    TPU, so block sizes are given; its lowering asks for the chip, so v5e's
+    description is registered for the CPU backend): pages_per_block page DMAs
+    started and waited per KV block, bf16 QK, f32 x bf16 PV, M = queries x group,
+    N = pages_per_block x page_size, and one cold start before all loops."""
+    pytest.importorskip("jax")
+    try:
+        from jax._src.pallas.mosaic import tpu_info
+        from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
+            ragged_paged_attention,
+        )
+    except ImportError as e:  # pragma: no cover
+        pytest.skip(f"JAX's ragged_paged_attention is not in this jax: {e}")
+    bkv, bq = 4, 16
+    desc = C.jax_tpu(bkv, bq)
+    previous = tpu_info.registry.get("cpu")
+    tpu_info.registry["cpu"] = functools.partial(
+        tpu_info._get_tpu_info_impl, tpu_info.ChipVersion.TPU_V5E, 1
+    )
+    clear = getattr(tpu_info.get_tpu_info, "cache_clear", lambda: None)
+    clear()
+    try:
+        rpa = functools.partial(
+            ragged_paged_attention, sm_scale=0.1, num_kv_pages_per_block=bkv,
+            num_queries_per_block=bq,
+        )  # fmt: skip
+        m = _export(rpa)
+    finally:
+        if previous is None:
+            tpu_info.registry.pop("cpu", None)
+        else:
+            tpu_info.registry["cpu"] = previous
+        clear()  # no v5e answer stays cached for the CPU backend
+    shapes = C.Shapes(HQ, HKV, D, BS)
+    assert m.grid == (1, T // bq)  # (head blocks, query blocks)
+    bodies = m.loops_with("wait_dma")
+    assert len(bodies) == 1
+    (ops,) = bodies.values()
+    kinds = [o.op for o in ops]
+    assert kinds.count("wait_dma") == desc.pages_per_block == bkv  # a wait per page
+    assert kinds.count("enqueue_dma") == bkv  # the next block, prefetched in the loop
+    assert all(C.memref_bytes(o.shapes[0], o.dtypes[0]) == shapes.page_bytes
+               for o in ops if o.op != "matmul")  # fmt: skip
+    qk = [o for o in ops if o.op == "matmul" and o.dtypes == ("bf16", "bf16")]
+    pv = [o for o in ops if o.op == "matmul" and o.dtypes[0] == "f32"]
+    assert len(qk) == len(pv) == HKV and desc.operands == "bf16" and desc.pv == "f32"
+    for o in qk:
+        assert o.shapes[2] == (bq * shapes.group, bkv * BS)  # [M, keys of the block]
+    first = [o for o in m.ops if o.op == "enqueue_dma" and o.depth == 0]
+    assert len(first) == bkv and desc.prefetch_across  # one chain: started before the loops
+
+
+# -- the kernel as it runs (Pallas' TPU interpreter) -----------------------------
+
+
+@pytest.fixture
+def dma_log(monkeypatch):
+    """Every DMA the TPU interpreter starts, and the bytes of every wait, while
+    the kernel runs on CPU: the interpreter calls these two host functions per
+    DMA (a private module; the test skips without it). Caches are cleared so the
+    kernel is traced again through the counting wrappers."""
+    jax = pytest.importorskip("jax")
+    try:
+        from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
+    except ImportError as e:  # pragma: no cover
+        pytest.skip(f"no Pallas TPU interpreter module here: {e}")
+    log: dict[str, list[int]] = {"starts": [], "waits": []}
+    start, wait = ipc.dma_start, ipc.dma_wait
+
+    def counted_start(*a, **k):
+        log["starts"].append(1)
+        return start(*a, **k)
+
+    def counted_wait(token, device_id, local_core_id, sem_id, size, **k):
+        log["waits"].append(int(size))
+        return wait(token, device_id, local_core_id, sem_id, size, **k)
+
+    monkeypatch.setattr(ipc, "dma_start", counted_start)
+    monkeypatch.setattr(ipc, "dma_wait", counted_wait)
+    jax.clear_caches()
+    yield log
+    jax.clear_caches()
+
+
+def test_the_counts_are_what_the_kernel_does_in_the_interpreter(dma_log):
+    """Today's TPU kernel run in the interpreter on the hand-counted plan, then on
+    real mixed plans from the scheduler (padding rows, padding sequence slots,
+    chunks straddling query blocks): the DMAs it starts, the waits and the bytes
+    they move are exactly the model's counts."""
+    import jax.numpy as jnp
+    import numpy as np
+    from engine_helpers import plans
+
+    from kvsched.engine import AttentionInputs
+    from kvsched.engine.kernels.tpu import ragged_paged_attention
+
+    # The hand-counted plan: rows 0 | 1..3, kv 5 and 7, pages of 4, blocks of 2.
+    inputs = AttentionInputs(
+        positions=jnp.asarray([4, 4, 5, 6], jnp.int32),
+        cu_q_lens=jnp.asarray([0, 1, 4], jnp.int32),
+        kv_lens=jnp.asarray([5, 7], jnp.int32),
+        page_indices=jnp.asarray([[1, 2], [3, 4]], jnp.int32),
+        num_seqs=jnp.asarray([2], jnp.int32),
+    )
+    q = jnp.ones((4, 2, 8), jnp.bfloat16)
+    cache = jnp.ones((5, 4, 2, 8), jnp.bfloat16)
+    ragged_paged_attention(q, cache, inputs, scale=0.5, block_q=2).block_until_ready()
+    want = C.count(MIXED, SMALL, C.ours_tpu(block_q=2))
+    assert len(dma_log["starts"]) == want.dma_starts == 6
+    assert len(dma_log["waits"]) == want.dma_waits
+    assert sum(dma_log["waits"]) == want.kv_bytes_moved == 6 * 128
+
+    shapes = C.Shapes(q_heads=4, kv_heads=2, head_dim=16, page_size=4)
+    seen = mixed = 0
+    for q, cache, inputs, plan, _ in plans(dtype=jnp.bfloat16, steps=3):
+        mixed += 0 < plan.num_decode < len(plan)
+        dma_log["starts"].clear()
+        dma_log["waits"].clear()
+        ragged_paged_attention(q, cache, inputs, scale=0.25, block_q=8).block_until_ready()
+        model = C.Plan.from_arrays(np.asarray(inputs.cu_q_lens), np.asarray(inputs.kv_lens),
+                                   int(inputs.num_seqs[0]), tokens=q.shape[0])  # fmt: skip
+        # The Rust planner's positions agree with the model's row layout.
+        pos = np.asarray(inputs.positions)
+        ends = np.cumsum(model.q_lens)
+        assert [int(pos[e - 1]) + 1 for e in ends if e] == [
+            k for k, ql in zip(model.kv_lens, model.q_lens, strict=True) if ql
+        ]
+        c = C.count(model, shapes, C.ours_tpu(block_q=8))
+        assert (len(dma_log["starts"]), len(dma_log["waits"])) == (c.dma_starts, c.dma_waits)
+        assert sum(dma_log["waits"]) == c.kv_bytes_moved
+        assert set(dma_log["waits"]) == {shapes.page_bytes}
+        seen += c.dma_starts > 0
+    assert seen == 3 and mixed, "three plans that read KV, one of them mixed"
+
+
+def test_jax_block_sizes_are_what_its_tuned_table_gives():
+    """jax_rpa_block_sizes and jax_rpa_kv_heads_per_block against JAX's own
+    functions (its get_tuned_block_sizes asks for a TPU, so its table is read
+    directly here): the Llama-3-8B decode key is in neither the v5 nor the v6
+    table, so the default (128 pages, 32 queries) applies, clipped; an 8/4-head
+    shape with pages of 64 is in the v6 table."""
+    pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    try:
+        from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa
+        from jax.experimental.pallas.ops.tpu.ragged_paged_attention import tuned_block_sizes as t
+    except ImportError as e:  # pragma: no cover
+        pytest.skip(f"JAX's ragged_paged_attention is not in this jax: {e}")
+    for hq, hkv in ((32, 8), (8, 4), (16, 16), (12, 2), (64, 8)):
+        shapes = C.Shapes(hq, hkv, 128, 16)
+        qh, ch = rpa.get_min_heads_per_blk(hq, 2 * hkv, jnp.bfloat16, jnp.bfloat16)
+        assert C.jax_rpa_kv_heads_per_block(shapes) == ch // 2 and qh == ch // 2 * shapes.group
+    s = C.LLAMA3_8B
+    for tokens, pps in ((256, 128), (512, 128), (16, 4)):
+        key = t.simplify_key((jnp.bfloat16, jnp.bfloat16, 32, 8, 128, 16, tokens, pps))
+        for table in t.TUNED_BLOCK_SIZES.values():
+            assert key not in table
+        for dev in ("tpu-v5e", "tpu-v6e"):
+            got = C.jax_rpa_block_sizes(s, tokens, pps, dev)
+            assert got == (min(pps, 128), min(tokens, 32))
+    # Keys that are in the tables: 8/4 heads with pages of 64, and Llama-3-8B's
+    # heads at a short max_model_len (8 pages of 16 = 128 tokens, 512 tokens).
+    hit = C.Shapes(8, 4, 128, 64)
+    for dev, chip in (("tpu-v5e", "TPU v5"), ("tpu-v6e", "TPU v6")):
+        table = t.TUNED_BLOCK_SIZES[chip]
+        bkv, bq = table[("bfloat16", "bfloat16", 8, 4, 128, 64, 2048, 512)]
+        assert C.jax_rpa_block_sizes(hit, 2048, 8, dev) == (min(8, bkv), min(2048, bq))
+        bkv, bq = table[("bfloat16", "bfloat16", 32, 8, 128, 16, 512, 128)]
+        assert C.jax_rpa_block_sizes(s, 512, 8, dev) == (min(8, bkv), min(512, bq))
