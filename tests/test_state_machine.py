@@ -223,11 +223,11 @@ class AdmissionMachine(RuleBasedStateMachine):
     def cancel(self, rid):
         if rid not in self.live:
             try:
-                self.sched.cancel(max(rid, 0))
+                self.sched.cancel(max(rid, 0), now=self.now)
             except kvsched.UnknownRequest:
                 return
             raise AssertionError("cancel of a dead id succeeded")
-        self.sched.cancel(rid)
+        self.sched.cancel(rid, now=self.now)
         name, blocks = self.live.pop(rid)
         t = self.tenants[name]
         t.reserved -= blocks
