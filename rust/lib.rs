@@ -23,7 +23,7 @@ mod heap;
 
 #[cfg(feature = "python")]
 #[global_allocator]
-static HEAP: heap::CountedMiMalloc = heap::CountedMiMalloc;
+static HEAP: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 pub use error::{KvError, KvResult, RejectReason, Rejection};
 pub use pool::BlockPool;
