@@ -1,15 +1,19 @@
 //! The extension's Rust heap: mimalloc, and a measure of the bytes it holds.
 //!
-//! Why mimalloc: its arenas are large, aligned mappings that it asks the kernel
-//! to back with transparent huge pages (`madvise(MADV_HUGEPAGE)`), so the
+//! Why mimalloc: its segments are large, aligned mappings that it asks the
+//! kernel to back with transparent huge pages (`madvise(MADV_HUGEPAGE)`), so the
 //! request records, token vectors and per-page arrays that a step walks sit on
-//! few TLB entries. Measured beside glibc's malloc (same run, 1,024 running
-//! sequences, medians): step + commit ~33 us instead of ~36 with the prefix
-//! cache on, ~26.5 instead of ~28.5 with it off; about half of that is THP
-//! (`MIMALLOC_ALLOW_THP=0`, what a machine whose THP setting is `never` gets:
-//! ~34.5 and ~27.7). The price: size classes round blocks up (a 2,256-token
-//! vector of 9,024 bytes takes a 10,240-byte block), and huge pages raise the
-//! resident set while running. README, "Benchmarks", has the figures.
+//! few TLB entries. Measured beside glibc's malloc (benches/scaling.py, same
+//! run, medians): step + commit at 1,024 running sequences 32.0 us instead of
+//! 37.0 with the prefix cache on, 24.5 instead of 27.8 off; at 4,096, 0.81-0.86x.
+//! With THP off for the process (`MIMALLOC_ALLOW_THP=0`, what a machine whose
+//! THP setting is `never` gets) about half of that remains (~34 and ~27 us at
+//! 1,024). mimalloc 2 (the `v2` feature) rather than 3: in the same run 3 was
+//! 0.1-0.3 us slower per submit + cancel and up to 1.5 us per step at 1,024.
+//! The price: size classes round blocks up (a 2,256-token vector of 9,024
+//! bytes takes a 10,240-byte block: +13% heap held per token), and huge pages
+//! raise the resident set while running (122 MB instead of 101 for 4,096 x 2k
+//! sequences). README, "Benchmarks", has the table.
 //!
 //! Freed pages go back to the OS when a Scheduler is dropped ([`give_back`]);
 //! otherwise mimalloc keeps them for reuse, as glibc's malloc does.
@@ -26,11 +30,12 @@
 
 use std::ffi::c_void;
 
-use libmimalloc_sys::{mi_heap_area_t, mi_heap_t, mi_heap_visit_blocks};
+use libmimalloc_sys::{mi_heap_area_t, mi_heap_get_default, mi_heap_t, mi_heap_visit_blocks};
 
 /// Bytes the extension's Rust code holds now: the full size class of every
-/// live block, over all of mimalloc's pages (every thread's). It walks the
-/// pages, so it is for measurements, taken while no other thread allocates.
+/// live block in the calling thread's mimalloc heap (mimalloc 2 keeps one per
+/// thread: blocks another thread allocated are in its heap, not counted). It
+/// walks the pages, so it is for measurements, on the thread that did the work.
 pub fn live_bytes() -> usize {
     unsafe extern "C" fn add_area(
         _heap: *const mi_heap_t,
@@ -45,11 +50,11 @@ pub fn live_bytes() -> usize {
         true
     }
     let mut total = 0usize;
-    // SAFETY: a null heap is the main heap (all threads' pages); the visitor
-    // only reads each area and adds to `total`, which outlives the call.
+    // SAFETY: the default heap is this thread's own; the visitor only reads
+    // each area and adds to `total`, which outlives the call.
     unsafe {
         mi_heap_visit_blocks(
-            std::ptr::null_mut(),
+            mi_heap_get_default(),
             false,
             Some(add_area),
             (&mut total as *mut usize).cast(),
