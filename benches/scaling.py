@@ -16,7 +16,8 @@ the median over repeats of each subprocess's median. Measured:
 - submit + cancel of a 2048-token prompt whose first 1024 tokens are cached
   (bench_prefix.py's workload);
 - the heap the scheduler holds per token for 4,096 running sequences of ~2k tokens
-  (glibc's mallinfo2: bytes in use after, less before), two ways: "held", what
+  (bytes in use after, less before: glibc's mallinfo2, plus the extension's own
+  count of its Rust heap where that is mimalloc), two ways: "held", what
   running them adds to a scheduler already built (the pool's per-page arrays, the
   prefix index and the plan buffers are allocated at construction, sized by
   num_blocks and the config's maxima rather than by what runs), and "all", with
@@ -95,7 +96,14 @@ def heap_in_use() -> int:
     libc = ctypes.CDLL("libc.so.6")
     libc.mallinfo2.restype = _MallInfo2
     m = libc.mallinfo2()
-    return int(m.uordblks + m.hblkhd)
+    glibc = int(m.uordblks + m.hblkhd)
+    # A build whose Rust heap is its own allocator (mimalloc) counts it itself:
+    # glibc sees only Python's and numpy's part then. Older builds have no count
+    # and allocate everything through glibc.
+    from kvsched import _core
+
+    rust = getattr(_core, "_heap_bytes", None)
+    return glibc + (rust() if rust is not None else 0)
 
 
 def work_memory(kind: str, n: int = 4096, prompt: int = 2000, decode: int = 16) -> dict:

@@ -18,6 +18,13 @@ pub mod tenant;
 #[cfg(feature = "python")]
 mod py;
 
+#[cfg(feature = "python")]
+mod heap;
+
+#[cfg(feature = "python")]
+#[global_allocator]
+static HEAP: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 pub use error::{KvError, KvResult, RejectReason, Rejection};
 pub use pool::BlockPool;
 pub use scheduler::{AdmissionMode, Scheduler, SchedulerConfig};

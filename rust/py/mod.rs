@@ -183,6 +183,13 @@ fn salt_arg(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
     )))
 }
 
+/// Bytes the extension's Rust code holds now: its heap is mimalloc (heap.rs),
+/// which glibc's `mallinfo2` does not see. For benches/scaling.py; not an API.
+#[pyfunction]
+fn heap_bytes() -> usize {
+    crate::heap::live_bytes()
+}
+
 /// kvsched's native core: the block pool, tenants, admission and scheduler.
 ///
 /// `gil_used = true`: on free-threaded Python the interpreter keeps the GIL on
@@ -215,6 +222,8 @@ mod core_module {
             },
         )?;
         m.add("NULL_PAGE", crate::pool::NULL_PAGE)?;
+        // Private, so set as an attribute (not in `__all__`, not in the stub).
+        m.setattr("_heap_bytes", wrap_pyfunction!(super::heap_bytes, m)?)?;
         let bounds: Vec<f64> = crate::metrics::LATENCY_BOUNDS.to_vec();
         m.add(
             "LATENCY_BUCKETS",

@@ -16,6 +16,7 @@ use super::plan::{PlanSet, PyStepPlan};
 use super::stats::{pressure_dict, Snapshot};
 use super::{count_arg, int32_arg, int32_slice, locked, now_or_monotonic, salt_arg};
 use crate::error::{KvError, KvResult};
+use crate::heap::GiveBackOnDrop;
 use crate::scheduler::{self, StepOutcome, SubmitOptions};
 
 /// The KV-cache manager and scheduler. Safe to share between threads.
@@ -29,6 +30,8 @@ use crate::scheduler::{self, StepOutcome, SubmitOptions};
 pub struct PyScheduler {
     inner: Mutex<scheduler::Scheduler>,
     plans: PlanSet,
+    /// Last, so it drops after the two above: hands their pages back (heap.rs).
+    _give_back: GiveBackOnDrop,
 }
 
 #[pymethods]
@@ -43,6 +46,7 @@ impl PyScheduler {
         Ok(PyScheduler {
             plans,
             inner: Mutex::new(core),
+            _give_back: GiveBackOnDrop,
         })
     }
 
