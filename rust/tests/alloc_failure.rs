@@ -6,6 +6,11 @@
 //! prefix cache's per-page arrays fail. Before the cache allocated fallibly, the
 //! pool's size probe passed and the array's infallible allocation then aborted
 //! the process ("memory allocation of N bytes failed").
+//!
+//! Built without the `python` feature only (`cargo test`): with it, the crate
+//! brings its own global allocator (mimalloc, rust/lib.rs) and a binary can
+//! have one.
+#![cfg(not(feature = "python"))]
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
