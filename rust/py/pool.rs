@@ -8,10 +8,6 @@ use pyo3::prelude::*;
 use super::{int32_arg, int32_slice, locked};
 use crate::pool;
 
-/// A pool of `num_blocks` KV pages of `block_size` tokens; page 0 is the null
-/// page and is never handed out. Refcounted: `retain` adds an owner, `free`
-/// drops one. Batch calls take and return numpy int32 arrays and are all or
-/// nothing.
 /// `num_blocks` / `block_size` out of range: InvalidConfig naming them.
 fn pool_blocks_arg(o: &Bound<'_, PyAny>) -> PyResult<usize> {
     super::uint_knob(o, "num_blocks")
@@ -21,6 +17,10 @@ fn pool_block_size_arg(o: &Bound<'_, PyAny>) -> PyResult<usize> {
     super::uint_knob(o, "block_size")
 }
 
+/// A pool of `num_blocks` KV pages of `block_size` tokens; page 0 is the null
+/// page and is never handed out. Refcounted: `retain` adds an owner, `free`
+/// drops one. Batch calls take and return numpy int32 arrays and are all or
+/// nothing.
 #[pyclass(name = "BlockPool", module = "kvsched", frozen)]
 pub struct PyBlockPool {
     inner: Mutex<pool::BlockPool>,
