@@ -227,7 +227,9 @@ def test_jax_reference_is_what_the_backend_runs_off_tpu():
     masked: the same numbers as calling it directly."""
     q, cache, inputs, plan = small_plans()[2]
     plan_arrays = (inputs.kv_lens, inputs.page_indices, inputs.cu_q_lens, inputs.num_seqs)
-    direct = np.asarray(jax_reference(q, cache, *plan_arrays, sm_scale=0.25))
+    # numpy in, as the backend's host callback passes them (the same compiled ops)
+    direct = np.asarray(jax_reference(*(np.asarray(a) for a in (q, cache, *plan_arrays)),
+                                      sm_scale=0.25))  # fmt: skip
     got = np.asarray(paged_attention(q, cache, inputs, scale=0.25, backend="jax"))
     assert direct.shape[0] == plan.num_tokens
     np.testing.assert_array_equal(got[: plan.num_tokens], direct)
@@ -316,3 +318,37 @@ def test_the_engine_generates_the_same_greedy_tokens_as_the_reference_backend():
     assert got == [greedy_dense(PARAMS, MODEL, p, 3) for p in prompts]
     st = eng.scheduler.stats()["tenants"]["t"]
     assert st["prefix_cache"]["hit_tokens"] > 0, "the second prompt hit the cached prefix"
+
+
+def test_the_engine_on_a_tpu_says_which_kernel_and_lays_the_cache_out_for_it(monkeypatch):
+    """Engine construction as on a TPU (the platform faked; nothing runs):
+    `pallas` resolves to JAX's kernel where head_dim allows, the cache stays in
+    JAX's split layout, and what JAX's kernel cannot read is refused up front."""
+    from kvsched.engine.model import LlamaConfig, init_params
+    from kvsched.engine.runner import Engine
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    monkeypatch.delenv("KVSCHED_TPU_ATTENTION", raising=False)
+    cfg = kvsched.SchedulerConfig(num_blocks=16, block_size=4, max_num_seqs=2,
+                                  max_batched_tokens=16, max_seq_len=32)  # fmt: skip
+    wide = LlamaConfig(vocab_size=64, dim=128, n_layers=1, n_heads=2, n_kv_heads=1,
+                       head_dim=128, ffn_dim=64)  # fmt: skip
+    narrow = LlamaConfig(vocab_size=64, dim=128, n_layers=1, n_heads=2, n_kv_heads=1,
+                         head_dim=64, ffn_dim=64)  # fmt: skip
+
+    def make(model, **kw):
+        return Engine(model, init_params(model, seed=0), kvsched.Scheduler(cfg), **kw)
+
+    eng = make(wide, backend="pallas")
+    assert eng.attention_kernel == "jax_kernel" and eng.spec.shape[-2:] == (2, 128)
+    with pytest.raises(kvsched.InvalidConfig, match="packed"):
+        make(wide, backend="jax", kv_layout="packed")
+    # head_dim 64: kvsched's kernel, on its packed layout; JAX's refused.
+    eng = make(narrow, backend="pallas")
+    assert eng.attention_kernel == "pallas" and eng.spec.shape[-2:] == (1, 128)
+    with pytest.raises(kvsched.InvalidConfig, match="multiple of 128"):
+        make(narrow, backend="jax")
+    monkeypatch.setenv("KVSCHED_TPU_ATTENTION", "ours")
+    assert make(wide, backend="pallas").attention_kernel == "pallas"
+    with pytest.raises(kvsched.InvalidConfig, match="unknown attention backend"):
+        make(wide, backend="mosaic")

@@ -209,6 +209,12 @@ class Engine:
             self.kv_layout == "auto" and self.attention_kernel == "pallas"
             and jax.default_backend() == "tpu" and self.model.head_dim % 128 != 0
         )  # fmt: skip
+        if packed and self.attention_kernel == "jax_kernel":
+            raise kvsched.InvalidConfig(
+                "kv_layout='packed' with JAX's TPU kernel: it reads the split layout "
+                "[.., 2*kv_heads, head_dim], and a packed cache would be relaid out on "
+                "every layer of every step (use kv_layout='auto' or 'split')"
+            )
         spec = KVCacheSpec(
             cfg.num_blocks, cfg.block_size, self.model.n_kv_heads, self.model.head_dim,
             jnp.dtype(self.kv_dtype), packed=packed,
