@@ -29,8 +29,11 @@ and prefetches across sequences. Neither has run on a TPU yet: the choice is a
 prediction until benches/tpu_check.py measures both (it calls
 `paged_attention(..., backend="jax")` and `backend="pallas"` with
 KVSCHED_TPU_ATTENTION=ours); whoever measures sets the default from it.
-Off TPU the variable changes nothing. `resolve_backend` names the kernel a
-backend runs on a platform.
+Off TPU the variable changes nothing. It is read when a call is traced: a
+jitted function keeps the kernel it was traced with, so set it before the
+engine (or a benchmark's jit) first runs. `resolve_backend` names the kernel a
+backend runs on a platform. Keyword arguments go to the kernel that runs
+(`block_q` is kvsched's, `num_kv_pages_per_block` JAX's).
 
 Import order: this module sits above the kernels (kvsched.engine.kernels), the
 plan arrays (inputs) and the mesh axis (mesh), and below the model; it imports
