@@ -352,3 +352,39 @@ def test_the_engine_on_a_tpu_says_which_kernel_and_lays_the_cache_out_for_it(mon
     assert make(wide, backend="pallas").attention_kernel == "pallas"
     with pytest.raises(kvsched.InvalidConfig, match="unknown attention backend"):
         make(wide, backend="mosaic")
+
+
+def test_the_model_step_lowers_for_tpu_with_jax_tuned_blocks(monkeypatch):
+    """The whole paged forward pass as the engine jits it on a TPU (the platform
+    faked at trace time: layer scan, in-scan K/V writes, the traced layer's page
+    offset), with backend "jax" picking its block sizes from JAX's tuned table
+    for a v5e, lowers to one Mosaic kernel inside the scan."""
+    from jax import export
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import tuned_block_sizes
+
+    from kvsched.engine.model import LlamaConfig, forward_paged, init_params
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    monkeypatch.setattr(tuned_block_sizes, "get_tpu_version", lambda: 5)
+    monkeypatch.setattr(tuned_block_sizes, "get_device_name", lambda *a: "TPU v5")
+    model = LlamaConfig(vocab_size=64, dim=256, n_layers=2, n_heads=2, n_kv_heads=1,
+                        head_dim=128, ffn_dim=64)  # fmt: skip
+    params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.bfloat16),
+                          init_params(model, seed=0))  # fmt: skip
+    t, s, pps, pages, bs = 32, 4, 8, 33, 16
+    caches = jax.ShapeDtypeStruct((2, pages, bs, 2, 128), jnp.bfloat16)
+    shapes = [(t,)] * 3 + [(s + 1,), (s,), (s, pps), (1,), (s,)]
+    args = [jax.ShapeDtypeStruct(shape, jnp.int32) for shape in shapes]
+
+    def step(params, caches, tokens, positions, slots, cu, kv_lens, page_indices, n, logits_at):
+        inputs = AttentionInputs(positions, cu, kv_lens, page_indices, n)
+        return forward_paged(params, caches, model, tokens, positions, slots, inputs, logits_at,
+                             backend="jax")  # fmt: skip
+
+    tpu = jax.sharding.AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=tpu)
+    with jax.sharding.use_abstract_mesh(mesh):
+        exported = export.export(jax.jit(step), platforms=["tpu"])(params, caches, *args)
+    text = exported.mlir_module()
+    assert text.count("ragged_paged_attention_kernel") >= 1 and "tpu_custom_call" in text
+    assert "pure_callback" not in text and "callback" not in text.lower()
