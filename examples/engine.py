@@ -1,7 +1,7 @@
 """The example engine: SmolLM2-135M-Instruct served to three tenants through
 kvsched, on CPU by default.
 
-    python examples/engine.py [--model smollm2|tiny] [--backend reference|pallas]
+    python examples/engine.py [--model smollm2|tiny] [--backend reference|pallas|jax]
                               [--device cpu|tpu|gpu] [--requests N] [--seconds S]
                               [--seed S] [--quiet]
 
@@ -174,7 +174,7 @@ def make_request(
 def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
-    ap.add_argument("--backend", choices=["reference", "pallas"], default="reference")
+    ap.add_argument("--backend", choices=["reference", "pallas", "jax"], default="reference")
     ap.add_argument("--device", choices=["cpu", "tpu", "gpu"], default="cpu")
     ap.add_argument("--requests", type=int, default=None, help="24 (smollm2) or 120 (tiny)")
     ap.add_argument("--seconds", type=float, default=None, help="arrivals spread over this")
@@ -216,8 +216,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     sched = engine.scheduler
     sz = engine.sizing
     assert sz is not None  # Engine.create sizes the pool
-    say(f"model {model.name} (weights {engine.checksum}), {args.backend} attention on "
-        f"{args.device}")  # fmt: skip
+    say(f"model {model.name} (weights {engine.checksum}), {args.backend} attention "
+        f"({engine.attention_kernel}) on {args.device}")  # fmt: skip
     say(
         f"KV pool: {sched.config.num_blocks - 1} pages of {sched.config.block_size} tokens "
         f"({sz.source}"

@@ -291,7 +291,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     v.add_argument("--max-logprobs", type=int, default=5, help="top logprobs a request may ask")
     v.add_argument("--max-body-bytes", type=int, default=1 << 20)
-    v.add_argument("--backend", choices=["reference", "pallas"], default="reference")
+    v.add_argument(
+        "--backend", choices=["reference", "pallas", "jax"], default="reference",
+        help="attention: reference (jnp), pallas (kvsched's kernel; on TPU JAX's unless "
+        "KVSCHED_TPU_ATTENTION=ours), jax (JAX's kernel on TPU, its jnp reference elsewhere)",
+    )  # fmt: skip
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])  # fmt: skip

@@ -9,6 +9,8 @@ as they come out of `Scheduler.step()`:
 - `pallas`: kvsched's own ragged paged attention kernel (mixed prefill chunks and
   decodes in one call), written for TPU (Mosaic) and run on CPU in Pallas' TPU
   interpret mode.
+- `jax`: JAX's ragged paged attention kernel on TPU, its jnp reference
+  elsewhere (kernels/jax_rpa.py).
 
 Modules, in import order (each imports only modules listed before it;
 tests/test_engine_imports.py checks the package has no import cycle):
@@ -17,8 +19,8 @@ tests/test_engine_imports.py checks the package has no import cycle):
   `mesh` (the tensor-parallel axis and partition specs), `kv_cache` (cache
   arrays; KV bytes via kvsched.capacity.kv_bytes), `sampling`, `text`,
   `kv_gate` (the int8 KV gate): no engine imports.
-- `kernels/`: `common`, then `reference`, `tpu` (Pallas, Mosaic) and `gpu`
-  (Pallas, Triton).
+- `kernels/`: `common`, then `reference`, `tpu` (Pallas, Mosaic), `gpu`
+  (Pallas, Triton) and `jax_rpa` (JAX's kernel).
 - `attention`: backend name -> kernel, nothing else.
 - `model` (the Llama forward passes), then `sharding` (weights and caches on
   the mesh) and `loaders/`.

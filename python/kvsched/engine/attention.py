@@ -9,8 +9,31 @@ h // (Hq / Hkv)). Rows past the plan's tokens are padding: their output is 0.
 
 Backends: `reference` (pure jnp, static shapes; kernels/reference.py), `pallas`
 (kvsched's kernel for TPU, kernels/tpu.py; on an NVIDIA GPU it picks the Triton
-variant) and `pallas_gpu` (the Triton variant, kernels/gpu.py). The float64
-numpy oracle for tests is kernels.reference.oracle_attention.
+variant), `pallas_gpu` (the Triton variant, kernels/gpu.py) and `jax` (the
+ragged paged attention kernel JAX ships, on TPU; its jnp reference elsewhere;
+kernels/jax_rpa.py). The float64 numpy oracle for tests is
+kernels.reference.oracle_attention.
+
+Which kernel `pallas` runs on a TPU: kvsched's own or JAX's, chosen by the
+environment variable KVSCHED_TPU_ATTENTION (`tpu_attention()`):
+
+    KVSCHED_TPU_ATTENTION   pallas on TPU runs               status
+    jax (default)           JAX's ragged_paged_attention     unmeasured
+                            (kvsched's when head_dim % 128)
+    ours                    kvsched's kernels/tpu.py         unmeasured
+
+The default is JAX's because a design review (issue 15) predicts kvsched's
+kernel at 4-8% of HBM bandwidth on a v5e decode batch (one page per DMA, f32
+operands, 8-row query blocks), against a kernel that moves many pages per DMA
+and prefetches across sequences. Neither has run on a TPU yet: the choice is a
+prediction until benches/tpu_check.py measures both (it calls
+`paged_attention(..., backend="jax")` and `backend="pallas"` with
+KVSCHED_TPU_ATTENTION=ours); whoever measures sets the default from it.
+Off TPU the variable changes nothing. It is read when a call is traced: a
+jitted function keeps the kernel it was traced with, so set it before the
+engine (or a benchmark's jit) first runs. `resolve_backend` names the kernel a
+backend runs on a platform. Keyword arguments go to the kernel that runs
+(`block_q` is kvsched's, `num_kv_pages_per_block` JAX's).
 
 Import order: this module sits above the kernels (kvsched.engine.kernels), the
 plan arrays (inputs) and the mesh axis (mesh), and below the model; it imports
@@ -21,18 +44,80 @@ reference-only engine (and `import kvsched.engine`) never pays.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+import kvsched
 from kvsched.engine.inputs import AttentionInputs
 from kvsched.engine.kernels.reference import reference_attention
 from kvsched.engine.kv_cache import QuantizedKV, UnsupportedKVDtype, is_quantized
-from kvsched.engine.mesh import CACHE_SPEC, HEADS_SPEC
+from kvsched.engine.mesh import CACHE_SPEC, HEADS_SPEC, STACKED_CACHE_SPEC
 
-__all__ = ["AttentionInputs", "paged_attention", "reference_attention"]
+__all__ = [
+    "BACKENDS",
+    "AttentionInputs",
+    "paged_attention",
+    "reference_attention",
+    "resolve_backend",
+    "tpu_attention",
+]
+
+BACKENDS = ("reference", "pallas", "pallas_gpu", "jax")
+TPU_ATTENTION_ENV = "KVSCHED_TPU_ATTENTION"
+TPU_ATTENTION_CHOICES = ("jax", "ours")
+TPU_ATTENTION_DEFAULT = "jax"  # a prediction, unmeasured: see the module docstring
+JAX_KERNEL_HEAD_DIM = 128  # JAX's TPU kernel needs head_dim % 128 == 0
+
+
+def tpu_attention() -> str:
+    """Which kernel backend `pallas` runs on a TPU: "jax" or "ours", from
+    KVSCHED_TPU_ATTENTION (default "jax"). Any other value is
+    kvsched.InvalidConfig."""
+    value = os.environ.get(TPU_ATTENTION_ENV, TPU_ATTENTION_DEFAULT).strip().lower()
+    if value not in TPU_ATTENTION_CHOICES:
+        raise kvsched.InvalidConfig(
+            f"{TPU_ATTENTION_ENV}={value!r}: must be one of {', '.join(TPU_ATTENTION_CHOICES)} "
+            f"(which kernel the pallas backend runs on a TPU)"
+        )
+    return value
+
+
+def resolve_backend(backend: str, platform: str | None = None, head_dim: int | None = None) -> str:
+    """The kernel `backend` runs on `platform` (default: JAX's default
+    backend) for heads of `head_dim`: "reference", "pallas" (kvsched's TPU
+    kernel; the TPU interpreter off TPU), "pallas_gpu" (kvsched's Triton kernel;
+    the interpreter off GPU), "jax_kernel" (JAX's TPU kernel) or
+    "jax_reference" (JAX's jnp reference). JAX's kernel needs head_dim to be a
+    multiple of 128 (its softmax state is 128 lanes wide; head_dim 64 fails in
+    its lowering), so on TPU `pallas` keeps kvsched's kernel for other head
+    dims, and `jax` refuses them. An unknown name, an unsupported head_dim or a
+    bad KVSCHED_TPU_ATTENTION is kvsched.InvalidConfig."""
+    if backend not in BACKENDS:
+        raise kvsched.InvalidConfig(
+            f"unknown attention backend {backend!r} ({', '.join(BACKENDS)})"
+        )
+    platform = platform or jax.default_backend()
+    jax_fits = head_dim is None or head_dim % JAX_KERNEL_HEAD_DIM == 0
+    if backend == "pallas" and platform == "tpu" and tpu_attention() == "jax" and jax_fits:
+        backend = "jax"
+    if backend == "pallas" and platform == "gpu":
+        return "pallas_gpu"
+    if backend == "jax" and platform == "tpu":
+        if not jax_fits:
+            raise kvsched.InvalidConfig(
+                f"attention backend 'jax' on TPU: JAX's kernel needs head_dim to be a multiple "
+                f"of {JAX_KERNEL_HEAD_DIM}, not {head_dim} (backend 'pallas' runs kvsched's "
+                f"kernel, which reads narrower heads from a packed cache)"
+            )
+        return "jax_kernel"
+    if backend == "jax":
+        return "jax_reference"
+    return backend
 
 
 def paged_attention(
@@ -46,20 +131,28 @@ def paged_attention(
     layer: jax.Array | int | None = None,
     **kw: Any,
 ) -> jax.Array:
-    """Attention for a plan with the named backend ("reference" or "pallas").
-    With `layer`, `cache` is the stacked [L, P, bs, 2*Hkv, D] array of every
-    layer and layer `layer` is read. With a mesh, the Pallas kernel runs once per
-    device on its own KV heads (shard_map); the reference is left to XLA's
-    partitioner. An int8 `QuantizedKV` cache is read by the reference only."""
+    """Attention for a plan with the named backend (one of BACKENDS). With
+    `layer`, `cache` is the stacked [L, P, bs, 2*Hkv, D] array of every layer
+    and layer `layer` is read. With a mesh, the kernels run once per device on
+    their own KV heads (shard_map); the reference is left to XLA's partitioner.
+    An int8 `QuantizedKV` cache is read by the reference only. On a TPU,
+    `pallas` runs kvsched's kernel or JAX's (`tpu_attention()`); `**kw` goes to
+    the kernel that runs."""
     if backend == "reference":
         return reference_attention(q, cache, inputs, scale=scale, layer=layer)
-    if is_quantized(cache) and backend in ("pallas", "pallas_gpu"):
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r} ({', '.join(BACKENDS)})")
+    if is_quantized(cache):
         raise UnsupportedKVDtype(
             f"attention backend {backend!r} cannot read an int8 KV cache: int8 KV is "
-            "supported by the reference backend; the Pallas kernels read float caches "
-            "(use backend='reference' or a float32/bfloat16 kv_dtype)"
+            "supported by the reference backend; the Pallas kernels (kvsched's and "
+            "JAX's) read float caches (use backend='reference' or a float32/bfloat16 "
+            "kv_dtype)"
         )
-    if backend == "pallas" and mesh is None and jax.default_backend() == "tpu":
+    kernel = resolve_backend(backend, head_dim=q.shape[-1])
+    if kernel.startswith("jax_"):
+        return _jax_attention(q, cache, inputs, scale=scale, mesh=mesh, layer=layer, **kw)
+    if kernel == "pallas" and mesh is None and jax.default_backend() == "tpu":
         from kvsched.engine.kernels.tpu import ragged_paged_attention
 
         # On TPU the kernel reads the stacked cache at `layer`: no layer is copied
@@ -97,4 +190,40 @@ def paged_attention(
 
         assert not is_quantized(cache)  # refused above
         return ragged_paged_attention_gpu(q, cache, inputs, scale=scale, **kw)
-    raise ValueError(f"unknown attention backend {backend!r} (reference, pallas, pallas_gpu)")
+    raise AssertionError(f"backend {backend!r} resolved to {kernel!r}: not dispatched")
+
+
+def _jax_attention(
+    q: jax.Array,
+    cache: jax.Array,
+    inputs: AttentionInputs,
+    *,
+    scale: float,
+    mesh: Mesh | None,
+    layer: jax.Array | int | None,
+    **kw: Any,
+) -> jax.Array:
+    """Backend "jax" (kernels/jax_rpa.py). The stacked cache is read at `layer`
+    in place, sharded or not: no layer is sliced out."""
+    from kvsched.engine.kernels.jax_rpa import jax_ragged_paged_attention
+
+    if mesh is None:
+        return jax_ragged_paged_attention(q, cache, inputs, scale=scale, layer=layer, **kw)
+    stacked = layer is not None
+    layer_arr = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
+
+    def local(q_: jax.Array, cache_: jax.Array, layer_: jax.Array, *plan: jax.Array) -> jax.Array:
+        return jax_ragged_paged_attention(
+            q_, cache_, AttentionInputs(*plan), scale=scale,
+            layer=layer_[0] if stacked else None, **kw,
+        )  # fmt: skip
+
+    plan = inputs.arrays()
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(HEADS_SPEC, STACKED_CACHE_SPEC if stacked else CACHE_SPEC, P())
+        + (P(),) * len(plan),
+        out_specs=HEADS_SPEC,
+        check_vma=False,
+    )(q, cache, layer_arr, *plan)

@@ -32,6 +32,7 @@ from jax.sharding import Mesh
 
 import kvsched
 from kvsched.engine import kv_gate, sharding
+from kvsched.engine.attention import resolve_backend
 from kvsched.engine.inputs import HostArray, StepInputs
 from kvsched.engine.kv_cache import (
     KVCache,
@@ -190,7 +191,8 @@ class Engine:
     kv_eval: Any = None
     # "split" ([.., 2*kv_heads, head_dim]), "packed" ([.., kv_heads, 2*head_dim]: the
     # TPU kernel's layout for heads narrower than 128 lanes) or "auto" (packed for
-    # the Pallas kernel on TPU when head_dim is not a multiple of 128).
+    # kvsched's Pallas kernel on TPU when head_dim is not a multiple of 128; split
+    # for JAX's kernel, whose layout it is).
     kv_layout: str = "auto"
     kv_min_agreement: float = kv_gate.MIN_AGREEMENT
     kv_max_logprob_diff: float = kv_gate.MAX_MEAN_ABS_LOGPROB_DIFF
@@ -199,10 +201,20 @@ class Engine:
         cfg = self.scheduler.config
         if self.kv_layout not in ("auto", "split", "packed"):
             raise ValueError(f"kv_layout must be auto, split or packed, not {self.kv_layout!r}")
+        # The kernel the backend runs here (kvsched.InvalidConfig for an unknown
+        # backend or KVSCHED_TPU_ATTENTION value): on TPU, `pallas` is kvsched's
+        # kernel or JAX's.
+        self.attention_kernel = resolve_backend(self.backend, head_dim=self.model.head_dim)
         packed = self.kv_layout == "packed" or (
-            self.kv_layout == "auto" and self.backend == "pallas"
+            self.kv_layout == "auto" and self.attention_kernel == "pallas"
             and jax.default_backend() == "tpu" and self.model.head_dim % 128 != 0
         )  # fmt: skip
+        if packed and self.attention_kernel == "jax_kernel":
+            raise kvsched.InvalidConfig(
+                "kv_layout='packed' with JAX's TPU kernel: it reads the split layout "
+                "[.., 2*kv_heads, head_dim], and a packed cache would be relaid out on "
+                "every layer of every step (use kv_layout='auto' or 'split')"
+            )
         spec = KVCacheSpec(
             cfg.num_blocks, cfg.block_size, self.model.n_kv_heads, self.model.head_dim,
             jnp.dtype(self.kv_dtype), packed=packed,

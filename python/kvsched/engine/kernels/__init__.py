@@ -4,6 +4,8 @@ that picks one by backend name is kvsched.engine.attention.
 - `reference`: pure jnp with static shapes, and the float64 numpy oracle.
 - `tpu`: kvsched's ragged paged attention kernel in Pallas for TPU (Mosaic).
 - `gpu`: the same algorithm in Pallas for NVIDIA GPUs (Triton).
+- `jax_rpa`: JAX's own ragged paged attention kernel (TPU) and its jnp
+  reference, fed from our plan and cache.
 - `common`: what the kernels share (the mask value, query-block padding).
 
 Kernels import `common`, kvsched.engine.inputs and kvsched.engine.kv_cache,
