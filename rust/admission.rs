@@ -81,6 +81,39 @@ fn reject(
 
 /// The checks that depend on the request alone: empty prompt, max_tokens 0,
 /// negative ids, too long. A request that fails one fails it forever.
+/// The first id of `ids` at or above `vocab_size` (None: no vocabulary), as a
+/// refusal `invalid` naming `what` (e.g. "prompt token"). Ids are already known
+/// to be non-negative.
+pub fn check_vocab(
+    tenant: &Tenant,
+    vocab_size: Option<u32>,
+    ids: &[i32],
+    what: &str,
+) -> Result<(), Rejection> {
+    let Some(vocab) = vocab_size else {
+        return Ok(());
+    };
+    // A max reduction vectorizes; the position is looked for only on failure.
+    let top = ids.iter().copied().max().unwrap_or(0);
+    if i64::from(top) < i64::from(vocab) {
+        return Ok(());
+    }
+    let at = ids
+        .iter()
+        .position(|&t| i64::from(t) >= i64::from(vocab))
+        .expect("the max is out of range");
+    Err(reject(
+        tenant,
+        RejectReason::Invalid,
+        None,
+        format!(
+            "{what} {at} is {}, outside the vocabulary of {vocab} (ids 0..={})",
+            ids[at],
+            vocab - 1
+        ),
+    ))
+}
+
 pub fn check_request(
     tenant: &Tenant,
     max_seq_len: usize,

@@ -315,7 +315,7 @@ impl Scheduler {
     ///
     /// Restart-only (`RestartRequired` names the knob): num_blocks, block_size,
     /// token_buckets, admission, prefix_caching, prefix_cache_key,
-    /// prefix_cache_partition; and raising
+    /// prefix_cache_partition, vocab_size; and raising
     /// max_num_seqs, max_seq_len or max_batched_tokens past the plan shape the
     /// scheduler started with (the engine compiled for it). Lowering them is
     /// live: running sequences are not cut, new work obeys. overhead_reserve may
@@ -341,6 +341,9 @@ impl Scheduler {
         }
         if new.prefix_cache_partition != old.prefix_cache_partition {
             return restart("prefix_cache_partition");
+        }
+        if new.vocab_size != old.vocab_size {
+            return restart("vocab_size");
         }
         if new.prefix_cache_key.is_some() && new.prefix_cache_key != old.prefix_cache_key {
             return restart("prefix_cache_key");
@@ -540,7 +543,23 @@ impl Scheduler {
             self.config.max_seq_len,
             prompt,
             max_tokens,
-        ) {
+        )
+        .and_then(|()| {
+            admission::check_vocab(
+                self.tenants.get(tid),
+                self.config.vocab_size,
+                prompt,
+                "prompt token",
+            )
+        })
+        .and_then(|()| {
+            admission::check_vocab(
+                self.tenants.get(tid),
+                self.config.vocab_size,
+                restored,
+                "generated token",
+            )
+        }) {
             return Err(self.reject(Some(tid), rejection));
         }
         self.update_ladder(now);
@@ -910,6 +929,19 @@ impl Scheduler {
                 "sampled id {} of sequence {k} is negative",
                 sampled[k]
             )));
+        }
+        if let Some(vocab) = self.config.vocab_size {
+            if let Some(k) = pending
+                .seqs
+                .iter()
+                .zip(sampled)
+                .position(|(s, &tok)| s.samples && i64::from(tok) >= i64::from(vocab))
+            {
+                return Err(KvError::InvalidState(format!(
+                    "sampled id {} of sequence {k} is outside the vocabulary of {vocab}",
+                    sampled[k]
+                )));
+            }
         }
         let pending = self.pending.take().expect("checked above");
         let mut events = CommitEvents {

@@ -48,6 +48,7 @@ SCHEDULER_KNOBS: dict[str, Any] = {
     "ladder_retry_after_s": 2.5,
     "require_warmup": True,
     "retry_after_hint_s": 0.5,
+    "vocab_size": 49152,
 }
 WRITE_ONLY = {"prefix_cache_key"}
 # Knobs whose value follows another's unless set: the derived token buckets end

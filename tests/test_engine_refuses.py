@@ -76,11 +76,32 @@ def test_a_prompt_id_outside_the_vocabulary_is_refused_naming_it_and_changes_not
     assert eng.scheduler.stats(now=1.0) == before
 
 
+def test_the_engines_scheduler_knows_the_vocabulary_and_refuses_a_direct_submit():
+    """Engine.create gives its scheduler the model's vocab_size: a request
+    submitted to the scheduler directly, bypassing Engine.submit, is refused by
+    the core (`invalid`), and nothing changes."""
+    eng = engine()
+    assert eng.scheduler.config.vocab_size == MODEL.vocab_size
+    before = eng.scheduler.stats(now=1.0)
+    with pytest.raises(
+        kvsched.InvalidRequest, match="prompt token 2 is 256, outside the vocabulary"
+    ):
+        eng.scheduler.submit("t", np.asarray([5, 17, 256, 3], np.int32), 4, now=1.0)
+    assert eng.scheduler.live_requests == 0
+    assert eng.scheduler.stats(now=1.0)["pool"] == before["pool"]
+    with pytest.raises(kvsched.InvalidConfig, match="vocab_size is 300, the model's 256"):
+        Engine(MODEL, PARAMS, kvsched.Scheduler(kvsched.SchedulerConfig(**CFG, vocab_size=300)))
+
+
 def test_a_plan_carrying_an_id_outside_the_vocabulary_ends_that_request_only():
-    """A request submitted to the scheduler directly bypasses Engine.submit; its
+    """With a scheduler that does not know the vocabulary (built by hand, no
+    vocab_size), a request submitted to it directly bypasses every check; its
     out-of-vocabulary id would be clamped by the embedding gather and served as
     id 255. The step ends it with an error and the batch mate runs on."""
-    eng = engine()
+    sched = kvsched.Scheduler(kvsched.SchedulerConfig(**CFG, require_warmup=True))
+    eng = Engine(MODEL, PARAMS, sched)
+    eng.warmup(progress=False)
+    eng.scheduler.add_tenant(kvsched.TenantConfig("t"))
     direct = eng.scheduler.submit("t", np.asarray([5, 17, 256, 3], np.int32), 4)
     good = eng.submit("t", PROMPT, SamplingParams(max_tokens=4))
     outs, errors = drive(eng)

@@ -21,6 +21,7 @@ SCHEDULER_INT_KNOBS = {
     "max_waiting": 64,
     "long_prefill_chunk": 64,
     "watermark_blocks": 64,
+    "vocab_size": 32,
 }
 TENANT_INT_KNOBS = {
     "tier": 32,
@@ -46,7 +47,7 @@ def _is_int_knob(value: object) -> bool:
 def test_the_lists_hold_every_integer_knob():
     # A config with every optional integer knob set: each int-valued getter is
     # listed above (token_buckets, a list of ints, has its own tests).
-    c = kvsched.SchedulerConfig(admission="overcommit")
+    c = kvsched.SchedulerConfig(admission="overcommit", vocab_size=1)
     ints = {k for k in kvsched.SchedulerConfig.__dict__ if _is_int_knob(getattr(c, k, None))}
     assert ints == set(SCHEDULER_INT_KNOBS) | {"token_buckets"}
     t = kvsched.TenantConfig("a", kv_cap_blocks=1, max_concurrent=1, max_step_tokens=1)

@@ -443,6 +443,7 @@ class SchedulerConfig:
         ladder_retry_after_s: float | None = None,
         require_warmup: bool | None = None,
         retry_after_hint_s: float | None = None,
+        vocab_size: int | None = None,
     ) -> SchedulerConfig: ...
     @property
     def num_blocks(self) -> int:
@@ -512,6 +513,10 @@ class SchedulerConfig:
         """Seconds of retry_after where nothing better is known: refusals while not
         ready or draining, and pool_full / tenant_budget / concurrency refusals
         before a step rate is measured. Live."""
+    @property
+    def vocab_size(self) -> int | None:
+        """The model's vocabulary size: prompt, sampled and restored token ids must
+        be below it (None: only checked for being non-negative). Restart-only."""
     def replace(self, **changes: Any) -> SchedulerConfig:
         """A copy with some arguments changed (validated like the constructor); the
         write-only prefix_cache_key is carried over unless given."""
@@ -704,7 +709,7 @@ class Scheduler:
         """Change live knobs, given as SchedulerConfig keyword arguments; effective
         from the next step, validated as a whole, nothing changes on an error.
         Restart-only knobs (num_blocks, block_size, token_buckets, admission,
-        prefix_caching, prefix_cache_key, prefix_cache_partition, and raising
+        prefix_caching, prefix_cache_key, prefix_cache_partition, vocab_size, and raising
         max_num_seqs, max_seq_len or max_batched_tokens past the plan shape)
         raise RestartRequired naming the knob."""
     def take_events(self) -> list[RungEvent | MaxTokensCappedEvent | DisplacedEvent]:

@@ -111,6 +111,7 @@ int_knob_args! {
     kv_cap_blocks_arg -> Option<usize> = opt_uint_knob("kv_cap_blocks");
     max_concurrent_arg -> Option<u32> = opt_uint_knob("max_concurrent");
     max_step_tokens_arg -> Option<usize> = opt_uint_knob("max_step_tokens");
+    vocab_size_arg -> Option<u32> = opt_uint_knob("vocab_size");
 }
 
 /// `token_buckets`: None or a sequence of sizes, each read like the other
@@ -205,6 +206,9 @@ knob_table! {
     /// ready or draining, and pool_full / tenant_budget / concurrency refusals
     /// before a step rate is measured. Live.
     retry_after_hint_s: f64 = |c, py| c.retry_after_hint_s;
+    /// The model's vocabulary size: prompt, sampled and restored token ids must
+    /// be below it (None: only checked for being non-negative). Restart-only.
+    vocab_size: Option<u32> = |c, py| c.vocab_size;
 
     @methods {
         #[new]
@@ -213,7 +217,7 @@ knob_table! {
             long_prefill_chunk=None, token_buckets=None, admission=None, watermark_blocks=None,
             preempt_lower_tiers=None, full_validation=None, prefix_caching=None,
             prefix_cache_key=None, prefix_cache_partition=None, ladder=None, ladder_retry_after_s=None, require_warmup=None,
-            retry_after_hint_s=None))]
+            retry_after_hint_s=None, vocab_size=None))]
         #[allow(clippy::too_many_arguments)]
         fn new(
             #[pyo3(from_py_with = num_blocks_arg)] num_blocks: Option<usize>,
@@ -236,6 +240,7 @@ knob_table! {
             ladder_retry_after_s: Option<f64>,
             require_warmup: Option<bool>,
             retry_after_hint_s: Option<f64>,
+            #[pyo3(from_py_with = vocab_size_arg)] vocab_size: Option<u32>,
         ) -> PyResult<Self> {
             let prefix_cache_key = match prefix_cache_key {
                 None => None,
@@ -297,6 +302,7 @@ knob_table! {
                 ladder: scheduler::SchedulerConfig::default().ladder,
                 require_warmup: require_warmup.unwrap_or(d.require_warmup),
                 retry_after_hint_s: retry_after_hint_s.unwrap_or(d.retry_after_hint_s),
+                vocab_size,
             };
             let mut inner = inner;
             inner.ladder = super::ladder::ladder_arg(

@@ -229,12 +229,16 @@ impl Scheduler {
                 continue;
             }
             let tenant = self.tenants.get(tid);
+            let vocab = self.config.vocab_size;
             if let Err(r) = admission::check_request(
                 tenant,
                 self.config.max_seq_len,
                 &rec.prompt,
                 rec.max_tokens,
-            ) {
+            )
+            .and_then(|()| admission::check_vocab(tenant, vocab, &rec.prompt, "prompt token"))
+            .and_then(|()| admission::check_vocab(tenant, vocab, &rec.generated, "generated token"))
+            {
                 out.push((rec.id, r.reason.as_str(), r.message));
             }
         }

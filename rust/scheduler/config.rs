@@ -96,6 +96,11 @@ pub struct SchedulerConfig {
     /// while not ready or draining, and to capacity refusals (pool_full,
     /// tenant_budget, concurrency) before a step rate has been measured. Live.
     pub retry_after_hint_s: f64,
+    /// The model's vocabulary: token ids are 0..vocab_size. A prompt id outside
+    /// it is refused at submit (`invalid`), a sampled one at commit, a restored
+    /// one at restore. None: ids are only checked for being non-negative.
+    /// Restart-only.
+    pub vocab_size: Option<u32>,
 }
 
 /// A 128-bit secret that never shows in Debug output.
@@ -129,6 +134,7 @@ impl Default for SchedulerConfig {
             ladder: LadderConfig::off(),
             require_warmup: false,
             retry_after_hint_s: 1.0,
+            vocab_size: None,
         }
     }
 }
@@ -160,6 +166,9 @@ impl SchedulerConfig {
         }
         if !(self.retry_after_hint_s.is_finite() && self.retry_after_hint_s >= 0.0) {
             return bad("retry_after_hint_s must be a non-negative number");
+        }
+        if self.vocab_size == Some(0) {
+            return bad("vocab_size must be at least 1 (or None: ids not checked)");
         }
         if self.prefix_cache_partition == CachePartition::Tenant
             && self.admission.preempts_for_pages()

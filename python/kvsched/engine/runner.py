@@ -199,6 +199,11 @@ class Engine:
 
     def __post_init__(self) -> None:
         cfg = self.scheduler.config
+        if cfg.vocab_size not in (None, self.model.vocab_size):
+            raise kvsched.InvalidConfig(
+                f"the scheduler's vocab_size is {cfg.vocab_size}, the model's "
+                f"{self.model.vocab_size}: they must agree (or leave vocab_size None)"
+            )
         if self.kv_layout not in ("auto", "split", "packed"):
             raise ValueError(f"kv_layout must be auto, split or packed, not {self.kv_layout!r}")
         # The kernel the backend runs here (kvsched.InvalidConfig for an unknown
@@ -293,6 +298,9 @@ class Engine:
         devices = None if mesh is None else list(mesh.devices.flat)
         sizing = size_pool(model, sched_config, kv_dtype, device, shards=shards, devices=devices)
         changes: dict[str, Any] = {"num_blocks": sizing.num_blocks, "require_warmup": True}
+        if sched_config.vocab_size is None:
+            # The core refuses ids outside the vocabulary too, whoever submits.
+            changes["vocab_size"] = model.vocab_size
         if sizing.source == "measured":
             changes["overhead_reserve"] = 0.0  # held back from the measurement already
         sched = kvsched.Scheduler(sched_config.replace(**changes))
