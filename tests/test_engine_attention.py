@@ -158,6 +158,114 @@ def test_the_gpu_variant_matches_the_reference_in_the_interpreter(hq, hkv, block
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
 
+def test_the_previous_gpu_kernel_still_matches_the_reference():
+    """version=1 (the kernel before issue 15's rebuild) stays available for
+    comparison on a device."""
+    from kvsched.engine.kernels.gpu import ragged_paged_attention_gpu
+
+    for q, cache, inputs, _, _ in plans(hq=4, hkv=2, d=16, block_size=4, steps=4):
+        got = np.asarray(ragged_paged_attention_gpu(q, cache, inputs, scale=0.25, block_q=8,
+                                                    version=1))  # fmt: skip
+        want = np.asarray(reference_attention(q, cache, inputs, scale=0.25))
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+# Per cache dtype: f32 caches keep f32 dots at HIGHEST precision (the reference's
+# accuracy); bf16 / fp16 caches feed the dots in their own type with f32
+# accumulation, and the softmax weights are rounded to it for the PV dot (one
+# rounding of ~2^-8 / 2^-11 relative on top of the output's own).
+GPU_TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2, jnp.float16: 5e-3}
+
+
+@pytest.mark.parametrize(
+    ("hq", "hkv", "block_size", "dtype", "block_q"),
+    [
+        (2, 2, 16, jnp.float32, None),  # group 1, pages of 16
+        (8, 2, 16, jnp.bfloat16, None),  # group 4
+        (8, 1, 32, jnp.bfloat16, None),  # group 8, pages of 32
+        (8, 2, 32, jnp.float32, 4),  # group 4, several blocks per prefill chunk
+        (8, 2, 16, jnp.float16, 2),
+    ],
+)
+def test_the_gpu_kernel_matches_the_reference_per_dtype(hq, hkv, block_size, dtype, block_q):
+    """The rebuilt GPU kernel (sequence-aligned query blocks, the GQA group as
+    the dot's M, bf16/fp16 tensor-core operands) on mixed plans of decodes and
+    prefill chunks, padding rows included."""
+    from kvsched.engine.kernels.gpu import ragged_paged_attention_gpu
+
+    tol = GPU_TOL[dtype]
+    seen_mixed = False
+    for q, cache, inputs, plan, _ in plans(hq=hq, hkv=hkv, d=16, block_size=block_size,
+                                           dtype=dtype, steps=6):  # fmt: skip
+        got = np.asarray(ragged_paged_attention_gpu(q, cache, inputs, scale=0.25,
+                                                    block_q=block_q), np.float64)  # fmt: skip
+        want = np.asarray(reference_attention(q, cache, inputs, scale=0.25), np.float64)
+        np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
+        assert not got[plan.num_tokens :].any(), "padding rows are zero"
+        seen_mixed |= 0 < plan.num_decode < len(plan)
+    assert seen_mixed
+
+
+def test_gpu_query_blocks_never_straddle_sequences_and_cover_every_row_once():
+    """The program table on real plans: every program's rows lie in one
+    sequence, every real row is in exactly one program, a decode row is a block
+    of its own, and the program count depends on the plan's shape only."""
+    from kvsched.engine.kernels.gpu import program_table
+
+    for block_q in (1, 3, 8):
+        counts = set()
+        for _, _, inputs, plan, _ in plans(steps=8):
+            cu = np.asarray(inputs.cu_q_lens)
+            t, s = plan.bucket, len(cu) - 1
+            seq, row0, rows, starts = (np.asarray(a) for a in program_table(
+                inputs.cu_q_lens, inputs.num_seqs, t, block_q))  # fmt: skip
+            counts.add((t, s, len(seq)))
+            assert len(seq) == -(-t // block_q) + s
+            hits = np.zeros(t, int)
+            for j, r0, n in zip(seq, row0, rows, strict=True):
+                assert 0 <= n <= block_q
+                if n:
+                    assert cu[j] <= r0 and r0 + n <= cu[j + 1], "a block stays in its sequence"
+                    hits[r0 : r0 + n] += 1
+            assert (hits[: plan.num_tokens] == 1).all() and not hits[plan.num_tokens :].any()
+            for i in range(plan.num_decode):  # decodes come first, one row each
+                assert rows[starts[i]] == 1 and seq[starts[i]] == i
+        assert len({(t, s) for t, s, _ in counts}) == len(counts), "one grid per shape"
+
+
+def test_the_gpu_kernel_matches_jaxs_gpu_paged_attention_on_decode():
+    """An independent kernel: JAX's own Pallas GPU decode kernel (paged K/V
+    [Hkv, P, page, D], interpret mode), on a decode batch of varied lengths."""
+    from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
+
+    from kvsched.engine import AttentionInputs
+    from kvsched.engine.kernels.gpu import ragged_paged_attention_gpu
+
+    rng = np.random.default_rng(3)
+    seqs, hq, hkv, d, bs, pps = 5, 8, 2, 16, 16, 4
+    kv_lens = np.array([1, 17, 64, 33, 40], np.int32)
+    pages = 1 + rng.permutation(seqs * pps).reshape(seqs, pps).astype(np.int32)
+    cache = rng.standard_normal((seqs * pps + 1, bs, 2 * hkv, d)).astype(np.float32)
+    q = rng.standard_normal((8, hq, d)).astype(np.float32)
+    q[seqs:] = 0
+    inputs = AttentionInputs(
+        positions=jnp.asarray(np.pad(kv_lens - 1, (0, 3))),
+        cu_q_lens=jnp.asarray(np.arange(seqs + 1, dtype=np.int32)),
+        kv_lens=jnp.asarray(kv_lens),
+        page_indices=jnp.asarray(pages),
+        num_seqs=jnp.asarray([seqs], np.int32),
+    )
+    got = np.asarray(ragged_paged_attention_gpu(jnp.asarray(q), jnp.asarray(cache), inputs,
+                                                scale=1.0))  # fmt: skip
+    k = jnp.asarray(cache[:, :, 0::2].transpose(2, 0, 1, 3))  # [Hkv, P, bs, D]
+    v = jnp.asarray(cache[:, :, 1::2].transpose(2, 0, 1, 3))
+    want = np.asarray(jax_pa.paged_attention(jnp.asarray(q[:seqs]), k, v, jnp.asarray(pages),
+                                             jnp.asarray(kv_lens), pages_per_compute_block=2,
+                                             k_splits=2, interpret=True))  # fmt: skip
+    np.testing.assert_allclose(got[:seqs], want, atol=2e-5, rtol=2e-5)
+    assert not got[seqs:].any()
+
+
 def test_the_gpu_variant_lowers_to_triton_for_cuda():
     """Ops Triton lacks (value slices, stacks) fail here, not on the GPU. Needs
     the jax CUDA plugin's Python side (.ci/run installs it without CUDA)."""
@@ -177,3 +285,50 @@ def test_the_gpu_variant_lowers_to_triton_for_cuda():
     safety = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     text = export.export(f, platforms=["cuda"], disabled_checks=safety)(*args).mlir_module()
     assert "__gpu$xla.gpu.triton" in text and "kvsched_ragged_paged_attention_gpu" in text
+
+
+@pytest.mark.parametrize(("dtype", "operand"), [(jnp.bfloat16, "bf16"), (jnp.float32, "f32")])
+def test_the_gpu_kernel_lowers_to_one_page_loop_of_two_group_dots(monkeypatch, dtype, operand):
+    """The Triton program itself (read from Pallas' lowering, needs the jax
+    CUDA plugin like the test above): one loop (over the sequence's pages; no
+    scan over sequences), two dots in it with M = block_q x group rows, bf16
+    operands for a bf16 cache (tensor cores) and f32 (IEEE) for an f32 one, each
+    accumulating in f32; num_stages 2."""
+    pytest.importorskip("jax_cuda12_plugin")
+    import functools
+    import re
+
+    import jax
+    from jax import export
+    from jax._src.pallas.triton import pallas_call_registration as registration
+
+    from kvsched.engine.kernels.gpu import _call
+
+    programs = []
+    lower = registration.lowering.lower_jaxpr_to_triton_module
+
+    def capture(*a, **k):
+        result = lower(*a, **k)
+        programs.append(result.module.operation.get_asm())
+        return result
+
+    monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", capture)
+    t, hq, d, p, bs, hkv, s, pps, block_q = 64, 8, 128, 64, 16, 2, 8, 16, 4
+    shapes = [((t, hq, d), dtype), ((p, bs, 2 * hkv, d), dtype), ((s,), jnp.int32),
+              ((s, pps), jnp.int32), ((s + 1,), jnp.int32), ((1,), jnp.int32)]  # fmt: skip
+    args = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in shapes]
+    f = jax.jit(functools.partial(_call, scale=0.1, block_q=block_q, interpret=False))
+    safety = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    text = export.export(f, platforms=["cuda"], disabled_checks=safety)(*args).mlir_module()
+    assert "num_stages = 2" in text
+    (asm,) = programs
+    assert len(re.findall(r"\bscf\.(?:for|while)\b", asm)) == 1, "one loop: the pages"
+    dots = re.findall(r"tt\.dot .*?: tensor<(\d+)x(\d+)x(\w+)> \* tensor<(\d+)x(\d+)x(\w+)> "
+                      r"-> tensor<(\d+)x(\d+)x(\w+)>", asm)  # fmt: skip
+    m = block_q * hq // hkv
+    assert dots == [
+        (str(m), str(d), operand, str(d), str(bs), operand, str(m), str(bs), "f32"),  # QK
+        (str(m), str(bs), operand, str(bs), str(d), operand, str(m), str(d), "f32"),  # PV
+    ]
+    if operand == "f32":
+        assert "tf32" not in asm, "f32 dots stay IEEE (HIGHEST), not TF32"
