@@ -14,7 +14,7 @@ operand (gathered so before the kernel), so each page costs one QK and one PV
 dot for the whole group. The program reads its own sequence's pages only, up
 to the causal bound of its last row. bf16 / fp16 caches: dot operands in that
 type (tensor cores), f32 accumulation and softmax; f32 caches: f32 operands at
-HIGHEST (IEEE) precision. num_stages=2 lets Triton prefetch the next page's
+HIGHEST (IEEE) precision. num_stages=3 lets Triton prefetch the next pages'
 tiles in the page loop.
 
 Version 1 (`_call_v1`, `version=1`): the kernel before issue 15's rebuild,
@@ -37,6 +37,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from kvsched.engine.inputs import AttentionInputs
 from kvsched.engine.kernels.common import MASK, run_padded
+from kvsched.engine.kernels.cost import gpu_v2_block_q
 from kvsched.engine.kernels.reference import token_seq
 
 HIGHEST = lax.Precision.HIGHEST
@@ -257,7 +258,7 @@ def _call(
     scale: float,
     block_q: int,
     interpret: bool,
-    num_stages: int = 2,
+    num_stages: int = 3,
 ) -> jax.Array:
     t, hq, d = q.shape
     hkv = cache.shape[2] // 2
@@ -288,8 +289,10 @@ def _call(
         out_specs=blocks,
         out_shape=jax.ShapeDtypeStruct((progs, hkv, bm, d), q.dtype),
         interpret=interpret,
-        # Triton explicitly (this JAX defaults GPU kernels to Mosaic GPU); two
-        # stages let Triton prefetch the next page's tiles in the page loop.
+        # Triton explicitly (this JAX defaults GPU kernels to Mosaic GPU); with
+        # 3 stages (Triton's own default on CUDA) its loop pipeliner keeps the
+        # next two pages' tiles in flight while one is computed (8 KiB of
+        # shared memory per stage at D=128, bf16, pages of 16).
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=num_stages),
         name="kvsched_ragged_paged_attention_gpu",
     )(seq, row0, rows, kv_lens, page_indices.reshape(s * pps), cu_q_lens, qb, cache)
@@ -305,10 +308,11 @@ def _call(
 def default_block_q(tokens: int, seqs: int, group: int) -> int:
     """Query rows per block, from the plan's shape (static): M = block_q * group
     is 16 (one tensor-core tile) for decode-heavy buckets (tokens <= 2 x
-    sequence slots: most blocks hold one row), 64 otherwise (prefill chunks
-    re-read their KV once per block: bigger blocks, fewer re-reads)."""
-    m = 16 if tokens <= 2 * seqs else 64
-    return max(1, m // group)
+    sequence slots: most blocks hold one row), 64 otherwise (a prefill chunk
+    re-reads its KV once per block: bigger blocks, fewer re-reads). The rule
+    lives in the cost model (kernels.cost.gpu_v2_block_q), which describes
+    this kernel at the block size it runs with."""
+    return gpu_v2_block_q(tokens, seqs, group)
 
 
 def ragged_paged_attention_gpu(
