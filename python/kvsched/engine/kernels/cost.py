@@ -6,8 +6,10 @@ the performance claims about kernels/tpu.py, kernels/gpu.py and JAX's
 plans, check the TPU descriptions against the kernels' exported Mosaic programs
 (`mosaic_summary`) and today's TPU kernel's counts against the DMAs it runs in
 Pallas' interpreter; benches/tpu_check.py / gpu_check.py print the model's
-prediction beside the measured time. (The GPU description has no such check
-here: reading its Triton program needs the jax CUDA plugin.)
+prediction beside the measured time. (The GPU kernel's Triton program is read
+back only where the jax CUDA plugin is installed: tests/test_engine_attention.py
+checks version 2's loop and dot shapes there; its query blocks are checked
+against the kernel's own program_table everywhere.)
 
 Counting (exact, from each kernel's own loops). A kernel is a `KernelDesc`: its
 query block rows, KV pages per block, prefetch depth and reach, whether a query
@@ -210,6 +212,9 @@ class KernelDesc:
     wait_per_page: bool  # one DMA wait per page (else one per block)
     kv_heads_per_program: int | None = None  # None: all KV heads per program (TPU)
     pv_operands: Literal["f32", "bf16"] | None = None  # the PV matmul's (None: as QK)
+    # Query blocks hold one sequence's rows each (ceil(q_len / block_q) blocks per
+    # sequence, tokens / block_q + S programs); else blocks of the padded rows.
+    seq_aligned: bool = False
 
     @property
     def pv(self) -> str:
@@ -244,6 +249,31 @@ def ours_gpu(block_q: int = 16) -> KernelDesc:
         pages_per_block=1, prefetch_depth=0, prefetch_across=False, causal_bound=False,
         fixed_blocks=False, scan_all_seqs=True, rows="block", operands="f32",
         wait_per_page=True, kv_heads_per_program=1,
+    )  # fmt: skip
+
+
+def gpu_v2_block_q(tokens: int, seqs: int, group: int) -> int:
+    """The query rows per block kernels/gpu.py version 2 picks from a plan's
+    shape (its `default_block_q`): M = block_q x group is 16 (one tensor-core
+    tile) for decode-heavy buckets (tokens <= 2 x sequences), 64 otherwise."""
+    m = 16 if tokens <= 2 * seqs else 64
+    return max(1, m // group)
+
+
+def ours_gpu_v2(block_q: int = 4, num_stages: int = 3) -> KernelDesc:
+    """kernels/gpu.py version 2 (issue 15 section 3): grid (query blocks of
+    one sequence, KV heads), ceil(tokens / block_q) + S programs; each program
+    reads only its sequence's pages up to its last row's causal bound, one
+    head's K and V tile per page; num_stages=3: Triton's loop pipeliner keeps
+    the next pages' loads in flight while one is computed (depth num_stages - 1;
+    assumed, not yet seen on a device). One QK and one PV dot per page with M = block_q x
+    group rows (block_q=4: M 16 at group 4, the decode default), bf16 operands
+    on tensor cores, f32 accumulation."""
+    return KernelDesc(
+        f"kvsched pallas_gpu v2 (Triton), block_q={block_q}", "gpu", block_q=block_q,
+        pages_per_block=1, prefetch_depth=num_stages - 1, prefetch_across=False,
+        causal_bound=True, fixed_blocks=False, scan_all_seqs=False, rows="block",
+        operands="bf16", wait_per_page=True, kv_heads_per_program=1, seq_aligned=True,
     )  # fmt: skip
 
 
@@ -367,11 +397,20 @@ class Counts:
         return self.kv_bytes_moved / self.kv_bytes_needed if self.kv_bytes_needed else 0.0
 
 
-def _pairs(plan: Plan, block_q: int) -> list[tuple[int, int, int, int]]:
+def _pairs(plan: Plan, block_q: int, seq_aligned: bool = False) -> list[tuple[int, int, int, int]]:
     """(query block, sequence, rows of the sequence in the block, KV position of
-    the sequence's last row in the block) for every pair that meets."""
+    the sequence's last row in the block) for every pair that meets. With
+    `seq_aligned`, each sequence's rows are split into blocks of their own."""
     out = []
     lo = 0
+    if seq_aligned:
+        b = 0
+        for s, (ql, kv) in enumerate(zip(plan.q_lens, plan.kv_lens, strict=True)):
+            for start in range(0, ql, block_q):
+                rows = min(block_q, ql - start)
+                out.append((b, s, rows, kv - (ql - start - rows)))
+                b += 1
+        return out
     nblocks = -(-plan.padded_tokens // block_q)
     for s, (ql, kv) in enumerate(zip(plan.q_lens, plan.kv_lens, strict=True)):
         hi = lo + ql
@@ -398,9 +437,11 @@ def count(plan: Plan, shapes: Shapes, kernel: KernelDesc, device: Device | None 
     heads_per_program = kernel.kv_heads_per_program or hkv
     head_programs = hkv // heads_per_program
     nblocks = -(-plan.padded_tokens // kernel.block_q)
+    if kernel.seq_aligned:  # the static grid: at most one partial block per sequence
+        nblocks += len(plan.q_lens)
     page_bytes = shapes.page_bytes
     head_page_bytes = page_bytes // head_programs  # what one program moves per page
-    pairs = _pairs(plan, kernel.block_q)
+    pairs = _pairs(plan, kernel.block_q, kernel.seq_aligned)
     kv_blocks = dma_starts = dma_waits = moved_pages = 0
     flops = padded = padded_f32 = 0
     chains = 0
@@ -525,7 +566,8 @@ def kernels_for(plan: Plan, shapes: Shapes, device: str) -> list[KernelDesc]:
     """Today's kernels for a device, JAX's (TPU) with the block sizes it picks
     there, and the target design (TPU): what the table in the README compares."""
     if DEVICES[device].platform == "gpu":
-        return [ours_gpu()]
+        bq = gpu_v2_block_q(plan.padded_tokens, len(plan.q_lens), shapes.group)
+        return [ours_gpu(), ours_gpu_v2(bq)]
     pps = max(-(-kv // shapes.page_size) for kv in plan.kv_lens)
     bkv, bq = jax_rpa_block_sizes(shapes, plan.padded_tokens, pps, device)
     kvh = jax_rpa_kv_heads_per_block(shapes)
@@ -672,5 +714,6 @@ __all__ = [
     "DEVICES", "LLAMA3_8B", "Counts", "Device", "KernelDesc", "MosaicSummary", "Plan",
     "Prediction", "Shapes", "count", "format_table", "jax_rpa_block_sizes",
     "jax_rpa_kv_heads_per_block", "jax_tpu", "kernels_for", "mosaic_summary", "ours_gpu",
+    "ours_gpu_v2", "gpu_v2_block_q",
     "ours_tpu", "predict", "table", "target_tpu",
 ]  # fmt: skip
