@@ -206,20 +206,58 @@ def test_the_gpu_kernel_matches_the_reference_per_dtype(hq, hkv, block_size, dty
     assert seen_mixed
 
 
+@pytest.mark.parametrize(
+    ("hq", "hkv", "block_size", "dtype", "block_q", "kv_splits"),
+    [
+        (4, 2, 4, jnp.float32, 2, 2),
+        (8, 1, 4, jnp.float32, 1, 3),  # more splits than some sequences have pages
+        (8, 2, 16, jnp.bfloat16, 4, 4),
+    ],
+)
+def test_the_gpu_kernel_with_split_kv_matches_the_reference(hq, hkv, block_size, dtype,
+                                                            block_q, kv_splits):  # fmt: skip
+    """Split-KV (flash-decoding): each program's pages shared over kv_splits
+    programs, their f32 partials reduced after the kernel; on the same mixed
+    plans (prefill chunks too, and splits that read no page)."""
+    from kvsched.engine.kernels.gpu import ragged_paged_attention_gpu
+
+    tol = GPU_TOL[dtype]
+    for q, cache, inputs, plan, _ in plans(hq=hq, hkv=hkv, d=16, block_size=block_size,
+                                           dtype=dtype, steps=6):  # fmt: skip
+        got = np.asarray(ragged_paged_attention_gpu(q, cache, inputs, scale=0.25,
+                                                    block_q=block_q, kv_splits=kv_splits),
+                         np.float64)  # fmt: skip
+        want = np.asarray(reference_attention(q, cache, inputs, scale=0.25), np.float64)
+        np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
+        assert not got[plan.num_tokens :].any(), "padding rows are zero"
+
+
+def test_the_gpu_kernel_picks_split_kv_from_the_plan_shape():
+    from kvsched.engine.kernels.gpu import default_kv_splits
+
+    assert default_kv_splits(1, 1, 8, 2048) == 16  # one 32k sequence: 8 -> 128 programs
+    assert default_kv_splits(8, 5, 2, 4) == 4  # capped by the pages a sequence can hold
+    assert default_kv_splits(256, 256, 8, 128) == 1  # 2048 programs fill the SMs
+    assert default_kv_splits(512, 4, 8, 128) == 1  # prefill-heavy bucket: no split
+
+
 def test_gpu_query_blocks_never_straddle_sequences_and_cover_every_row_once():
     """The program table on real plans: every program's rows lie in one
     sequence, every real row is in exactly one program, a decode row is a block
     of its own, and the program count depends on the plan's shape only."""
+    import jax
+
     from kvsched.engine.kernels.gpu import program_table
 
-    for block_q in (1, 3, 8):
-        counts = set()
-        for _, _, inputs, plan, _ in plans(steps=8):
+    table = jax.jit(program_table, static_argnums=(2, 3))
+    counts = set()
+    for _, _, inputs, plan, _ in plans(steps=8):
+        for block_q in (1, 3, 8):
             cu = np.asarray(inputs.cu_q_lens)
             t, s = plan.bucket, len(cu) - 1
-            seq, row0, rows, starts = (np.asarray(a) for a in program_table(
+            seq, row0, rows, starts = (np.asarray(a) for a in table(
                 inputs.cu_q_lens, inputs.num_seqs, t, block_q))  # fmt: skip
-            counts.add((t, s, len(seq)))
+            counts.add((t, s, block_q, len(seq)))
             assert len(seq) == -(-t // block_q) + s
             hits = np.zeros(t, int)
             for j, r0, n in zip(seq, row0, rows, strict=True):
@@ -230,12 +268,13 @@ def test_gpu_query_blocks_never_straddle_sequences_and_cover_every_row_once():
             assert (hits[: plan.num_tokens] == 1).all() and not hits[plan.num_tokens :].any()
             for i in range(plan.num_decode):  # decodes come first, one row each
                 assert rows[starts[i]] == 1 and seq[starts[i]] == i
-        assert len({(t, s) for t, s, _ in counts}) == len(counts), "one grid per shape"
+    assert len({c[:3] for c in counts}) == len(counts), "one grid per shape and block size"
 
 
 def test_the_gpu_kernel_matches_jaxs_gpu_paged_attention_on_decode():
     """An independent kernel: JAX's own Pallas GPU decode kernel (paged K/V
-    [Hkv, P, page, D], interpret mode), on a decode batch of varied lengths."""
+    [Hkv, P, page, D], interpret mode), on a decode batch of varied lengths.
+    The shape (8 rows, 5 slots, 2 KV heads) makes ours pick 4 KV splits."""
     from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
 
     from kvsched.engine import AttentionInputs
@@ -287,13 +326,17 @@ def test_the_gpu_variant_lowers_to_triton_for_cuda():
     assert "__gpu$xla.gpu.triton" in text and "kvsched_ragged_paged_attention_gpu" in text
 
 
-@pytest.mark.parametrize(("dtype", "operand"), [(jnp.bfloat16, "bf16"), (jnp.float32, "f32")])
-def test_the_gpu_kernel_lowers_to_one_page_loop_of_two_group_dots(monkeypatch, dtype, operand):
+@pytest.mark.parametrize(
+    ("dtype", "operand", "kv_splits"),
+    [(jnp.bfloat16, "bf16", 1), (jnp.float32, "f32", 1), (jnp.bfloat16, "bf16", 4)],
+)
+def test_the_gpu_kernel_lowers_to_one_page_loop_of_two_group_dots(monkeypatch, dtype, operand,
+                                                                  kv_splits):  # fmt: skip
     """The Triton program itself (read from Pallas' lowering, needs the jax
     CUDA plugin like the test above): one loop (over the sequence's pages; no
     scan over sequences), two dots in it with M = block_q x group rows, bf16
     operands for a bf16 cache (tensor cores) and f32 (IEEE) for an f32 one, each
-    accumulating in f32; num_stages 3."""
+    accumulating in f32; num_stages 3; with split-KV, three f32 partials out."""
     pytest.importorskip("jax_cuda12_plugin")
     import functools
     import re
@@ -317,11 +360,18 @@ def test_the_gpu_kernel_lowers_to_one_page_loop_of_two_group_dots(monkeypatch, d
     shapes = [((t, hq, d), dtype), ((p, bs, 2 * hkv, d), dtype), ((s,), jnp.int32),
               ((s, pps), jnp.int32), ((s + 1,), jnp.int32), ((1,), jnp.int32)]  # fmt: skip
     args = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in shapes]
-    f = jax.jit(functools.partial(_call, scale=0.1, block_q=block_q, interpret=False))
+    f = jax.jit(functools.partial(_call, scale=0.1, block_q=block_q, interpret=False,
+                                  kv_splits=kv_splits))  # fmt: skip
     safety = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     text = export.export(f, platforms=["cuda"], disabled_checks=safety)(*args).mlir_module()
     assert "num_stages = 3" in text
-    (asm,) = programs
+    # Split-KV: the f32 accumulator, max and denominator are stored; else the output.
+    stores = re.findall(r"tt\.store .*: tensor<(\d+)x(\d+)x!tt\.ptr<(\w+)>>", asm := programs[0])
+    m0 = str(block_q * hq // hkv)
+    out = operand if operand == "f32" else "bf16"
+    assert stores == ([(m0, str(d), "f32"), (m0, "1", "f32"), (m0, "1", "f32")] if kv_splits > 1
+                      else [(m0, str(d), out)])  # fmt: skip
+    assert len(programs) == 1
     assert len(re.findall(r"\bscf\.(?:for|while)\b", asm)) == 1, "one loop: the pages"
     dots = re.findall(r"tt\.dot .*?: tensor<(\d+)x(\d+)x(\w+)> \* tensor<(\d+)x(\d+)x(\w+)> "
                       r"-> tensor<(\d+)x(\d+)x(\w+)>", asm)  # fmt: skip

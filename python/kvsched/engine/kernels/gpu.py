@@ -16,6 +16,11 @@ to the causal bound of its last row. bf16 / fp16 caches: dot operands in that
 type (tensor cores), f32 accumulation and softmax; f32 caches: f32 operands at
 HIGHEST (IEEE) precision. num_stages=3 lets Triton prefetch the next pages'
 tiles in the page loop.
+Split-KV (flash-decoding, `kv_splits` > 1, chosen from the plan's shape by
+`default_kv_splits`: decode buckets whose slots x KV heads leave SMs idle):
+grid (query blocks, KV heads, splits), each split reads its share of the
+pages and writes an f32 partial (accumulator, max, denominator); a reduce in
+XLA after the kernel combines them.
 
 Version 1 (`_call_v1`, `version=1`): the kernel before issue 15's rebuild,
 kept for comparison on a device: query blocks over the padded rows that may
@@ -37,7 +42,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from kvsched.engine.inputs import AttentionInputs
 from kvsched.engine.kernels.common import MASK, run_padded
-from kvsched.engine.kernels.cost import gpu_v2_block_q
+from kvsched.engine.kernels.cost import gpu_v2_block_q, gpu_v2_kv_splits
 from kvsched.engine.kernels.reference import token_seq
 
 HIGHEST = lax.Precision.HIGHEST
@@ -195,12 +200,15 @@ def program_table(cu_q_lens: jax.Array, num_seqs: jax.Array, tokens: int, block_
 
 def _kernel(seq_ref: jax.Ref, row0_ref: jax.Ref, rows_ref: jax.Ref, kv_lens_ref: jax.Ref,
             pages_ref: jax.Ref, cu_ref: jax.Ref, q_ref: jax.Ref, cache_ref: jax.Ref,
-            o_ref: jax.Ref, *, group: int, pages_per_seq: int, scale: float,
-            dtype: jnp.dtype) -> None:  # fmt: skip
+            o_ref: jax.Ref, *stat_refs: jax.Ref, group: int, pages_per_seq: int, scale: float,
+            dtype: jnp.dtype, splits: int) -> None:  # fmt: skip
     # One program per (query block, KV head). The block's rows of one sequence
     # and the group's query heads form one [block_q * group, D] operand, laid
     # out so on the host: row r is token r // group, query head r % group of
     # this KV head. Each page is one QK and one PV dot for the whole group.
+    # With `splits` > 1 (split-KV), program (.., .., i) reads the i-th share of
+    # the pages and writes its unnormalised accumulator, running max and
+    # denominator (stat_refs) for the reduce after the kernel.
     bs = cache_ref.shape[1]
     bm = q_ref.shape[0]
     kh = pl.program_id(1)
@@ -214,6 +222,12 @@ def _kernel(seq_ref: jax.Ref, row0_ref: jax.Ref, rows_ref: jax.Ref, kv_lens_ref:
     # is read (a prefill chunk's early blocks stop early).
     last = kv_len - (q_hi - (row0 + nrows))
     n_pages = jnp.where(nrows > 0, lax.div(last + bs - 1, bs), 0)
+    if splits > 1:
+        share = lax.div(n_pages + splits - 1, splits)
+        lo = pl.program_id(2) * share
+        hi = jnp.minimum(n_pages, lo + share)
+    else:
+        lo, hi = jnp.int32(0), n_pages
     precision = HIGHEST if dtype == jnp.float32 else None
     q = q_ref[...].astype(dtype)
     carry0 = (
@@ -240,13 +254,21 @@ def _kernel(seq_ref: jax.Ref, row0_ref: jax.Ref, rows_ref: jax.Ref, kv_lens_ref:
         acc = alpha * acc + pltriton.dot(w.astype(dtype), v, precision=precision)
         return m_new, alpha * denom + jnp.sum(w, axis=1, keepdims=True), acc
 
-    _, denom, acc = lax.fori_loop(0, n_pages, page_body, carry0)
+    m, denom, acc = lax.fori_loop(lo, hi, page_body, carry0)
+    if splits > 1:
+        m_ref, l_ref = stat_refs
+        o_ref[...] = acc
+        m_ref[...] = m
+        l_ref[...] = denom
+        return
     # Rows that attend to nothing are 0; a NaN denominator stays NaN.
     out = jnp.where(denom == 0, 0.0, acc / jnp.where(denom == 0, 1.0, denom))
     o_ref[...] = out.astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_q", "interpret", "num_stages"))
+@functools.partial(
+    jax.jit, static_argnames=("scale", "block_q", "interpret", "num_stages", "kv_splits")
+)
 def _call(
     q: jax.Array,
     cache: jax.Array,
@@ -259,6 +281,7 @@ def _call(
     block_q: int,
     interpret: bool,
     num_stages: int = 3,
+    kv_splits: int = 1,
 ) -> jax.Array:
     t, hq, d = q.shape
     hkv = cache.shape[2] // 2
@@ -275,19 +298,30 @@ def _call(
     qb = qb.reshape(progs, block_q, hkv, group, d).transpose(0, 2, 1, 3, 4)
     qb = qb.reshape(progs, hkv, bm, d)
     kernel = functools.partial(_kernel, group=group, pages_per_seq=pps, scale=scale,
-                               dtype=dot_dtype(cache.dtype))  # fmt: skip
+                               dtype=dot_dtype(cache.dtype), splits=kv_splits)  # fmt: skip
 
     def full(shape: tuple[int, ...]) -> pl.BlockSpec:
-        return pl.BlockSpec(shape, lambda b, h: (0,) * len(shape))
+        return pl.BlockSpec(shape, lambda b, h, i: (0,) * len(shape))
 
-    blocks = pl.BlockSpec((None, None, bm, d), lambda b, h: (b, h, 0, 0))
-    ob: jax.Array = pl.pallas_call(
+    blocks = pl.BlockSpec((None, None, bm, d), lambda b, h, i: (b, h, 0, 0))
+    if kv_splits > 1:  # one partial result per split: f32 accumulator, max, denominator
+
+        def part(width: int) -> pl.BlockSpec:
+            return pl.BlockSpec((None, None, None, bm, width), lambda b, h, i: (b, h, i, 0, 0))
+
+        out_specs: list[pl.BlockSpec] | pl.BlockSpec = [part(d), part(1), part(1)]
+        out_shape: list[jax.ShapeDtypeStruct] | jax.ShapeDtypeStruct = [
+            jax.ShapeDtypeStruct((progs, hkv, kv_splits, bm, w), jnp.float32) for w in (d, 1, 1)
+        ]
+    else:
+        out_specs, out_shape = blocks, jax.ShapeDtypeStruct((progs, hkv, bm, d), q.dtype)
+    res = pl.pallas_call(
         kernel,
-        grid=(progs, hkv),
+        grid=(progs, hkv, kv_splits),
         in_specs=[full((progs,))] * 3
         + [full((s,)), full((s * pps,)), full((s + 1,)), blocks, full(cache.shape)],  # fmt: skip
-        out_specs=blocks,
-        out_shape=jax.ShapeDtypeStruct((progs, hkv, bm, d), q.dtype),
+        out_specs=out_specs,
+        out_shape=out_shape,
         interpret=interpret,
         # Triton explicitly (this JAX defaults GPU kernels to Mosaic GPU); with
         # 3 stages (Triton's own default on CUDA) its loop pipeliner keeps the
@@ -296,6 +330,18 @@ def _call(
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=num_stages),
         name="kvsched_ragged_paged_attention_gpu",
     )(seq, row0, rows, kv_lens, page_indices.reshape(s * pps), cu_q_lens, qb, cache)
+    if kv_splits > 1:
+        # The reduce (flash-decoding): rescale each split's accumulator and
+        # denominator to the common max, sum, normalise. A split that read no
+        # page holds (MASK, 0, 0) and adds nothing.
+        acc, m, denom = res
+        m_all = jnp.max(m, axis=2, keepdims=True)
+        w = jnp.exp(m - m_all)
+        denom = jnp.sum(w * denom, axis=2)
+        acc = jnp.sum(w * acc, axis=2)
+        ob = jnp.where(denom == 0, 0.0, acc / jnp.where(denom == 0, 1.0, denom)).astype(q.dtype)
+    else:
+        ob = res
     # Back to token rows: token t is row (t - cu[seq]) % block_q of its
     # sequence's program (t - cu[seq]) // block_q; rows past the plan are 0.
     tseq, valid = token_seq(cu_q_lens, num_seqs, t)
@@ -315,6 +361,17 @@ def default_block_q(tokens: int, seqs: int, group: int) -> int:
     return gpu_v2_block_q(tokens, seqs, group)
 
 
+def default_kv_splits(tokens: int, seqs: int, kv_heads: int, pages_per_seq: int) -> int:
+    """Split-KV from the plan's shape (static): decode-heavy buckets with fewer
+    (sequence slots x KV heads) programs than the GPU has SMs share each
+    sequence's pages over several programs (kernels.cost.gpu_v2_kv_splits; the
+    SM count is the device's where jax reports it, else an H200's 132)."""
+    units = 132
+    if jax.default_backend() == "gpu":
+        units = int(getattr(jax.devices()[0], "core_count", units) or units)
+    return gpu_v2_kv_splits(tokens, seqs, kv_heads, pages_per_seq, units)
+
+
 def ragged_paged_attention_gpu(
     q: jax.Array,
     cache: jax.Array,
@@ -324,11 +381,13 @@ def ragged_paged_attention_gpu(
     block_q: int | None = None,
     interpret: bool | None = None,
     version: int = 2,
+    kv_splits: int | None = None,
 ) -> jax.Array:
     """As kernels.tpu.ragged_paged_attention, for NVIDIA GPUs (Triton).
     version 2 (default): query blocks of one sequence each, the GQA group as
     the dot's M, bf16/fp16 caches on tensor cores; `block_q` defaults to
-    `default_block_q`. version 1: the previous kernel (block_q default 16)."""
+    `default_block_q`, `kv_splits` (split-KV) to `default_kv_splits`.
+    version 1: the previous kernel (block_q default 16, no split-KV)."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     if version == 1:
@@ -341,7 +400,12 @@ def ragged_paged_attention_gpu(
         raise ValueError(f"{q.shape[1]} query heads do not group over {hkv} KV heads")
     if block_q is None:
         block_q = default_block_q(q.shape[0], inputs.kv_lens.shape[0], q.shape[1] // hkv)
+    if kv_splits is None:
+        s, pps = inputs.page_indices.shape
+        kv_splits = default_kv_splits(q.shape[0], s, hkv, pps)
+    if kv_splits < 1:
+        raise ValueError(f"kv_splits must be >= 1, got {kv_splits}")
     out: jax.Array = _call(q, cache, inputs.kv_lens, inputs.page_indices, inputs.cu_q_lens,
                            inputs.num_seqs, scale=scale, block_q=block_q,
-                           interpret=bool(interpret))  # fmt: skip
+                           interpret=bool(interpret), kv_splits=kv_splits)  # fmt: skip
     return out
