@@ -57,7 +57,11 @@ def main(argv: list[str] | None = None) -> dict:
     import kvsched
     from kvsched.engine import AttentionInputs, reference_attention
     from kvsched.engine.kernels import cost
-    from kvsched.engine.kernels.gpu import default_block_q, ragged_paged_attention_gpu
+    from kvsched.engine.kernels.gpu import (
+        default_block_q,
+        default_kv_splits,
+        ragged_paged_attention_gpu,
+    )
 
     on_gpu = jax.default_backend() == "gpu"
     if not on_gpu and not args.interpret:
@@ -133,7 +137,8 @@ def main(argv: list[str] | None = None) -> dict:
     kv_bytes = seqs * ctx * 2 * hkv * d * 2
     limit = kv_bytes / (args.hbm_tbs * 1e12)
     # Each kernel's description at the block size it runs with here.
-    descs = {"pallas_gpu": cost.ours_gpu_v2(default_block_q(t, seqs, hq // hkv)),
+    splits = default_kv_splits(t, seqs, hkv, per_seq)
+    descs = {"pallas_gpu": cost.ours_gpu_v2(default_block_q(t, seqs, hq // hkv), kv_splits=splits),
              "v1": cost.ours_gpu(16)}  # fmt: skip
     model_plan = cost.Plan((1,) * seqs, (ctx,) * seqs, t)
     models = {name: cost.predict(model_plan, cost.Shapes(hq, hkv, d, bs), desc,

@@ -84,6 +84,41 @@ def test_gpu_v2_counts_by_hand():
     assert C.count(plan, SMALL, C.ours_gpu(block_q=4)).kv_bytes_moved == 8 * 128
 
 
+def test_gpu_v2_split_kv_by_hand():
+    """MIXED, block_q 2, 2 splits: each (block, head) program's 2 pages go to 2
+    programs of 1 page; the bytes and dots are unchanged, the grid doubles, each
+    busy program starts its own chain, and the f32 partials (M 4 rows x (D 8 +
+    max + denominator)) are written and read back once per program."""
+    one = C.count(MIXED, SMALL, C.ours_gpu_v2(block_q=2))
+    two = C.count(MIXED, SMALL, C.ours_gpu_v2(block_q=2, kv_splits=2))
+    assert (two.kv_bytes_moved, two.mxu_flops, two.kv_blocks) == (
+        one.kv_bytes_moved, one.mxu_flops, one.kv_blocks)  # fmt: skip
+    assert (two.grid_steps, two.busy_programs, two.chains) == (8, 6, 6)
+    assert (one.grid_steps, one.busy_programs, one.chains) == (4, 3, 3)
+    assert two.qo_bytes == one.qo_bytes + 2 * 8 * 4 * (8 + 2) * 4
+    # 3 splits of 2 pages: the third reads nothing (not busy, no chain).
+    three = C.count(MIXED, SMALL, C.ours_gpu_v2(block_q=2, kv_splits=3))
+    assert (three.grid_steps, three.busy_programs) == (12, 6)
+
+
+def test_gpu_split_kv_fills_the_sms_for_one_long_sequence():
+    """Issue 15: one 32k sequence gave today's GPU kernel 8 programs. The split
+    the kernel picks from the shape (16) gives 128; the model's pipeline term
+    shrinks with the busy programs, to over 70% of the H200's HBM bandwidth."""
+    plan = C.Plan.decode(1, 32768)
+    splits = C.gpu_v2_kv_splits(1, 1, 8, 2048)
+    assert splits == 16
+    old = C.predict(plan, C.LLAMA3_8B, C.ours_gpu(), "h200")
+    flat = C.predict(plan, C.LLAMA3_8B, C.ours_gpu_v2(), "h200")
+    split = C.predict(plan, C.LLAMA3_8B, C.ours_gpu_v2(kv_splits=splits), "h200")
+    assert old.counts.grid_steps == 8 and flat.counts.busy_programs == 8
+    assert split.counts.busy_programs == 128
+    assert split.t_pipeline == pytest.approx(flat.t_pipeline / 16)
+    assert old.hbm_fraction < 0.01 < flat.hbm_fraction < 0.1 < 0.7 < split.hbm_fraction
+    # A full decode batch (2048 programs) is not split.
+    assert C.gpu_v2_kv_splits(256, 256, 8, 128) == 1
+
+
 def test_gpu_v2_description_matches_the_kernels_program_table():
     """The model's (query block, sequence, rows) are the ones the kernel's own
     program_table makes on real plans, in the same order. (The kernel's grid
