@@ -330,8 +330,9 @@ def test_the_gpu_variant_lowers_to_triton_for_cuda():
     ("dtype", "operand", "kv_splits"),
     [(jnp.bfloat16, "bf16", 1), (jnp.float32, "f32", 1), (jnp.bfloat16, "bf16", 4)],
 )
-def test_the_gpu_kernel_lowers_to_one_page_loop_of_two_group_dots(monkeypatch, dtype, operand,
-                                                                  kv_splits):  # fmt: skip
+def test_the_gpu_kernel_lowers_to_triton_for_cuda_as_one_page_loop_of_group_dots(
+    monkeypatch, dtype, operand, kv_splits
+):
     """The Triton program itself (read from Pallas' lowering, needs the jax
     CUDA plugin like the test above): one loop (over the sequence's pages; no
     scan over sequences), two dots in it with M = block_q x group rows, bf16
