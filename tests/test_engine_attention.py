@@ -185,6 +185,7 @@ GPU_TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2, jnp.float16: 5e-3}
         (8, 1, 32, jnp.bfloat16, None),  # group 8, pages of 32
         (8, 2, 32, jnp.float32, 4),  # group 4, several blocks per prefill chunk
         (8, 2, 16, jnp.float16, 2),
+        (6, 2, 16, jnp.float32, None),  # group 3: M = 5 x 3 rows padded to 16
     ],
 )
 def test_the_gpu_kernel_matches_the_reference_per_dtype(hq, hkv, block_size, dtype, block_q):
@@ -383,3 +384,24 @@ def test_the_gpu_kernel_lowers_to_triton_for_cuda_as_one_page_loop_of_group_dots
     ]
     if operand == "f32":
         assert "tf32" not in asm, "f32 dots stay IEEE (HIGHEST), not TF32"
+
+
+def test_the_gpu_kernel_lowers_to_triton_for_cuda_with_a_group_of_3():
+    """Triton tiles are powers of two: a group of 3 (block_q 5, 15 rows) is padded
+    to M = 16 before the kernel."""
+    pytest.importorskip("jax_cuda12_plugin")
+    import functools
+
+    import jax
+    from jax import export
+
+    from kvsched.engine.kernels.gpu import _call
+
+    t, hq, d, p, bs, hkv, s, pps = 32, 6, 64, 32, 16, 2, 4, 8
+    shapes = [((t, hq, d), jnp.bfloat16), ((p, bs, 2 * hkv, d), jnp.bfloat16), ((s,), jnp.int32),
+              ((s, pps), jnp.int32), ((s + 1,), jnp.int32), ((1,), jnp.int32)]  # fmt: skip
+    args = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in shapes]
+    f = jax.jit(functools.partial(_call, scale=0.1, block_q=5, interpret=False))
+    safety = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    text = export.export(f, platforms=["cuda"], disabled_checks=safety)(*args).mlir_module()
+    assert "__gpu$xla.gpu.triton" in text

@@ -27,7 +27,9 @@ kept for comparison on a device: query blocks over the padded rows that may
 straddle sequences, every program scanning every sequence, one f32 HIGHEST dot
 pair per query head, num_stages=1.
 
-Triton tiles need powers of two: block_size, head_dim and block_q * group >= 16.
+Triton tiles need powers of two: block_size and head_dim (version 2 pads its
+M = block_q * group rows to a power of two >= 16 itself; version 1 needs
+block_q * group to be one).
 """
 
 from __future__ import annotations
@@ -289,14 +291,18 @@ def _call(
     s, pps = page_indices.shape
     seq, row0, rows, starts = program_table(cu_q_lens, num_seqs, t, block_q)
     progs = seq.shape[0]
-    bm = block_q * group
+    # M: the block's rows x group, padded to a power of two >= 16 (what Triton
+    # tiles and tensor-core dots take); padding rows are token >= block_q: masked.
+    bm = max(16, pl.next_power_of_2(block_q * group))
     # Host side (XLA, before the kernel): gather each program's rows into
     # [programs, Hkv, block_q * group, D]; rows past a block's end are zero.
     r = jnp.arange(block_q, dtype=jnp.int32)
     tok = jnp.minimum(row0[:, None] + r[None, :], t - 1)  # [progs, block_q]
     qb = jnp.where((r[None, :] < rows[:, None])[:, :, None, None], q[tok], 0)
     qb = qb.reshape(progs, block_q, hkv, group, d).transpose(0, 2, 1, 3, 4)
-    qb = qb.reshape(progs, hkv, bm, d)
+    qb = qb.reshape(progs, hkv, block_q * group, d)
+    if bm > block_q * group:
+        qb = jnp.pad(qb, ((0, 0), (0, 0), (0, bm - block_q * group), (0, 0)))
     kernel = functools.partial(_kernel, group=group, pages_per_seq=pps, scale=scale,
                                dtype=dot_dtype(cache.dtype), splits=kv_splits)  # fmt: skip
 
@@ -347,7 +353,8 @@ def _call(
     tseq, valid = token_seq(cu_q_lens, num_seqs, t)
     off = jnp.arange(t, dtype=jnp.int32) - cu_q_lens[tseq]
     prog = jnp.clip(starts[tseq] + off // block_q, 0, progs - 1)
-    out = ob.reshape(progs, hkv, block_q, group, d)[prog, :, off % block_q]  # [t, hkv, g, d]
+    ob = ob[:, :, : block_q * group].reshape(progs, hkv, block_q, group, d)
+    out = ob[prog, :, off % block_q]  # [t, hkv, g, d]
     return jnp.where(valid[:, None, None], out.reshape(t, hq, d), 0).astype(q.dtype)
 
 
