@@ -178,17 +178,18 @@ GPU_TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2, jnp.float16: 5e-3}
 
 
 @pytest.mark.parametrize(
-    ("hq", "hkv", "block_size", "dtype", "block_q"),
+    ("hq", "hkv", "block_size", "dtype", "block_q", "tile"),
     [
-        (2, 2, 16, jnp.float32, None),  # group 1, pages of 16
-        (8, 2, 16, jnp.bfloat16, None),  # group 4
-        (8, 1, 32, jnp.bfloat16, None),  # group 8, pages of 32
-        (8, 2, 32, jnp.float32, 4),  # group 4, several blocks per prefill chunk
-        (8, 2, 16, jnp.float16, 2),
-        (6, 2, 16, jnp.float32, None),  # group 3: M = 5 x 3 rows padded to 16
+        (2, 2, 16, jnp.float32, None, None),  # group 1, pages of 16, tiles of 4 pages
+        (8, 2, 16, jnp.bfloat16, None, 1),  # group 4, one page per tile
+        (8, 1, 32, jnp.bfloat16, None, None),  # group 8, pages of 32
+        (8, 2, 32, jnp.float32, 4, 1),  # group 4, several blocks per prefill chunk
+        (8, 2, 16, jnp.float16, 2, 3),  # tiles overhanging the page table (8 pages)
+        (6, 2, 16, jnp.float32, None, None),  # group 3: M = 5 x 3 rows padded to 16
     ],
 )
-def test_the_gpu_kernel_matches_the_reference_per_dtype(hq, hkv, block_size, dtype, block_q):
+def test_the_gpu_kernel_matches_the_reference_per_dtype(hq, hkv, block_size, dtype, block_q,
+                                                        tile):  # fmt: skip
     """The rebuilt GPU kernel (sequence-aligned query blocks, the GQA group as
     the dot's M, bf16/fp16 tensor-core operands) on mixed plans of decodes and
     prefill chunks, padding rows included."""
@@ -198,8 +199,8 @@ def test_the_gpu_kernel_matches_the_reference_per_dtype(hq, hkv, block_size, dty
     seen_mixed = False
     for q, cache, inputs, plan, _ in plans(hq=hq, hkv=hkv, d=16, block_size=block_size,
                                            dtype=dtype, steps=6):  # fmt: skip
-        got = np.asarray(ragged_paged_attention_gpu(q, cache, inputs, scale=0.25,
-                                                    block_q=block_q), np.float64)  # fmt: skip
+        got = np.asarray(ragged_paged_attention_gpu(q, cache, inputs, scale=0.25, block_q=block_q,
+                                                    kv_tile_pages=tile), np.float64)  # fmt: skip
         want = np.asarray(reference_attention(q, cache, inputs, scale=0.25), np.float64)
         np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
         assert not got[plan.num_tokens :].any(), "padding rows are zero"
@@ -331,12 +332,12 @@ def test_the_gpu_variant_lowers_to_triton_for_cuda():
     ("dtype", "operand", "kv_splits"),
     [(jnp.bfloat16, "bf16", 1), (jnp.float32, "f32", 1), (jnp.bfloat16, "bf16", 4)],
 )
-def test_the_gpu_kernel_lowers_to_triton_for_cuda_as_one_page_loop_of_group_dots(
+def test_the_gpu_kernel_lowers_to_triton_for_cuda_as_one_kv_loop_of_group_dots(
     monkeypatch, dtype, operand, kv_splits
 ):
     """The Triton program itself (read from Pallas' lowering, needs the jax
-    CUDA plugin like the test above): one loop (over the sequence's pages; no
-    scan over sequences), two dots in it with M = block_q x group rows, bf16
+    CUDA plugin like the test above): one loop (over the sequence's KV tiles of
+    4 pages; no scan over sequences), two dots in it with M = block_q x group rows, bf16
     operands for a bf16 cache (tensor cores) and f32 (IEEE) for an f32 one, each
     accumulating in f32; num_stages 3; with split-KV, three f32 partials out."""
     pytest.importorskip("jax_cuda12_plugin")
@@ -359,6 +360,7 @@ def test_the_gpu_kernel_lowers_to_triton_for_cuda_as_one_page_loop_of_group_dots
 
     monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", capture)
     t, hq, d, p, bs, hkv, s, pps, block_q = 64, 8, 128, 64, 16, 2, 8, 16, 4
+    kt = 64  # keys per KV tile: 4 pages of 16 (default_tile_pages)
     shapes = [((t, hq, d), dtype), ((p, bs, 2 * hkv, d), dtype), ((s,), jnp.int32),
               ((s, pps), jnp.int32), ((s + 1,), jnp.int32), ((1,), jnp.int32)]  # fmt: skip
     args = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in shapes]
@@ -379,8 +381,8 @@ def test_the_gpu_kernel_lowers_to_triton_for_cuda_as_one_page_loop_of_group_dots
                       r"-> tensor<(\d+)x(\d+)x(\w+)>", asm)  # fmt: skip
     m = block_q * hq // hkv
     assert dots == [
-        (str(m), str(d), operand, str(d), str(bs), operand, str(m), str(bs), "f32"),  # QK
-        (str(m), str(bs), operand, str(bs), str(d), operand, str(m), str(d), "f32"),  # PV
+        (str(m), str(d), operand, str(d), str(kt), operand, str(m), str(kt), "f32"),  # QK
+        (str(m), str(kt), operand, str(kt), str(d), operand, str(m), str(d), "f32"),  # PV
     ]
     if operand == "f32":
         assert "tf32" not in asm, "f32 dots stay IEEE (HIGHEST), not TF32"

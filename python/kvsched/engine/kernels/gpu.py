@@ -44,7 +44,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from kvsched.engine.inputs import AttentionInputs
 from kvsched.engine.kernels.common import MASK, run_padded
-from kvsched.engine.kernels.cost import gpu_v2_block_q, gpu_v2_kv_splits
+from kvsched.engine.kernels.cost import gpu_v2_block_q, gpu_v2_kv_splits, gpu_v2_tile_pages
 from kvsched.engine.kernels.reference import token_seq
 
 HIGHEST = lax.Precision.HIGHEST
@@ -203,11 +203,13 @@ def program_table(cu_q_lens: jax.Array, num_seqs: jax.Array, tokens: int, block_
 def _kernel(seq_ref: jax.Ref, row0_ref: jax.Ref, rows_ref: jax.Ref, kv_lens_ref: jax.Ref,
             pages_ref: jax.Ref, cu_ref: jax.Ref, q_ref: jax.Ref, cache_ref: jax.Ref,
             o_ref: jax.Ref, *stat_refs: jax.Ref, group: int, pages_per_seq: int, scale: float,
-            dtype: jnp.dtype, splits: int) -> None:  # fmt: skip
+            dtype: jnp.dtype, splits: int, tile_pages: int) -> None:  # fmt: skip
     # One program per (query block, KV head). The block's rows of one sequence
     # and the group's query heads form one [block_q * group, D] operand, laid
     # out so on the host: row r is token r // group, query head r % group of
-    # this KV head. Each page is one QK and one PV dot for the whole group.
+    # this KV head. Each KV tile of `tile_pages` pages (one gather load of K
+    # and one of V: row i is page i // bs, slot i % bs) is one QK and one PV dot
+    # for the whole group.
     # With `splits` > 1 (split-KV), program (.., .., i) reads the i-th share of
     # the pages and writes its unnormalised accumulator, running max and
     # denominator (stat_refs) for the reduce after the kernel.
@@ -223,13 +225,14 @@ def _kernel(seq_ref: jax.Ref, row0_ref: jax.Ref, rows_ref: jax.Ref, kv_lens_ref:
     # Causal bound: the block's last row sees positions < last; nothing past it
     # is read (a prefill chunk's early blocks stop early).
     last = kv_len - (q_hi - (row0 + nrows))
-    n_pages = jnp.where(nrows > 0, lax.div(last + bs - 1, bs), 0)
+    kt = tile_pages * bs  # keys per tile
+    n_tiles = jnp.where(nrows > 0, lax.div(last + kt - 1, kt), 0)
     if splits > 1:
-        share = lax.div(n_pages + splits - 1, splits)
+        share = lax.div(n_tiles + splits - 1, splits)
         lo = pl.program_id(2) * share
-        hi = jnp.minimum(n_pages, lo + share)
+        hi = jnp.minimum(n_tiles, lo + share)
     else:
-        lo, hi = jnp.int32(0), n_pages
+        lo, hi = jnp.int32(0), n_tiles
     precision = HIGHEST if dtype == jnp.float32 else None
     q = q_ref[...].astype(dtype)
     carry0 = (
@@ -241,12 +244,21 @@ def _kernel(seq_ref: jax.Ref, row0_ref: jax.Ref, rows_ref: jax.Ref, kv_lens_ref:
     def page_body(p: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]
                   ) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
         m, denom, acc = carry
-        page = pages_ref[j * pages_per_seq + p]
-        key = p * bs + lax.broadcasted_iota(jnp.int32, (1, bs), 1)
+        if tile_pages == 1:
+            page = pages_ref[j * pages_per_seq + p]
+            k, v = cache_ref[page, :, 2 * kh, :], cache_ref[page, :, 2 * kh + 1, :]
+        else:
+            i = lax.broadcasted_iota(jnp.int32, (kt,), 0)
+            # Pages past the row's end (a tile overhanging the table) read its
+            # last entry again: their keys are >= kv_len, masked below.
+            idx = jnp.minimum(p * tile_pages + lax.div(i, bs), pages_per_seq - 1)
+            page, slot = pages_ref[j * pages_per_seq + idx], lax.rem(i, bs)
+            k, v = cache_ref[page, slot, 2 * kh, :], cache_ref[page, slot, 2 * kh + 1, :]
+        key = p * kt + lax.broadcasted_iota(jnp.int32, (1, kt), 1)
         ok = real & (key <= pos) & (key < kv_len)
-        live = jnp.transpose(key < kv_len)  # [bs, 1]: stale slots past kv_len
-        k = cache_ref[page, :, 2 * kh, :].astype(dtype)
-        v = jnp.where(live, cache_ref[page, :, 2 * kh + 1, :].astype(dtype), 0)
+        live = jnp.transpose(key < kv_len)  # [kt, 1]: stale slots past kv_len
+        k = k.astype(dtype)
+        v = jnp.where(live, v.astype(dtype), 0)
         # Operands in `dtype`, accumulation in f32 (pl.dot's result type).
         s = pltriton.dot(q, k, trans_b=True, precision=precision) * scale
         s = jnp.where(ok, s, MASK)
@@ -269,7 +281,8 @@ def _kernel(seq_ref: jax.Ref, row0_ref: jax.Ref, rows_ref: jax.Ref, kv_lens_ref:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("scale", "block_q", "interpret", "num_stages", "kv_splits")
+    jax.jit,
+    static_argnames=("scale", "block_q", "interpret", "num_stages", "kv_splits", "tile_pages"),
 )
 def _call(
     q: jax.Array,
@@ -284,6 +297,7 @@ def _call(
     interpret: bool,
     num_stages: int = 3,
     kv_splits: int = 1,
+    tile_pages: int | None = None,
 ) -> jax.Array:
     t, hq, d = q.shape
     hkv = cache.shape[2] // 2
@@ -304,7 +318,9 @@ def _call(
     if bm > block_q * group:
         qb = jnp.pad(qb, ((0, 0), (0, 0), (0, bm - block_q * group), (0, 0)))
     kernel = functools.partial(_kernel, group=group, pages_per_seq=pps, scale=scale,
-                               dtype=dot_dtype(cache.dtype), splits=kv_splits)  # fmt: skip
+                               dtype=dot_dtype(cache.dtype), splits=kv_splits,
+                               tile_pages=tile_pages or default_tile_pages(cache.shape[1], pps)
+                               )  # fmt: skip
 
     def full(shape: tuple[int, ...]) -> pl.BlockSpec:
         return pl.BlockSpec(shape, lambda b, h, i: (0,) * len(shape))
@@ -358,6 +374,13 @@ def _call(
     return jnp.where(valid[:, None, None], out.reshape(t, hq, d), 0).astype(q.dtype)
 
 
+def default_tile_pages(block_size: int, pages_per_seq: int) -> int:
+    """Pages per KV tile: 64 keys a tile (4 pages of 16, 2 of 32), at most a
+    sequence's pages. Fewer, longer loop iterations: each waits on its loads
+    once (kernels.cost.gpu_v2_tile_pages)."""
+    return gpu_v2_tile_pages(block_size, pages_per_seq)
+
+
 def default_block_q(tokens: int, seqs: int, group: int) -> int:
     """Query rows per block, from the plan's shape (static): M = block_q * group
     is 16 (one tensor-core tile) for decode-heavy buckets (tokens <= 2 x
@@ -389,11 +412,13 @@ def ragged_paged_attention_gpu(
     interpret: bool | None = None,
     version: int = 2,
     kv_splits: int | None = None,
+    kv_tile_pages: int | None = None,
 ) -> jax.Array:
     """As kernels.tpu.ragged_paged_attention, for NVIDIA GPUs (Triton).
     version 2 (default): query blocks of one sequence each, the GQA group as
     the dot's M, bf16/fp16 caches on tensor cores; `block_q` defaults to
-    `default_block_q`, `kv_splits` (split-KV) to `default_kv_splits`.
+    `default_block_q`, `kv_splits` (split-KV) to `default_kv_splits`,
+    `kv_tile_pages` (pages per KV tile) to `default_tile_pages`.
     version 1: the previous kernel (block_q default 16, no split-KV)."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
@@ -410,9 +435,10 @@ def ragged_paged_attention_gpu(
     if kv_splits is None:
         s, pps = inputs.page_indices.shape
         kv_splits = default_kv_splits(q.shape[0], s, hkv, pps)
-    if kv_splits < 1:
-        raise ValueError(f"kv_splits must be >= 1, got {kv_splits}")
+    if kv_splits < 1 or (kv_tile_pages is not None and kv_tile_pages < 1):
+        raise ValueError(f"kv_splits and kv_tile_pages must be >= 1 ({kv_splits}, {kv_tile_pages})")
     out: jax.Array = _call(q, cache, inputs.kv_lens, inputs.page_indices, inputs.cu_q_lens,
                            inputs.num_seqs, scale=scale, block_q=block_q,
-                           interpret=bool(interpret), kv_splits=kv_splits)  # fmt: skip
+                           interpret=bool(interpret), kv_splits=kv_splits,
+                           tile_pages=kv_tile_pages)  # fmt: skip
     return out
