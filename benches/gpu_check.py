@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> dict:
     from kvsched.engine.kernels.gpu import (
         default_block_q,
         default_kv_splits,
+        default_tile_pages,
         ragged_paged_attention_gpu,
     )
 
@@ -138,7 +139,9 @@ def main(argv: list[str] | None = None) -> dict:
     limit = kv_bytes / (args.hbm_tbs * 1e12)
     # Each kernel's description at the block size it runs with here.
     splits = default_kv_splits(t, seqs, hkv, per_seq)
-    descs = {"pallas_gpu": cost.ours_gpu_v2(default_block_q(t, seqs, hq // hkv), kv_splits=splits),
+    v2 = cost.ours_gpu_v2(default_block_q(t, seqs, hq // hkv), kv_splits=splits,
+                          tile_pages=default_tile_pages(bs, per_seq))  # fmt: skip
+    descs = {"pallas_gpu": v2,
              "v1": cost.ours_gpu(16)}  # fmt: skip
     model_plan = cost.Plan((1,) * seqs, (ctx,) * seqs, t)
     models = {name: cost.predict(model_plan, cost.Shapes(hq, hkv, d, bs), desc,

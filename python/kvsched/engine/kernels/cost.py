@@ -276,24 +276,32 @@ def gpu_v2_kv_splits(tokens: int, seqs: int, kv_heads: int, pages_per_seq: int,
     return max(1, min(16, pages_per_seq, -(-units // programs)))
 
 
-def ours_gpu_v2(block_q: int = 4, num_stages: int = 3, kv_splits: int = 1) -> KernelDesc:
+def gpu_v2_tile_pages(block_size: int, pages_per_seq: int) -> int:
+    """Pages per KV tile kernels/gpu.py version 2 picks: 64 keys per tile, at
+    least one page, at most a sequence's pages."""
+    return max(1, min(pages_per_seq, 64 // block_size))
+
+
+def ours_gpu_v2(block_q: int = 4, num_stages: int = 3, kv_splits: int = 1,
+                tile_pages: int = 4) -> KernelDesc:  # fmt: skip
     """kernels/gpu.py version 2 (issue 15 section 3): grid (query blocks of
     one sequence, KV heads), ceil(tokens / block_q) + S programs; each program
-    reads only its sequence's pages up to its last row's causal bound, one
-    head's K and V tile per page; num_stages=3: Triton's loop pipeliner keeps
-    the next pages' loads in flight while one is computed (depth num_stages - 1;
-    assumed, not yet seen on a device). One QK and one PV dot per page with M = block_q x
-    group rows (block_q=4: M 16 at group 4, the decode default), bf16 operands
-    on tensor cores, f32 accumulation. `kv_splits` > 1: split-KV, each
-    program's pages shared over that many programs, f32 partials reduced after
-    the kernel."""
+    reads only its sequence's pages up to its last row's causal bound, in KV
+    tiles of `tile_pages` pages of one head (one gather load of K and one of V
+    per tile; the last tile reads whole, its pages past the bound masked);
+    num_stages=3: Triton's loop pipeliner keeps the next tiles' loads in flight
+    while one is computed (depth num_stages - 1; assumed, not yet seen on a
+    device). One QK and one PV dot per tile with M = block_q x group rows
+    (block_q=4: M 16 at group 4, the decode default), bf16 operands on tensor
+    cores, f32 accumulation. `kv_splits` > 1: split-KV, each program's tiles
+    shared over that many programs, f32 partials reduced after the kernel."""
     split = f", {kv_splits} KV splits" if kv_splits > 1 else ""
     return KernelDesc(
-        f"kvsched pallas_gpu v2 (Triton), block_q={block_q}{split}", "gpu", block_q=block_q,
-        pages_per_block=1, prefetch_depth=num_stages - 1, prefetch_across=False,
-        causal_bound=True, fixed_blocks=False, scan_all_seqs=False, rows="block",
-        operands="bf16", wait_per_page=True, kv_heads_per_program=1, seq_aligned=True,
-        kv_splits=kv_splits,
+        f"kvsched pallas_gpu v2 (Triton), block_q={block_q}, {tile_pages}-page tiles{split}",
+        "gpu", block_q=block_q, pages_per_block=tile_pages, prefetch_depth=num_stages - 1,
+        prefetch_across=False, causal_bound=True, fixed_blocks=True, scan_all_seqs=False,
+        rows="block", operands="bf16", wait_per_page=False, kv_heads_per_program=1,
+        seq_aligned=True, kv_splits=kv_splits,
     )  # fmt: skip
 
 
@@ -500,9 +508,10 @@ def count(plan: Plan, shapes: Shapes, kernel: KernelDesc, device: Device | None 
                         f = 2 * _pad(m, t) * _pad(keys, t) * _pad(d, t) * hkv
                     padded += f
                     padded_f32 += f if dt == "f32" else 0
-        # Split-KV: the pages go to ceil(pages / share) programs, each its own chain.
-        share = -(-pages // kernel.kv_splits)
-        parts = -(-pages // share) if pages else 0
+        # Split-KV: the KV blocks go to ceil(blocks / share) programs, each its own
+        # chain.
+        share = -(-nblk // kernel.kv_splits)
+        parts = -(-nblk // share) if nblk else 0
         busy += parts * head_programs
         if nblk:
             chains += 0 if kernel.prefetch_across else head_programs * parts
@@ -599,7 +608,8 @@ def kernels_for(plan: Plan, shapes: Shapes, device: str) -> list[KernelDesc]:
         pps = max(-(-kv // shapes.page_size) for kv in plan.kv_lens)
         splits = gpu_v2_kv_splits(plan.padded_tokens, len(plan.q_lens), shapes.kv_heads, pps,
                                   DEVICES[device].units)  # fmt: skip
-        return [ours_gpu(), ours_gpu_v2(bq, kv_splits=splits)]
+        tiles = gpu_v2_tile_pages(shapes.page_size, pps)
+        return [ours_gpu(), ours_gpu_v2(bq, kv_splits=splits, tile_pages=tiles)]
     pps = max(-(-kv // shapes.page_size) for kv in plan.kv_lens)
     bkv, bq = jax_rpa_block_sizes(shapes, plan.padded_tokens, pps, device)
     kvh = jax_rpa_kv_heads_per_block(shapes)
@@ -746,6 +756,6 @@ __all__ = [
     "DEVICES", "LLAMA3_8B", "Counts", "Device", "KernelDesc", "MosaicSummary", "Plan",
     "Prediction", "Shapes", "count", "format_table", "jax_rpa_block_sizes",
     "jax_rpa_kv_heads_per_block", "jax_tpu", "kernels_for", "mosaic_summary", "ours_gpu",
-    "ours_gpu_v2", "gpu_v2_block_q", "gpu_v2_kv_splits",
+    "ours_gpu_v2", "gpu_v2_block_q", "gpu_v2_kv_splits", "gpu_v2_tile_pages",
     "ours_tpu", "predict", "table", "target_tpu",
 ]  # fmt: skip
