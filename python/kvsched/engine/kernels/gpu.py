@@ -2,24 +2,25 @@
 
 Written for Pallas' Triton backend: no scalar prefetch or DMA there, so the
 plan arrays and the cache are plain refs in global memory, read with dynamic
-indices (a page's K and V of one head at a time). On CPU it runs in Pallas'
-generic interpreter.
+indices (one head's K and V at a time). On CPU it runs in Pallas' generic
+interpreter.
 
 Version 2 (the default, `_call`): one program per (query block, KV head),
 where a query block is up to `block_q` rows of ONE sequence (a decode row is a
 block of its own; `program_table` splits the plan on the device before the
 kernel, into tokens / block_q + S programs: a static grid per plan shape). The
 block's rows and the GQA group's query heads form one [block_q * group, D]
-operand (gathered so before the kernel), so each page costs one QK and one PV
-dot for the whole group. The program reads its own sequence's pages only, up
-to the causal bound of its last row. bf16 / fp16 caches: dot operands in that
-type (tensor cores), f32 accumulation and softmax; f32 caches: f32 operands at
-HIGHEST (IEEE) precision. num_stages=3 lets Triton prefetch the next pages'
-tiles in the page loop.
+operand (gathered so before the kernel). The program reads its own sequence's
+pages only, up to the causal bound of its last row, in KV tiles of
+`tile_pages` pages (64 keys by default, `default_tile_pages`): K and V are one
+gather load each, and each tile costs one QK and one PV dot for the whole
+group. bf16 / fp16 caches: dot operands in that type (tensor cores), f32
+accumulation and softmax; f32 caches: f32 operands at HIGHEST (IEEE)
+precision. num_stages=3 lets Triton prefetch the next tiles in the loop.
 Split-KV (flash-decoding, `kv_splits` > 1, chosen from the plan's shape by
 `default_kv_splits`: decode buckets whose slots x KV heads leave SMs idle):
 grid (query blocks, KV heads, splits), each split reads its share of the
-pages and writes an f32 partial (accumulator, max, denominator); a reduce in
+tiles and writes an f32 partial (accumulator, max, denominator); a reduce in
 XLA after the kernel combines them.
 
 Version 1 (`_call_v1`, `version=1`): the kernel before issue 15's rebuild,
