@@ -234,6 +234,19 @@ def test_the_gpu_kernel_with_split_kv_matches_the_reference(hq, hkv, block_size,
         assert not got[plan.num_tokens :].any(), "padding rows are zero"
 
 
+def test_the_gpu_kernel_refuses_bad_arguments_by_name():
+    from kvsched.engine.kernels.gpu import ragged_paged_attention_gpu
+
+    q, cache, inputs, _, _ = next(plans(steps=1))
+    with pytest.raises(ValueError, match="group"):
+        ragged_paged_attention_gpu(q[:, :3], cache, inputs, scale=1.0)
+    for knob in ("block_q", "kv_splits", "kv_tile_pages"):
+        with pytest.raises(ValueError, match=f"{knob} must be >= 1, got 0"):
+            ragged_paged_attention_gpu(q, cache, inputs, scale=1.0, **{knob: 0})
+    with pytest.raises(ValueError, match="version 3"):
+        ragged_paged_attention_gpu(q, cache, inputs, scale=1.0, version=3)
+
+
 def test_the_gpu_kernel_picks_split_kv_from_the_plan_shape():
     from kvsched.engine.kernels.gpu import default_kv_splits
 

@@ -436,8 +436,10 @@ def ragged_paged_attention_gpu(
     if kv_splits is None:
         s, pps = inputs.page_indices.shape
         kv_splits = default_kv_splits(q.shape[0], s, hkv, pps)
-    if kv_splits < 1 or (kv_tile_pages is not None and kv_tile_pages < 1):
-        raise ValueError(f"kv_splits and kv_tile_pages must be >= 1 ({kv_splits}, {kv_tile_pages})")
+    knobs = {"block_q": block_q, "kv_splits": kv_splits, "kv_tile_pages": kv_tile_pages}
+    for name, value in knobs.items():
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
     out: jax.Array = _call(q, cache, inputs.kv_lens, inputs.page_indices, inputs.cu_q_lens,
                            inputs.num_seqs, scale=scale, block_q=block_q,
                            interpret=bool(interpret), kv_splits=kv_splits,
