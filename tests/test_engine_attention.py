@@ -158,6 +158,168 @@ def test_the_gpu_variant_matches_the_reference_in_the_interpreter(hq, hkv, block
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
 
+def test_the_previous_gpu_kernel_still_matches_the_reference():
+    """version=1 (the kernel before issue 15's rebuild) stays available for
+    comparison on a device."""
+    from kvsched.engine.kernels.gpu import ragged_paged_attention_gpu
+
+    for q, cache, inputs, _, _ in plans(hq=4, hkv=2, d=16, block_size=4, steps=4):
+        got = np.asarray(ragged_paged_attention_gpu(q, cache, inputs, scale=0.25, block_q=8,
+                                                    version=1))  # fmt: skip
+        want = np.asarray(reference_attention(q, cache, inputs, scale=0.25))
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+# Per cache dtype: f32 caches keep f32 dots at HIGHEST precision (the reference's
+# accuracy); bf16 / fp16 caches feed the dots in their own type with f32
+# accumulation, and the softmax weights are rounded to it for the PV dot (one
+# rounding of ~2^-8 / 2^-11 relative on top of the output's own).
+GPU_TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2, jnp.float16: 5e-3}
+
+
+@pytest.mark.parametrize(
+    ("hq", "hkv", "block_size", "dtype", "block_q", "tile"),
+    [
+        (2, 2, 16, jnp.float32, None, None),  # group 1, pages of 16, tiles of 4 pages
+        (8, 2, 16, jnp.bfloat16, None, 1),  # group 4, one page per tile
+        (8, 1, 32, jnp.bfloat16, None, None),  # group 8, pages of 32
+        (8, 2, 32, jnp.float32, 4, 1),  # group 4, several blocks per prefill chunk
+        (8, 2, 16, jnp.float16, 2, 3),  # tiles overhanging the page table (8 pages)
+        (6, 2, 16, jnp.float32, None, None),  # group 3: M = 5 x 3 rows padded to 16
+    ],
+)
+def test_the_gpu_kernel_matches_the_reference_per_dtype(hq, hkv, block_size, dtype, block_q,
+                                                        tile):  # fmt: skip
+    """The rebuilt GPU kernel (sequence-aligned query blocks, the GQA group as
+    the dot's M, bf16/fp16 tensor-core operands) on mixed plans of decodes and
+    prefill chunks, padding rows included."""
+    from kvsched.engine.kernels.gpu import ragged_paged_attention_gpu
+
+    tol = GPU_TOL[dtype]
+    seen_mixed = False
+    for q, cache, inputs, plan, _ in plans(hq=hq, hkv=hkv, d=16, block_size=block_size,
+                                           dtype=dtype, steps=6):  # fmt: skip
+        got = np.asarray(ragged_paged_attention_gpu(q, cache, inputs, scale=0.25, block_q=block_q,
+                                                    kv_tile_pages=tile), np.float64)  # fmt: skip
+        want = np.asarray(reference_attention(q, cache, inputs, scale=0.25), np.float64)
+        np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
+        assert not got[plan.num_tokens :].any(), "padding rows are zero"
+        seen_mixed |= 0 < plan.num_decode < len(plan)
+    assert seen_mixed
+
+
+@pytest.mark.parametrize(
+    ("hq", "hkv", "block_size", "dtype", "block_q", "kv_splits"),
+    [
+        (4, 2, 4, jnp.float32, 2, 2),
+        (8, 1, 4, jnp.float32, 1, 3),  # more splits than some sequences have pages
+        (8, 2, 16, jnp.bfloat16, 4, 4),
+    ],
+)
+def test_the_gpu_kernel_with_split_kv_matches_the_reference(hq, hkv, block_size, dtype,
+                                                            block_q, kv_splits):  # fmt: skip
+    """Split-KV (flash-decoding): each program's pages shared over kv_splits
+    programs, their f32 partials reduced after the kernel; on the same mixed
+    plans (prefill chunks too, and splits that read no page)."""
+    from kvsched.engine.kernels.gpu import ragged_paged_attention_gpu
+
+    tol = GPU_TOL[dtype]
+    for q, cache, inputs, plan, _ in plans(hq=hq, hkv=hkv, d=16, block_size=block_size,
+                                           dtype=dtype, steps=6):  # fmt: skip
+        got = np.asarray(ragged_paged_attention_gpu(q, cache, inputs, scale=0.25,
+                                                    block_q=block_q, kv_splits=kv_splits),
+                         np.float64)  # fmt: skip
+        want = np.asarray(reference_attention(q, cache, inputs, scale=0.25), np.float64)
+        np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
+        assert not got[plan.num_tokens :].any(), "padding rows are zero"
+
+
+def test_the_gpu_kernel_refuses_bad_arguments_by_name():
+    from kvsched.engine.kernels.gpu import ragged_paged_attention_gpu
+
+    q, cache, inputs, _, _ = next(plans(steps=1))
+    with pytest.raises(ValueError, match="group"):
+        ragged_paged_attention_gpu(q[:, :3], cache, inputs, scale=1.0)
+    for knob in ("block_q", "kv_splits", "kv_tile_pages"):
+        with pytest.raises(ValueError, match=f"{knob} must be >= 1, got 0"):
+            ragged_paged_attention_gpu(q, cache, inputs, scale=1.0, **{knob: 0})
+    with pytest.raises(ValueError, match="version 3"):
+        ragged_paged_attention_gpu(q, cache, inputs, scale=1.0, version=3)
+
+
+def test_the_gpu_kernel_picks_split_kv_from_the_plan_shape():
+    from kvsched.engine.kernels.gpu import default_kv_splits
+
+    assert default_kv_splits(1, 1, 8, 2048) == 16  # one 32k sequence: 8 -> 128 programs
+    assert default_kv_splits(8, 5, 2, 4) == 4  # capped by the pages a sequence can hold
+    assert default_kv_splits(256, 256, 8, 128) == 1  # 2048 programs fill the SMs
+    assert default_kv_splits(512, 4, 8, 128) == 1  # prefill-heavy bucket: no split
+
+
+def test_gpu_query_blocks_never_straddle_sequences_and_cover_every_row_once():
+    """The program table on real plans: every program's rows lie in one
+    sequence, every real row is in exactly one program, a decode row is a block
+    of its own, and the program count depends on the plan's shape only."""
+    import jax
+
+    from kvsched.engine.kernels.gpu import program_table
+
+    table = jax.jit(program_table, static_argnums=(2, 3))
+    counts = set()
+    for _, _, inputs, plan, _ in plans(steps=8):
+        for block_q in (1, 3, 8):
+            cu = np.asarray(inputs.cu_q_lens)
+            t, s = plan.bucket, len(cu) - 1
+            seq, row0, rows, starts = (np.asarray(a) for a in table(
+                inputs.cu_q_lens, inputs.num_seqs, t, block_q))  # fmt: skip
+            counts.add((t, s, block_q, len(seq)))
+            assert len(seq) == -(-t // block_q) + s
+            hits = np.zeros(t, int)
+            for j, r0, n in zip(seq, row0, rows, strict=True):
+                assert 0 <= n <= block_q
+                if n:
+                    assert cu[j] <= r0 and r0 + n <= cu[j + 1], "a block stays in its sequence"
+                    hits[r0 : r0 + n] += 1
+            assert (hits[: plan.num_tokens] == 1).all() and not hits[plan.num_tokens :].any()
+            for i in range(plan.num_decode):  # decodes come first, one row each
+                assert rows[starts[i]] == 1 and seq[starts[i]] == i
+    assert len({c[:3] for c in counts}) == len(counts), "one grid per shape and block size"
+
+
+def test_the_gpu_kernel_matches_jaxs_gpu_paged_attention_on_decode():
+    """An independent kernel: JAX's own Pallas GPU decode kernel (paged K/V
+    [Hkv, P, page, D], interpret mode), on a decode batch of varied lengths.
+    The shape (8 rows, 5 slots, 2 KV heads) makes ours pick 4 KV splits."""
+    from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
+
+    from kvsched.engine import AttentionInputs
+    from kvsched.engine.kernels.gpu import ragged_paged_attention_gpu
+
+    rng = np.random.default_rng(3)
+    seqs, hq, hkv, d, bs, pps = 5, 8, 2, 16, 16, 4
+    kv_lens = np.array([1, 17, 64, 33, 40], np.int32)
+    pages = 1 + rng.permutation(seqs * pps).reshape(seqs, pps).astype(np.int32)
+    cache = rng.standard_normal((seqs * pps + 1, bs, 2 * hkv, d)).astype(np.float32)
+    q = rng.standard_normal((8, hq, d)).astype(np.float32)
+    q[seqs:] = 0
+    inputs = AttentionInputs(
+        positions=jnp.asarray(np.pad(kv_lens - 1, (0, 3))),
+        cu_q_lens=jnp.asarray(np.arange(seqs + 1, dtype=np.int32)),
+        kv_lens=jnp.asarray(kv_lens),
+        page_indices=jnp.asarray(pages),
+        num_seqs=jnp.asarray([seqs], np.int32),
+    )
+    got = np.asarray(ragged_paged_attention_gpu(jnp.asarray(q), jnp.asarray(cache), inputs,
+                                                scale=1.0))  # fmt: skip
+    k = jnp.asarray(cache[:, :, 0::2].transpose(2, 0, 1, 3))  # [Hkv, P, bs, D]
+    v = jnp.asarray(cache[:, :, 1::2].transpose(2, 0, 1, 3))
+    want = np.asarray(jax_pa.paged_attention(jnp.asarray(q[:seqs]), k, v, jnp.asarray(pages),
+                                             jnp.asarray(kv_lens), pages_per_compute_block=2,
+                                             k_splits=2, interpret=True))  # fmt: skip
+    np.testing.assert_allclose(got[:seqs], want, atol=2e-5, rtol=2e-5)
+    assert not got[seqs:].any()
+
+
 def test_the_gpu_variant_lowers_to_triton_for_cuda():
     """Ops Triton lacks (value slices, stacks) fail here, not on the GPU. Needs
     the jax CUDA plugin's Python side (.ci/run installs it without CUDA)."""
@@ -177,3 +339,84 @@ def test_the_gpu_variant_lowers_to_triton_for_cuda():
     safety = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     text = export.export(f, platforms=["cuda"], disabled_checks=safety)(*args).mlir_module()
     assert "__gpu$xla.gpu.triton" in text and "kvsched_ragged_paged_attention_gpu" in text
+
+
+@pytest.mark.parametrize(
+    ("dtype", "operand", "kv_splits"),
+    [(jnp.bfloat16, "bf16", 1), (jnp.float32, "f32", 1), (jnp.bfloat16, "bf16", 4)],
+)
+def test_the_gpu_kernel_lowers_to_triton_for_cuda_as_one_kv_loop_of_group_dots(
+    monkeypatch, dtype, operand, kv_splits
+):
+    """The Triton program itself (read from Pallas' lowering, needs the jax
+    CUDA plugin like the test above): one loop (over the sequence's KV tiles of
+    4 pages; no scan over sequences), two dots in it with M = block_q x group rows, bf16
+    operands for a bf16 cache (tensor cores) and f32 (IEEE) for an f32 one, each
+    accumulating in f32; num_stages 3; with split-KV, three f32 partials out."""
+    pytest.importorskip("jax_cuda12_plugin")
+    import functools
+    import re
+
+    import jax
+    from jax import export
+    from jax._src.pallas.triton import pallas_call_registration as registration
+
+    from kvsched.engine.kernels.gpu import _call
+
+    programs = []
+    lower = registration.lowering.lower_jaxpr_to_triton_module
+
+    def capture(*a, **k):
+        result = lower(*a, **k)
+        programs.append(result.module.operation.get_asm())
+        return result
+
+    monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", capture)
+    t, hq, d, p, bs, hkv, s, pps, block_q = 64, 8, 128, 64, 16, 2, 8, 16, 4
+    kt = 64  # keys per KV tile: 4 pages of 16 (default_tile_pages)
+    shapes = [((t, hq, d), dtype), ((p, bs, 2 * hkv, d), dtype), ((s,), jnp.int32),
+              ((s, pps), jnp.int32), ((s + 1,), jnp.int32), ((1,), jnp.int32)]  # fmt: skip
+    args = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in shapes]
+    f = jax.jit(functools.partial(_call, scale=0.1, block_q=block_q, interpret=False,
+                                  kv_splits=kv_splits))  # fmt: skip
+    safety = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    text = export.export(f, platforms=["cuda"], disabled_checks=safety)(*args).mlir_module()
+    assert "num_stages = 3" in text
+    # Split-KV: the f32 accumulator, max and denominator are stored; else the output.
+    stores = re.findall(r"tt\.store .*: tensor<(\d+)x(\d+)x!tt\.ptr<(\w+)>>", asm := programs[0])
+    m0 = str(block_q * hq // hkv)
+    out = operand if operand == "f32" else "bf16"
+    assert stores == ([(m0, str(d), "f32"), (m0, "1", "f32"), (m0, "1", "f32")] if kv_splits > 1
+                      else [(m0, str(d), out)])  # fmt: skip
+    assert len(programs) == 1
+    assert len(re.findall(r"\bscf\.(?:for|while)\b", asm)) == 1, "one loop: the pages"
+    dots = re.findall(r"tt\.dot .*?: tensor<(\d+)x(\d+)x(\w+)> \* tensor<(\d+)x(\d+)x(\w+)> "
+                      r"-> tensor<(\d+)x(\d+)x(\w+)>", asm)  # fmt: skip
+    m = block_q * hq // hkv
+    assert dots == [
+        (str(m), str(d), operand, str(d), str(kt), operand, str(m), str(kt), "f32"),  # QK
+        (str(m), str(kt), operand, str(kt), str(d), operand, str(m), str(d), "f32"),  # PV
+    ]
+    if operand == "f32":
+        assert "tf32" not in asm, "f32 dots stay IEEE (HIGHEST), not TF32"
+
+
+def test_the_gpu_kernel_lowers_to_triton_for_cuda_with_a_group_of_3():
+    """Triton tiles are powers of two: a group of 3 (block_q 5, 15 rows) is padded
+    to M = 16 before the kernel."""
+    pytest.importorskip("jax_cuda12_plugin")
+    import functools
+
+    import jax
+    from jax import export
+
+    from kvsched.engine.kernels.gpu import _call
+
+    t, hq, d, p, bs, hkv, s, pps = 32, 6, 64, 32, 16, 2, 4, 8
+    shapes = [((t, hq, d), jnp.bfloat16), ((p, bs, 2 * hkv, d), jnp.bfloat16), ((s,), jnp.int32),
+              ((s, pps), jnp.int32), ((s + 1,), jnp.int32), ((1,), jnp.int32)]  # fmt: skip
+    args = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in shapes]
+    f = jax.jit(functools.partial(_call, scale=0.1, block_q=5, interpret=False))
+    safety = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    text = export.export(f, platforms=["cuda"], disabled_checks=safety)(*args).mlir_module()
+    assert "__gpu$xla.gpu.triton" in text

@@ -67,6 +67,92 @@ def test_causal_bound_by_hand():
     assert C.count(plan, SMALL, target).kv_bytes_moved == (3 + 4) * 128
 
 
+def test_gpu_v2_counts_by_hand():
+    """block_q 2, sequence-aligned: the decode is a block of its own (2 pages
+    of kv 5), the 3-row chunk two blocks (rows at positions 4-5: last 6, 2
+    pages; position 6: 2 pages); the grid is ceil(4 / 2) + 2 programs; M is
+    block_q x group = 4 rows for every page."""
+    c = C.count(MIXED, SMALL, C.ours_gpu_v2(block_q=2, tile_pages=1))
+    assert (c.grid_steps, c.pairs, c.seq_visits) == (4, 3, 3)
+    assert (c.kv_blocks, c.dma_starts, c.dma_waits) == (6, 12, 6)  # K + V loads, one wait
+    assert c.kv_bytes_moved == 6 * 128
+    assert c.mxu_flops == 6 * 4 * 4 * 4 * 8
+    # The causal bound: an 8-token chunk ending at 16 in blocks of 4 reads 3 + 4
+    # pages, where the old GPU kernel reads 4 + 4.
+    plan = C.Plan((8,), (16,))
+    assert C.count(plan, SMALL, C.ours_gpu_v2(block_q=4, tile_pages=1)).kv_bytes_moved == 7 * 128
+    assert C.count(plan, SMALL, C.ours_gpu(block_q=4)).kv_bytes_moved == 8 * 128
+
+
+def test_gpu_v2_kv_tiles_by_hand():
+    """Tiles of 3 pages: every (block, head) program of MIXED (2 pages each)
+    reads one tile, whole (3 pages, the third past the sequence's end), with one
+    wait for its K and V gather loads."""
+    c = C.count(MIXED, SMALL, C.ours_gpu_v2(block_q=2, tile_pages=3))
+    assert (c.kv_blocks, c.dma_waits) == (3, 3)
+    assert c.kv_bytes_moved == 3 * 3 * 128
+    assert c.mxu_flops == 3 * 4 * 4 * 12 * 8  # M 4, 12 keys a tile, D 8
+
+
+def test_gpu_v2_split_kv_by_hand():
+    """MIXED, block_q 2, 2 splits: each (block, head) program's 2 pages go to 2
+    programs of 1 page; the bytes and dots are unchanged, the grid doubles, each
+    busy program starts its own chain, and the f32 partials (M 4 rows x (D 8 +
+    max + denominator)) are written and read back once per program."""
+    one = C.count(MIXED, SMALL, C.ours_gpu_v2(block_q=2, tile_pages=1))
+    two = C.count(MIXED, SMALL, C.ours_gpu_v2(block_q=2, kv_splits=2, tile_pages=1))
+    assert (two.kv_bytes_moved, two.mxu_flops, two.kv_blocks) == (
+        one.kv_bytes_moved, one.mxu_flops, one.kv_blocks)  # fmt: skip
+    assert (two.grid_steps, two.busy_programs, two.chains) == (8, 6, 6)
+    assert (one.grid_steps, one.busy_programs, one.chains) == (4, 3, 3)
+    assert two.qo_bytes == one.qo_bytes + 2 * 8 * 4 * (8 + 2) * 4
+    # 3 splits of 2 pages: the third reads nothing (not busy, no chain).
+    three = C.count(MIXED, SMALL, C.ours_gpu_v2(block_q=2, kv_splits=3, tile_pages=1))
+    assert (three.grid_steps, three.busy_programs) == (12, 6)
+
+
+def test_gpu_split_kv_fills_the_sms_for_one_long_sequence():
+    """Issue 15: one 32k sequence gave today's GPU kernel 8 programs. The split
+    the kernel picks from the shape (16) gives 128; the model's pipeline term
+    shrinks with the busy programs, to over 90% of the H200's HBM bandwidth."""
+    plan = C.Plan.decode(1, 32768)
+    splits = C.gpu_v2_kv_splits(1, 1, 8, 2048)
+    assert splits == 16
+    old = C.predict(plan, C.LLAMA3_8B, C.ours_gpu(), "h200")
+    flat = C.predict(plan, C.LLAMA3_8B, C.ours_gpu_v2(), "h200")
+    split = C.predict(plan, C.LLAMA3_8B, C.ours_gpu_v2(kv_splits=splits), "h200")
+    assert old.counts.grid_steps == 8 and flat.counts.busy_programs == 8
+    assert split.counts.busy_programs == 128
+    assert split.t_pipeline == pytest.approx(flat.t_pipeline / 16)
+    assert old.hbm_fraction < 0.01 < flat.hbm_fraction < 0.25 < 0.9 < split.hbm_fraction
+    # A full decode batch (2048 programs) is not split.
+    assert C.gpu_v2_kv_splits(256, 256, 8, 128) == 1
+
+
+def test_gpu_v2_description_matches_the_kernels_program_table():
+    """The model's (query block, sequence, rows) are the ones the kernel's own
+    program_table makes on real plans, in the same order. (The kernel's grid
+    also holds empty programs up to tokens / block_q + the plan's sequence
+    SLOTS; the model counts its real sequences: empty programs load nothing.)"""
+    pytest.importorskip("jax")
+    import numpy as np
+    from engine_helpers import plans
+
+    from kvsched.engine.kernels.gpu import program_table
+
+    for block_q in (1, 3):
+        for _, _, inputs, plan, _ in plans(steps=6):
+            cu = np.asarray(inputs.cu_q_lens)
+            n = int(inputs.num_seqs[0])
+            model_plan = C.Plan.from_arrays(cu, np.asarray(inputs.kv_lens), n, plan.bucket)
+            pairs = [(s, rows) for _, s, rows, _ in C._pairs(model_plan, block_q, True)]
+            seq, _, rows, _ = (np.asarray(a) for a in program_table(
+                inputs.cu_q_lens, inputs.num_seqs, plan.bucket, block_q))  # fmt: skip
+            assert pairs == [(int(s), int(r)) for s, r in zip(seq, rows, strict=True) if r]
+            c = C.count(model_plan, C.Shapes(4, 2, 16, 4), C.ours_gpu_v2(block_q=block_q))
+            assert c.grid_steps == (len(seq) - len(cu) + 1 + n) * 2
+
+
 def test_gpu_kernel_counts_per_head_program():
     """One program per (query block, KV head), each loading its head's K and V
     tiles page by page: two loads per page and head."""
@@ -154,6 +240,14 @@ def test_decode_predictions_order_the_kernels():
         )
     gpu = C.predict(DECODE, C.LLAMA3_8B, C.ours_gpu(), "h200")
     assert gpu.bound == "latency" and gpu.hbm_fraction < 0.25
+    # The rebuilt GPU kernel reads each page once per KV head (no re-read),
+    # M 16 instead of 16 x 4 dots, 4-page tiles two ahead: bandwidth bound in
+    # the model. One page per tile would stay latency bound (74%).
+    v2 = C.predict(DECODE, C.LLAMA3_8B, C.ours_gpu_v2(), "h200")
+    assert v2.counts.reread == 1.0 and v2.counts.kv_blocks == PAGES * 8 // 4
+    assert v2.bound == "hbm" and v2.hbm_fraction > 0.95
+    page = C.predict(DECODE, C.LLAMA3_8B, C.ours_gpu_v2(tile_pages=1), "h200")
+    assert page.bound == "latency" and 0.7 < page.hbm_fraction < 0.8
 
 
 def test_prefill_chunk_rereads_per_query_block():
@@ -191,9 +285,12 @@ def test_table_has_every_kernel_and_device():
     assert {(r["device"], r["kernel"].split(",")[0]) for r in rows} == {
         (d, k)
         for d in ("tpu-v5e", "tpu-v6e")
-        for k in ("kvsched pallas (TPU)", "jax ragged_paged_attention (TPU)",
-                  "target design (not built)")
-    } | {("h200", "kvsched pallas_gpu (Triton)")}  # fmt: skip
+        for k in (
+            "kvsched pallas (TPU)",
+            "jax ragged_paged_attention (TPU)",
+            "target design (not built)",
+        )
+    } | {("h200", "kvsched pallas_gpu (Triton)"), ("h200", "kvsched pallas_gpu v2 (Triton)")}
     text = C.format_table(rows)
     assert text.count("\n") == len(rows) + 1 and "HBM share" in text
 

@@ -6,8 +6,10 @@ the performance claims about kernels/tpu.py, kernels/gpu.py and JAX's
 plans, check the TPU descriptions against the kernels' exported Mosaic programs
 (`mosaic_summary`) and today's TPU kernel's counts against the DMAs it runs in
 Pallas' interpreter; benches/tpu_check.py / gpu_check.py print the model's
-prediction beside the measured time. (The GPU description has no such check
-here: reading its Triton program needs the jax CUDA plugin.)
+prediction beside the measured time. (The GPU kernel's Triton program is read
+back only where the jax CUDA plugin is installed: tests/test_engine_attention.py
+checks version 2's loop and dot shapes there; its query blocks are checked
+against the kernel's own program_table everywhere.)
 
 Counting (exact, from each kernel's own loops). A kernel is a `KernelDesc`: its
 query block rows, KV pages per block, prefetch depth and reach, whether a query
@@ -210,6 +212,12 @@ class KernelDesc:
     wait_per_page: bool  # one DMA wait per page (else one per block)
     kv_heads_per_program: int | None = None  # None: all KV heads per program (TPU)
     pv_operands: Literal["f32", "bf16"] | None = None  # the PV matmul's (None: as QK)
+    # Query blocks hold one sequence's rows each (ceil(q_len / block_q) blocks per
+    # sequence, tokens / block_q + S programs); else blocks of the padded rows.
+    seq_aligned: bool = False
+    # Split-KV (flash-decoding): each (block, head) program's pages are shared
+    # over kv_splits programs, whose partial results a reduce step combines.
+    kv_splits: int = 1
 
     @property
     def pv(self) -> str:
@@ -244,6 +252,56 @@ def ours_gpu(block_q: int = 16) -> KernelDesc:
         pages_per_block=1, prefetch_depth=0, prefetch_across=False, causal_bound=False,
         fixed_blocks=False, scan_all_seqs=True, rows="block", operands="f32",
         wait_per_page=True, kv_heads_per_program=1,
+    )  # fmt: skip
+
+
+def gpu_v2_block_q(tokens: int, seqs: int, group: int) -> int:
+    """The query rows per block kernels/gpu.py version 2 picks from a plan's
+    shape (its `default_block_q`): M = block_q x group is 16 (one tensor-core
+    tile) for decode-heavy buckets (tokens <= 2 x sequences), 64 otherwise."""
+    m = 16 if tokens <= 2 * seqs else 64
+    return max(1, m // group)
+
+
+def gpu_v2_kv_splits(tokens: int, seqs: int, kv_heads: int, pages_per_seq: int,
+                     units: int = 132) -> int:  # fmt: skip
+    """KV splits kernels/gpu.py version 2 picks from a plan's shape (its
+    `default_kv_splits`): a decode-heavy bucket (tokens <= 2 x sequence slots)
+    whose seqs x kv_heads programs leave SMs idle gets ceil(units / programs)
+    splits (at most 16, at most the pages of a sequence); otherwise 1. The
+    slots, not the live sequences, decide: the choice is static per shape."""
+    programs = seqs * kv_heads
+    if tokens > 2 * seqs or programs >= units:
+        return 1
+    return max(1, min(16, pages_per_seq, -(-units // programs)))
+
+
+def gpu_v2_tile_pages(block_size: int, pages_per_seq: int) -> int:
+    """Pages per KV tile kernels/gpu.py version 2 picks: 64 keys per tile, at
+    least one page, at most a sequence's pages."""
+    return max(1, min(pages_per_seq, 64 // block_size))
+
+
+def ours_gpu_v2(block_q: int = 4, num_stages: int = 3, kv_splits: int = 1,
+                tile_pages: int = 4) -> KernelDesc:  # fmt: skip
+    """kernels/gpu.py version 2 (issue 15 section 3): grid (query blocks of
+    one sequence, KV heads), ceil(tokens / block_q) + S programs; each program
+    reads only its sequence's pages up to its last row's causal bound, in KV
+    tiles of `tile_pages` pages of one head (one gather load of K and one of V
+    per tile; the last tile reads whole, its pages past the bound masked);
+    num_stages=3: Triton's loop pipeliner keeps the next tiles' loads in flight
+    while one is computed (depth num_stages - 1; assumed, not yet seen on a
+    device). One QK and one PV dot per tile with M = block_q x group rows
+    (block_q=4: M 16 at group 4, the decode default), bf16 operands on tensor
+    cores, f32 accumulation. `kv_splits` > 1: split-KV, each program's tiles
+    shared over that many programs, f32 partials reduced after the kernel."""
+    split = f", {kv_splits} KV splits" if kv_splits > 1 else ""
+    return KernelDesc(
+        f"kvsched pallas_gpu v2 (Triton), block_q={block_q}, {tile_pages}-page tiles{split}",
+        "gpu", block_q=block_q, pages_per_block=tile_pages, prefetch_depth=num_stages - 1,
+        prefetch_across=False, causal_bound=True, fixed_blocks=True, scan_all_seqs=False,
+        rows="block", operands="bf16", wait_per_page=False, kv_heads_per_program=1,
+        seq_aligned=True, kv_splits=kv_splits,
     )  # fmt: skip
 
 
@@ -348,7 +406,7 @@ class Counts:
     dma_waits: int  # DMA waits (GPU: tile loads waited on)
     chains: int  # prefetch chains (each starts with an exposed fetch)
     kv_bytes_moved: int  # K/V bytes read from HBM
-    qo_bytes: int  # q read and output written
+    qo_bytes: int  # q read and output written (and split-KV partials out and back)
     kv_bytes_needed: int  # each sequence's kv_len tokens once: the floor
     mxu_flops: int  # matmul FLOPs as issued (the kernel's own shapes)
     mxu_flops_padded: int  # padded to the device's tiles (with a device)
@@ -356,6 +414,9 @@ class Counts:
     useful_flops: int  # 4 x real rows x group x kv_len x head_dim per KV head
     page_bytes: int  # bytes of one page as a DMA moves it
     block_sizes: tuple[int, ...] = field(default=(), repr=False)  # bytes of each KV block
+    # Programs that read KV (one per pair and split for sequence-aligned kernels;
+    # else the grid): the GPU model's programs that can run at once.
+    busy_programs: int = 0
 
     @property
     def bytes_moved(self) -> int:
@@ -367,11 +428,20 @@ class Counts:
         return self.kv_bytes_moved / self.kv_bytes_needed if self.kv_bytes_needed else 0.0
 
 
-def _pairs(plan: Plan, block_q: int) -> list[tuple[int, int, int, int]]:
+def _pairs(plan: Plan, block_q: int, seq_aligned: bool = False) -> list[tuple[int, int, int, int]]:
     """(query block, sequence, rows of the sequence in the block, KV position of
-    the sequence's last row in the block) for every pair that meets."""
+    the sequence's last row in the block) for every pair that meets. With
+    `seq_aligned`, each sequence's rows are split into blocks of their own."""
     out = []
     lo = 0
+    if seq_aligned:
+        b = 0
+        for s, (ql, kv) in enumerate(zip(plan.q_lens, plan.kv_lens, strict=True)):
+            for start in range(0, ql, block_q):
+                rows = min(block_q, ql - start)
+                out.append((b, s, rows, kv - (ql - start - rows)))
+                b += 1
+        return out
     nblocks = -(-plan.padded_tokens // block_q)
     for s, (ql, kv) in enumerate(zip(plan.q_lens, plan.kv_lens, strict=True)):
         hi = lo + ql
@@ -398,12 +468,14 @@ def count(plan: Plan, shapes: Shapes, kernel: KernelDesc, device: Device | None 
     heads_per_program = kernel.kv_heads_per_program or hkv
     head_programs = hkv // heads_per_program
     nblocks = -(-plan.padded_tokens // kernel.block_q)
+    if kernel.seq_aligned:  # the static grid: at most one partial block per sequence
+        nblocks += len(plan.q_lens)
     page_bytes = shapes.page_bytes
     head_page_bytes = page_bytes // head_programs  # what one program moves per page
-    pairs = _pairs(plan, kernel.block_q)
+    pairs = _pairs(plan, kernel.block_q, kernel.seq_aligned)
     kv_blocks = dma_starts = dma_waits = moved_pages = 0
     flops = padded = padded_f32 = 0
-    chains = 0
+    chains = busy = 0
     sizes: list[int] = []
     for _b, _s, rows, last in pairs:
         span = last if kernel.causal_bound else plan.kv_lens[_s]
@@ -436,23 +508,30 @@ def count(plan: Plan, shapes: Shapes, kernel: KernelDesc, device: Device | None 
                         f = 2 * _pad(m, t) * _pad(keys, t) * _pad(d, t) * hkv
                     padded += f
                     padded_f32 += f if dt == "f32" else 0
+        # Split-KV: the KV blocks go to ceil(blocks / share) programs, each its own
+        # chain.
+        share = -(-nblk // kernel.kv_splits)
+        parts = -(-nblk // share) if nblk else 0
+        busy += parts * head_programs
         if nblk:
-            chains += 0 if kernel.prefetch_across else head_programs
+            chains += 0 if kernel.prefetch_across else head_programs * parts
     if kernel.prefetch_across and kv_blocks:
         chains = 1
     needed = sum(kv * 2 * hkv * d * shapes.kv_bytes for kv in plan.kv_lens)
     useful = sum(4 * q * g * kv * d * hkv for q, kv in zip(plan.q_lens, plan.kv_lens, strict=True))
-    grid_steps = nblocks * head_programs
+    grid_steps = nblocks * head_programs * kernel.kv_splits
     seq_visits = (nblocks * head_programs * len(plan.q_lens) if kernel.scan_all_seqs
                   else len(pairs) * head_programs)  # fmt: skip
     qo = 2 * plan.padded_tokens * shapes.q_heads * d * shapes.q_bytes
+    if kernel.kv_splits > 1:  # f32 partials (accumulator, max, denominator) out and back in
+        qo += 2 * grid_steps * kernel.block_q * g * (d + 2) * 4
     return Counts(
         kernel=kernel.name, grid_steps=grid_steps, seq_visits=seq_visits, pairs=len(pairs),
         kv_blocks=kv_blocks, dma_starts=dma_starts, dma_waits=dma_waits, chains=chains,
         kv_bytes_moved=moved_pages * head_page_bytes, qo_bytes=qo, kv_bytes_needed=needed,
         mxu_flops=flops, mxu_flops_padded=padded, mxu_f32_flops_padded=padded_f32,
         useful_flops=useful, page_bytes=page_bytes,
-        block_sizes=tuple(sizes),
+        block_sizes=tuple(sizes), busy_programs=busy if kernel.seq_aligned else grid_steps,
     )  # fmt: skip
 
 
@@ -500,7 +579,7 @@ def predict(plan: Plan, shapes: Shapes, kernel: KernelDesc, device: str | Device
     # Each block's share of the matmul time (blocks of one kernel have equal shapes
     # per page, so by pages is exact enough): compute per block.
     per_block_compute = t_mxu * blocks / blocks.sum() if blocks.size else blocks
-    concurrent = max(1, min(dev.units, c.grid_steps))
+    concurrent = max(1, min(dev.units, c.busy_programs or c.grid_steps))
     if kernel.prefetch_depth >= 1:
         per_block = np.maximum((lat + blocks / bw) / kernel.prefetch_depth, per_block_compute)
         t_pipe = float(per_block.sum()) / concurrent
@@ -525,7 +604,12 @@ def kernels_for(plan: Plan, shapes: Shapes, device: str) -> list[KernelDesc]:
     """Today's kernels for a device, JAX's (TPU) with the block sizes it picks
     there, and the target design (TPU): what the table in the README compares."""
     if DEVICES[device].platform == "gpu":
-        return [ours_gpu()]
+        bq = gpu_v2_block_q(plan.padded_tokens, len(plan.q_lens), shapes.group)
+        pps = max(-(-kv // shapes.page_size) for kv in plan.kv_lens)
+        splits = gpu_v2_kv_splits(plan.padded_tokens, len(plan.q_lens), shapes.kv_heads, pps,
+                                  DEVICES[device].units)  # fmt: skip
+        tiles = gpu_v2_tile_pages(shapes.page_size, pps)
+        return [ours_gpu(), ours_gpu_v2(bq, kv_splits=splits, tile_pages=tiles)]
     pps = max(-(-kv // shapes.page_size) for kv in plan.kv_lens)
     bkv, bq = jax_rpa_block_sizes(shapes, plan.padded_tokens, pps, device)
     kvh = jax_rpa_kv_heads_per_block(shapes)
@@ -672,5 +756,6 @@ __all__ = [
     "DEVICES", "LLAMA3_8B", "Counts", "Device", "KernelDesc", "MosaicSummary", "Plan",
     "Prediction", "Shapes", "count", "format_table", "jax_rpa_block_sizes",
     "jax_rpa_kv_heads_per_block", "jax_tpu", "kernels_for", "mosaic_summary", "ours_gpu",
+    "ours_gpu_v2", "gpu_v2_block_q", "gpu_v2_kv_splits", "gpu_v2_tile_pages",
     "ours_tpu", "predict", "table", "target_tpu",
 ]  # fmt: skip

@@ -1,13 +1,36 @@
 """The GPU (Triton) variant of kvsched's ragged paged attention kernel.
 
-Same algorithm as kernels/tpu.py (query blocks over the padded token
-dimension; per block, every sequence it meets, page by page, into an online
-softmax), with one program per (query block, KV head), written for Pallas'
-Triton backend: no scalar prefetch or DMA there,
-so the plan arrays and the cache are plain refs in global memory, read with
-dynamic indices (a page's K and V of one head at a time). Shapes Triton tiles
-need powers of two: block_size, head_dim and block_q * (Hq / Hkv) >= 16.
-On CPU it runs in Pallas' generic interpreter.
+Written for Pallas' Triton backend: no scalar prefetch or DMA there, so the
+plan arrays and the cache are plain refs in global memory, read with dynamic
+indices (one head's K and V at a time). On CPU it runs in Pallas' generic
+interpreter.
+
+Version 2 (the default, `_call`): one program per (query block, KV head),
+where a query block is up to `block_q` rows of ONE sequence (a decode row is a
+block of its own; `program_table` splits the plan on the device before the
+kernel, into tokens / block_q + S programs: a static grid per plan shape). The
+block's rows and the GQA group's query heads form one [block_q * group, D]
+operand (gathered so before the kernel). The program reads its own sequence's
+pages only, up to the causal bound of its last row, in KV tiles of
+`tile_pages` pages (64 keys by default, `default_tile_pages`): K and V are one
+gather load each, and each tile costs one QK and one PV dot for the whole
+group. bf16 / fp16 caches: dot operands in that type (tensor cores), f32
+accumulation and softmax; f32 caches: f32 operands at HIGHEST (IEEE)
+precision. num_stages=3 lets Triton prefetch the next tiles in the loop.
+Split-KV (flash-decoding, `kv_splits` > 1, chosen from the plan's shape by
+`default_kv_splits`: decode buckets whose slots x KV heads leave SMs idle):
+grid (query blocks, KV heads, splits), each split reads its share of the
+tiles and writes an f32 partial (accumulator, max, denominator); a reduce in
+XLA after the kernel combines them.
+
+Version 1 (`_call_v1`, `version=1`): the kernel before issue 15's rebuild,
+kept for comparison on a device: query blocks over the padded rows that may
+straddle sequences, every program scanning every sequence, one f32 HIGHEST dot
+pair per query head, num_stages=1.
+
+Triton tiles need powers of two: block_size and head_dim (version 2 pads its
+M = block_q * group rows to a power of two >= 16 itself; version 1 needs
+block_q * group to be one).
 """
 
 from __future__ import annotations
@@ -22,6 +45,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from kvsched.engine.inputs import AttentionInputs
 from kvsched.engine.kernels.common import MASK, run_padded
+from kvsched.engine.kernels.cost import gpu_v2_block_q, gpu_v2_kv_splits, gpu_v2_tile_pages
+from kvsched.engine.kernels.reference import token_seq
 
 HIGHEST = lax.Precision.HIGHEST
 
@@ -32,7 +57,7 @@ HIGHEST = lax.Precision.HIGHEST
 _Carry = tuple[tuple[jax.Array, jax.Array, jax.Array], ...]
 
 
-def _kernel(kv_lens_ref: jax.Ref, pages_ref: jax.Ref, cu_ref: jax.Ref, nseq_ref: jax.Ref,
+def _kernel_v1(kv_lens_ref: jax.Ref, pages_ref: jax.Ref, cu_ref: jax.Ref, nseq_ref: jax.Ref,
             q_ref: jax.Ref, cache_ref: jax.Ref, o_ref: jax.Ref, *,
             block_q: int, group: int, pages_per_seq: int, scale: float) -> None:  # fmt: skip
     # One program per (query block, KV head): a decode-heavy step still has
@@ -98,7 +123,7 @@ def _kernel(kv_lens_ref: jax.Ref, pages_ref: jax.Ref, cu_ref: jax.Ref, nseq_ref:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "interpret"))
-def _call(
+def _call_v1(
     q: jax.Array,
     cache: jax.Array,
     kv_lens: jax.Array,
@@ -114,7 +139,7 @@ def _call(
     hkv = cache.shape[2] // 2
     group = hq // hkv
     s, pps = page_indices.shape
-    kernel = functools.partial(_kernel, block_q=block_q, group=group, pages_per_seq=pps,
+    kernel = functools.partial(_kernel_v1, block_q=block_q, group=group, pages_per_seq=pps,
                                scale=scale)  # fmt: skip
 
     def full(shape: tuple[int, ...]) -> pl.BlockSpec:
@@ -142,16 +167,281 @@ def _call(
     return out
 
 
+# -- v2: sequence-aligned query blocks, the GQA group as M, tensor-core dots --
+
+
+def dot_dtype(cache_dtype: jnp.dtype) -> jnp.dtype:
+    """The operand type of both dots for a cache of `cache_dtype`: bf16 and fp16
+    caches feed the tensor cores in their own type (f32 accumulation; the
+    softmax weights are rounded to it for the PV dot, q is cast to it); f32
+    caches keep f32 operands at HIGHEST precision (no TF32)."""
+    dt = jnp.dtype(cache_dtype)
+    return dt if dt in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) else jnp.dtype(jnp.float32)
+
+
+def program_table(cu_q_lens: jax.Array, num_seqs: jax.Array, tokens: int, block_q: int
+                  ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:  # fmt: skip
+    """Split each sequence's rows into query blocks of at most `block_q` rows
+    that never straddle sequences (a decode row is a block of its own). Returns
+    per program (seq, first row, rows; rows 0: no work) and each sequence's
+    first program. The program count, tokens // block_q + S rounded up, is a
+    function of the plan's shape only (sum over sequences of
+    ceil(q_len / block_q) <= tokens / block_q + S), so the grid stays static."""
+    s = cu_q_lens.shape[0] - 1
+    n = num_seqs[0]
+    q_len = jnp.where(jnp.arange(s) < n, cu_q_lens[1:] - cu_q_lens[:-1], 0)
+    blocks = (q_len + block_q - 1) // block_q
+    ends = jnp.cumsum(blocks)
+    starts = ends - blocks
+    progs = -(-tokens // block_q) + s
+    p = jnp.arange(progs, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(ends, p, side="right"), s - 1).astype(jnp.int32)
+    row0 = cu_q_lens[seq] + (p - starts[seq]) * block_q
+    rows = jnp.where(p < ends[-1], jnp.minimum(block_q, cu_q_lens[seq + 1] - row0), 0)
+    return seq, row0.astype(jnp.int32), rows.astype(jnp.int32), starts.astype(jnp.int32)
+
+
+def _kernel(seq_ref: jax.Ref, row0_ref: jax.Ref, rows_ref: jax.Ref, kv_lens_ref: jax.Ref,
+            pages_ref: jax.Ref, cu_ref: jax.Ref, q_ref: jax.Ref, cache_ref: jax.Ref,
+            o_ref: jax.Ref, *stat_refs: jax.Ref, group: int, pages_per_seq: int, scale: float,
+            dtype: jnp.dtype, splits: int, tile_pages: int) -> None:  # fmt: skip
+    # One program per (query block, KV head). The block's rows of one sequence
+    # and the group's query heads form one [block_q * group, D] operand, laid
+    # out so on the host: row r is token r // group, query head r % group of
+    # this KV head. Each KV tile of `tile_pages` pages (one gather load of K
+    # and one of V: row i is page i // bs, slot i % bs) is one QK and one PV dot
+    # for the whole group.
+    # With `splits` > 1 (split-KV), program (.., .., i) reads the i-th share of
+    # the pages and writes its unnormalised accumulator, running max and
+    # denominator (stat_refs) for the reduce after the kernel.
+    bs = cache_ref.shape[1]
+    bm = q_ref.shape[0]
+    kh = pl.program_id(1)
+    prog = pl.program_id(0)
+    j, row0, nrows = seq_ref[prog], row0_ref[prog], rows_ref[prog]
+    kv_len, q_hi = kv_lens_ref[j], cu_ref[j + 1]
+    r = lax.div(lax.broadcasted_iota(jnp.int32, (bm, 1), 0), group)  # token in block
+    real = r < nrows
+    pos = kv_len - (q_hi - (row0 + r))
+    # Causal bound: the block's last row sees positions < last; nothing past it
+    # is read (a prefill chunk's early blocks stop early).
+    last = kv_len - (q_hi - (row0 + nrows))
+    kt = tile_pages * bs  # keys per tile
+    n_tiles = jnp.where(nrows > 0, lax.div(last + kt - 1, kt), 0)
+    if splits > 1:
+        share = lax.div(n_tiles + splits - 1, splits)
+        lo = pl.program_id(2) * share
+        hi = jnp.minimum(n_tiles, lo + share)
+    else:
+        lo, hi = jnp.int32(0), n_tiles
+    precision = HIGHEST if dtype == jnp.float32 else None
+    q = q_ref[...].astype(dtype)
+    carry0 = (
+        jnp.full((bm, 1), MASK, jnp.float32),
+        jnp.zeros((bm, 1), jnp.float32),
+        jnp.zeros((bm, q_ref.shape[1]), jnp.float32),
+    )
+
+    def page_body(p: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
+        m, denom, acc = carry
+        if tile_pages == 1:
+            page = pages_ref[j * pages_per_seq + p]
+            k, v = cache_ref[page, :, 2 * kh, :], cache_ref[page, :, 2 * kh + 1, :]
+        else:
+            i = lax.broadcasted_iota(jnp.int32, (kt,), 0)
+            # Pages past the row's end (a tile overhanging the table) read its
+            # last entry again: their keys are >= kv_len, masked below.
+            idx = jnp.minimum(p * tile_pages + lax.div(i, bs), pages_per_seq - 1)
+            page, slot = pages_ref[j * pages_per_seq + idx], lax.rem(i, bs)
+            k, v = cache_ref[page, slot, 2 * kh, :], cache_ref[page, slot, 2 * kh + 1, :]
+        key = p * kt + lax.broadcasted_iota(jnp.int32, (1, kt), 1)
+        ok = real & (key <= pos) & (key < kv_len)
+        live = jnp.transpose(key < kv_len)  # [kt, 1]: stale slots past kv_len
+        k = k.astype(dtype)
+        v = jnp.where(live, v.astype(dtype), 0)
+        # Operands in `dtype`, accumulation in f32 (pl.dot's result type).
+        s = pltriton.dot(q, k, trans_b=True, precision=precision) * scale
+        s = jnp.where(ok, s, MASK)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+        alpha = jnp.exp(m - m_new)
+        w = jnp.where(ok, jnp.exp(s - m_new), 0.0)
+        acc = alpha * acc + pltriton.dot(w.astype(dtype), v, precision=precision)
+        return m_new, alpha * denom + jnp.sum(w, axis=1, keepdims=True), acc
+
+    m, denom, acc = lax.fori_loop(lo, hi, page_body, carry0)
+    if splits > 1:
+        m_ref, l_ref = stat_refs
+        o_ref[...] = acc
+        m_ref[...] = m
+        l_ref[...] = denom
+        return
+    # Rows that attend to nothing are 0; a NaN denominator stays NaN.
+    out = jnp.where(denom == 0, 0.0, acc / jnp.where(denom == 0, 1.0, denom))
+    o_ref[...] = out.astype(o_ref.dtype)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "block_q", "interpret", "num_stages", "kv_splits", "tile_pages"),
+)
+def _call(
+    q: jax.Array,
+    cache: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    scale: float,
+    block_q: int,
+    interpret: bool,
+    num_stages: int = 3,
+    kv_splits: int = 1,
+    tile_pages: int | None = None,
+) -> jax.Array:
+    t, hq, d = q.shape
+    hkv = cache.shape[2] // 2
+    group = hq // hkv
+    s, pps = page_indices.shape
+    seq, row0, rows, starts = program_table(cu_q_lens, num_seqs, t, block_q)
+    progs = seq.shape[0]
+    # M: the block's rows x group, padded to a power of two >= 16 (what Triton
+    # tiles and tensor-core dots take); padding rows are token >= block_q: masked.
+    bm = max(16, pl.next_power_of_2(block_q * group))
+    # Host side (XLA, before the kernel): gather each program's rows into
+    # [programs, Hkv, block_q * group, D]; rows past a block's end are zero.
+    r = jnp.arange(block_q, dtype=jnp.int32)
+    tok = jnp.minimum(row0[:, None] + r[None, :], t - 1)  # [progs, block_q]
+    qb = jnp.where((r[None, :] < rows[:, None])[:, :, None, None], q[tok], 0)
+    qb = qb.reshape(progs, block_q, hkv, group, d).transpose(0, 2, 1, 3, 4)
+    qb = qb.reshape(progs, hkv, block_q * group, d)
+    if bm > block_q * group:
+        qb = jnp.pad(qb, ((0, 0), (0, 0), (0, bm - block_q * group), (0, 0)))
+    kernel = functools.partial(_kernel, group=group, pages_per_seq=pps, scale=scale,
+                               dtype=dot_dtype(cache.dtype), splits=kv_splits,
+                               tile_pages=tile_pages or default_tile_pages(cache.shape[1], pps)
+                               )  # fmt: skip
+
+    def full(shape: tuple[int, ...]) -> pl.BlockSpec:
+        return pl.BlockSpec(shape, lambda b, h, i: (0,) * len(shape))
+
+    blocks = pl.BlockSpec((None, None, bm, d), lambda b, h, i: (b, h, 0, 0))
+    if kv_splits > 1:  # one partial result per split: f32 accumulator, max, denominator
+
+        def part(width: int) -> pl.BlockSpec:
+            return pl.BlockSpec((None, None, None, bm, width), lambda b, h, i: (b, h, i, 0, 0))
+
+        out_specs: list[pl.BlockSpec] | pl.BlockSpec = [part(d), part(1), part(1)]
+        out_shape: list[jax.ShapeDtypeStruct] | jax.ShapeDtypeStruct = [
+            jax.ShapeDtypeStruct((progs, hkv, kv_splits, bm, w), jnp.float32) for w in (d, 1, 1)
+        ]
+    else:
+        out_specs, out_shape = blocks, jax.ShapeDtypeStruct((progs, hkv, bm, d), q.dtype)
+    res = pl.pallas_call(
+        kernel,
+        grid=(progs, hkv, kv_splits),
+        in_specs=[full((progs,))] * 3
+        + [full((s,)), full((s * pps,)), full((s + 1,)), blocks, full(cache.shape)],  # fmt: skip
+        out_specs=out_specs,
+        out_shape=out_shape,
+        interpret=interpret,
+        # Triton explicitly (this JAX defaults GPU kernels to Mosaic GPU); with
+        # 3 stages (Triton's own default on CUDA) its loop pipeliner keeps the
+        # next two pages' tiles in flight while one is computed (8 KiB of
+        # shared memory per stage at D=128, bf16, pages of 16).
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=num_stages),
+        name="kvsched_ragged_paged_attention_gpu",
+    )(seq, row0, rows, kv_lens, page_indices.reshape(s * pps), cu_q_lens, qb, cache)
+    if kv_splits > 1:
+        # The reduce (flash-decoding): rescale each split's accumulator and
+        # denominator to the common max, sum, normalise. A split that read no
+        # page holds (MASK, 0, 0) and adds nothing.
+        acc, m, denom = res
+        m_all = jnp.max(m, axis=2, keepdims=True)
+        w = jnp.exp(m - m_all)
+        denom = jnp.sum(w * denom, axis=2)
+        acc = jnp.sum(w * acc, axis=2)
+        ob = jnp.where(denom == 0, 0.0, acc / jnp.where(denom == 0, 1.0, denom)).astype(q.dtype)
+    else:
+        ob = res
+    # Back to token rows: token t is row (t - cu[seq]) % block_q of its
+    # sequence's program (t - cu[seq]) // block_q; rows past the plan are 0.
+    tseq, valid = token_seq(cu_q_lens, num_seqs, t)
+    off = jnp.arange(t, dtype=jnp.int32) - cu_q_lens[tseq]
+    prog = jnp.clip(starts[tseq] + off // block_q, 0, progs - 1)
+    ob = ob[:, :, : block_q * group].reshape(progs, hkv, block_q, group, d)
+    out = ob[prog, :, off % block_q]  # [t, hkv, g, d]
+    return jnp.where(valid[:, None, None], out.reshape(t, hq, d), 0).astype(q.dtype)
+
+
+def default_tile_pages(block_size: int, pages_per_seq: int) -> int:
+    """Pages per KV tile: 64 keys a tile (4 pages of 16, 2 of 32), at most a
+    sequence's pages. Fewer, longer loop iterations: each waits on its loads
+    once (kernels.cost.gpu_v2_tile_pages)."""
+    return gpu_v2_tile_pages(block_size, pages_per_seq)
+
+
+def default_block_q(tokens: int, seqs: int, group: int) -> int:
+    """Query rows per block, from the plan's shape (static): M = block_q * group
+    is 16 (one tensor-core tile) for decode-heavy buckets (tokens <= 2 x
+    sequence slots: most blocks hold one row), 64 otherwise (a prefill chunk
+    re-reads its KV once per block: bigger blocks, fewer re-reads). The rule
+    lives in the cost model (kernels.cost.gpu_v2_block_q), which describes
+    this kernel at the block size it runs with."""
+    return gpu_v2_block_q(tokens, seqs, group)
+
+
+def default_kv_splits(tokens: int, seqs: int, kv_heads: int, pages_per_seq: int) -> int:
+    """Split-KV from the plan's shape (static): decode-heavy buckets with fewer
+    (sequence slots x KV heads) programs than the GPU has SMs share each
+    sequence's pages over several programs (kernels.cost.gpu_v2_kv_splits; the
+    SM count is the device's where jax reports it, else an H200's 132)."""
+    units = 132
+    if jax.default_backend() == "gpu":
+        units = int(getattr(jax.devices()[0], "core_count", units) or units)
+    return gpu_v2_kv_splits(tokens, seqs, kv_heads, pages_per_seq, units)
+
+
 def ragged_paged_attention_gpu(
     q: jax.Array,
     cache: jax.Array,
     inputs: AttentionInputs,
     *,
     scale: float,
-    block_q: int = 16,
+    block_q: int | None = None,
     interpret: bool | None = None,
+    version: int = 2,
+    kv_splits: int | None = None,
+    kv_tile_pages: int | None = None,
 ) -> jax.Array:
-    """As kernels.tpu.ragged_paged_attention, for NVIDIA GPUs (Triton)."""
+    """As kernels.tpu.ragged_paged_attention, for NVIDIA GPUs (Triton).
+    version 2 (default): query blocks of one sequence each, the GQA group as
+    the dot's M, bf16/fp16 caches on tensor cores; `block_q` defaults to
+    `default_block_q`, `kv_splits` (split-KV) to `default_kv_splits`,
+    `kv_tile_pages` (pages per KV tile) to `default_tile_pages`.
+    version 1: the previous kernel (block_q default 16, no split-KV)."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    return run_padded(_call, q, cache, inputs, scale=scale, block_q=block_q, interpret=interpret)
+    if version == 1:
+        return run_padded(_call_v1, q, cache, inputs, scale=scale, block_q=block_q or 16,
+                          interpret=interpret)  # fmt: skip
+    if version != 2:
+        raise ValueError(f"GPU kernel version {version} (1 or 2)")
+    hkv = cache.shape[-2] // 2
+    if q.shape[1] % hkv:
+        raise ValueError(f"{q.shape[1]} query heads do not group over {hkv} KV heads")
+    if block_q is None:
+        block_q = default_block_q(q.shape[0], inputs.kv_lens.shape[0], q.shape[1] // hkv)
+    if kv_splits is None:
+        s, pps = inputs.page_indices.shape
+        kv_splits = default_kv_splits(q.shape[0], s, hkv, pps)
+    knobs = {"block_q": block_q, "kv_splits": kv_splits, "kv_tile_pages": kv_tile_pages}
+    for name, value in knobs.items():
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    out: jax.Array = _call(q, cache, inputs.kv_lens, inputs.page_indices, inputs.cu_q_lens,
+                           inputs.num_seqs, scale=scale, block_q=block_q,
+                           interpret=bool(interpret), kv_splits=kv_splits,
+                           tile_pages=kv_tile_pages)  # fmt: skip
+    return out
