@@ -22,8 +22,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-SHARED = Path(__file__).resolve().parents[2] / "../shared/traces"
-
 
 def _progress():
     """A rich progress bar keyed by scenario (plain text without rich)."""
@@ -82,12 +80,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from kvsched.sim.traces import read_azure, read_mooncake
 
     if args.trace == "azure":
-        path = args.trace_path or SHARED / "azure_code_2023.csv"
+        path = args.trace_path  # None: the bundled trace (package data)
         arrivals = workloads.azure(read_azure(path, args.limit), time_scale=args.time_scale)
         tenants = [kvsched.TenantConfig("interactive", tier=0),
                    kvsched.TenantConfig("batch", tier=1)]  # fmt: skip
     elif args.trace == "mooncake":
-        path = args.trace_path or SHARED / "mooncake_synthetic.jsonl"
+        path = args.trace_path
         arrivals = workloads.mooncake(read_mooncake(path, args.limit), time_scale=args.time_scale)
         tenants = [kvsched.TenantConfig("mooncake")]
     elif args.trace == "prefill-vs-decode":

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -39,7 +38,6 @@ STEP_OVERHEAD_S = 0.010
 TOKEN_S = 25e-6  # 40k tokens/s of prefill
 BLOCK_SIZE = 16
 DEFAULT_POOLS = (1 << 18, 1 << 20, 1 << 22)  # tokens: 256k, 1M, 4M
-DEFAULT_TRACE = Path(__file__).resolve().parents[3] / "../shared/traces/mooncake_synthetic.jsonl"
 
 
 @dataclass
@@ -168,7 +166,9 @@ def replay(
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("trace", nargs="?", default=str(DEFAULT_TRACE))
+    ap.add_argument("trace", nargs="?", default=None,
+                    help="a Mooncake-format JSONL, plain or .gz (default: the bundled "
+                    "mooncake_synthetic trace, package data)")  # fmt: skip
     ap.add_argument("--limit", type=int, default=None, help="replay the first N requests")
     ap.add_argument("--pools", type=int, nargs="+", default=list(DEFAULT_POOLS),
                     help="pool sizes in tokens")  # fmt: skip

@@ -1,4 +1,7 @@
-"""Readers for the request traces in ../shared/traces (see its README for sources).
+"""Readers for request traces. The two public traces ship inside the package,
+gzip-compressed, as kvsched/data/traces/ (its README carries their sources,
+attribution and licenses); `bundled` names them, `open_trace` reads either
+those or any file (plain or .gz).
 
 mooncake_synthetic.jsonl (kvcache-ai/Mooncake, FAST'25; Apache-2.0) names each
 512-token block of a prompt by a hash id: equal ids are equal content (and, the
@@ -10,14 +13,56 @@ differ somewhere in their 512 (a pseudo-random stream per id).
 
 from __future__ import annotations
 
+import gzip
+import io
 import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 
+if sys.version_info >= (3, 11):
+    from importlib.resources.abc import Traversable
+else:  # pragma: no cover
+    from importlib.abc import Traversable
+
 MOONCAKE_BLOCK = 512
 VOCAB = 32000
+
+
+BUNDLED = {
+    "azure": "azure_code_2023.csv.gz",
+    "mooncake": "mooncake_synthetic.jsonl.gz",
+}
+"""The traces shipped as package data (kvsched/data/traces), by short name."""
+
+
+def bundled(name: str) -> Traversable:
+    """The bundled trace `name` ("azure" or "mooncake"), read through
+    importlib.resources: it works from an installed wheel or a zip as well as
+    from a checkout."""
+    if name not in BUNDLED:
+        raise ValueError(f"no bundled trace {name!r}; known: {', '.join(sorted(BUNDLED))}")
+    return resources.files("kvsched").joinpath("data", "traces", BUNDLED[name])
+
+
+@contextmanager
+def open_trace(path: str | Path | Traversable) -> Iterator[IO[str]]:
+    """A trace as text: a path or a package resource, gunzipped when its name
+    ends in .gz."""
+    src = Path(path) if isinstance(path, str) else path
+    with src.open("rb") as raw:
+        if src.name.endswith(".gz"):
+            with gzip.open(raw, "rt", encoding="utf-8", newline="") as f:
+                yield f
+        else:
+            with io.TextIOWrapper(raw, encoding="utf-8", newline="") as f:
+                yield f
 
 
 @dataclass(frozen=True)
@@ -29,10 +74,14 @@ class MooncakeRequest:
     hash_ids: tuple[int, ...]
 
 
-def read_mooncake(path: str | Path, limit: int | None = None) -> list[MooncakeRequest]:
-    """The trace's requests in arrival order (the first `limit` of them)."""
+def read_mooncake(
+    path: str | Path | Traversable | None = None, limit: int | None = None
+) -> list[MooncakeRequest]:
+    """The trace's requests in arrival order (the first `limit` of them); the
+    bundled mooncake_synthetic trace when `path` is None."""
+    path = bundled("mooncake") if path is None else path
     out: list[MooncakeRequest] = []
-    with open(path) as f:
+    with open_trace(path) as f:
         for line in f:
             if limit is not None and len(out) >= limit:
                 break
@@ -81,14 +130,18 @@ class AzureRequest:
     generated_tokens: int
 
 
-def read_azure(path: str | Path, limit: int | None = None) -> list[AzureRequest]:
+def read_azure(
+    path: str | Path | Traversable | None = None, limit: int | None = None
+) -> list[AzureRequest]:
     """azure_code_2023.csv (Azure/AzurePublicDataset, CC-BY 4.0): TIMESTAMP,
-    ContextTokens, GeneratedTokens, in arrival order."""
+    ContextTokens, GeneratedTokens, in arrival order; the bundled copy when
+    `path` is None."""
     import csv
     from datetime import datetime
 
+    path = bundled("azure") if path is None else path
     rows: list[tuple[datetime, int, int]] = []
-    with open(path, newline="") as f:
+    with open_trace(path) as f:
         for i, r in enumerate(csv.DictReader(f)):
             if limit is not None and i >= limit:
                 break
