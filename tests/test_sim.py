@@ -204,3 +204,69 @@ def test_capped_requests_are_reported_apart_from_done():
     assert ended == bulk["requests"]
     assert "capped (short)" in scenarios.table([r])
     assert f"{bulk['capped']} ({bulk['tokens_short']})" in scenarios.table([r])
+
+
+# -- issue 16: what the table and plots show ---------------------------------------
+
+
+def squeezed_pool():
+    """A pool small enough that reserve admission refuses (pool_full), over-commit
+    preempts and the default ladder climbs."""
+    base = kvsched.SchedulerConfig(num_blocks=201, block_size=16, max_num_seqs=16,
+                                   max_batched_tokens=2048, max_seq_len=1024, max_waiting=8,
+                                   ladder="default")  # fmt: skip
+    arrivals = workloads.burst(seconds=10, base_rate=4, burst_factor=3, gold_rate=1.0,
+                               prompt=256, output=256)  # fmt: skip
+    tenants = [kvsched.TenantConfig("gold", tier=0), kvsched.TenantConfig("bulk", tier=1)]
+    return scenarios.run(base, tenants, arrivals, COST, [
+        scenarios.Scenario("reserve"),
+        scenarios.Scenario("overcommit", {"admission": "overcommit", "watermark_blocks": 1}),
+    ])  # fmt: skip
+
+
+def test_the_table_shows_promised_pages_beside_used_and_preemptions():
+    reserve, over = squeezed_pool()
+    assert reserve.summary()["bulk"]["rejected"]["pool_full"] > 0
+    sh = reserve.pool_shares()
+    # Reserve admission refuses on promised pages, not used ones.
+    assert sh["promised_mean"] > sh["used_mean"] and sh["promised_peak"] > sh["used_peak"]
+    assert over.preemptions == over.stats["preemptions"] > 0
+    text = scenarios.table([reserve, over])
+    assert f"promised {sh['promised_mean']:.0%}/{sh['promised_peak']:.0%}" in text
+    assert f"used {sh['used_mean']:.0%} mean/{sh['used_peak']:.0%} peak" in text
+    assert f"{over.preemptions} preempted" in text and "0 preempted" in text
+
+
+def test_ttft_cdf_counts_a_refusal_as_an_infinite_ttft():
+    reserve, _ = squeezed_pool()
+    bulk = reserve.summary()["bulk"]
+    x, y = reserve.ttft_cdf("bulk")
+    served = bulk["finished"] + bulk["capped"]
+    assert len(x) == served and served < bulk["requests"]
+    assert y[-1] == pytest.approx(served / bulk["requests"]) and y[-1] < 1
+    assert list(x) == sorted(x)
+
+
+def test_plots_label_shares_integer_levels_and_keep_legends_off_the_data():
+    results = squeezed_pool()
+    figs = scenarios.plot_figures(results)
+    try:
+        pool = figs["pool_use.png"].axes
+        assert len(pool) == len(results), "one panel per scenario"
+        for ax in pool:
+            assert "share" in ax.get_ylabel() and len(ax.get_lines()) == 2  # used, promised
+            assert {ln.get_label() for ln in ax.get_lines()} == {"used", "promised"}
+        legend = pool[0].get_legend()
+        assert legend is not None and legend.get_bbox_to_anchor().x0 >= pool[0].bbox.x1 - 1
+        ladder = figs["ladder_level.png"].axes
+        assert any(max(r.timeline["ladder_level"]) > 0 for r in results)
+        for ax in ladder:
+            ticks = ax.get_yticks()
+            assert all(float(t).is_integer() for t in ticks), ticks
+        cdf = figs["ttft_cdf.png"]
+        assert len(cdf.legends) == 1 and all(ax.get_legend() is None for ax in cdf.axes)
+        assert all("offered" in ax.get_ylabel() for ax in cdf.axes)
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close("all")

@@ -61,7 +61,8 @@ def run(
 def table(results: list[SimResult]) -> str:
     """Per scenario and tenant: TTFT and inter-token p50/p99, rejections, tokens/s;
     `capped` (short): requests the ladder's max_tokens cap cut short, apart from
-    `done`, and the output tokens they did not get."""
+    `done`, and the output tokens they did not get. Per scenario: the pool's
+    used and promised shares (mean and peak) and the preemptions."""
     head = (f"{'scenario':<12}{'tenant':<12}{'offered':>8}{'done':>6}{'capped (short)':>16}"
             f"  {'TTFT p50/p99 (s)':>18}  {'ITL p50/p99 (ms)':>18}{'tok/s':>9}"
             "  rejected")  # fmt: skip
@@ -75,48 +76,93 @@ def table(results: list[SimResult]) -> str:
                 f"{row['itl_p50'] * 1e3:>8.1f}/{row['itl_p99'] * 1e3:<9.1f}"
                 f"{row['tokens_per_s']:>9.1f}  {row['rejected'] or '-'}"
             )
+        sh = r.pool_shares()
         lines.append(
-            f"{'':<12}{'(all)':<12} throughput {r.throughput():.1f} tok/s, pool use "
-            f"{r.utilization():.0%}, {r.steps} steps, {r.step_errors} OOM, "
-            f"{r.wall_s:.1f} s wall"
+            f"{'':<12}{'(all)':<12} throughput {r.throughput():.1f} tok/s, pool pages "
+            f"used {sh['used_mean']:.0%} mean/{sh['used_peak']:.0%} peak, promised "
+            f"{sh['promised_mean']:.0%}/{sh['promised_peak']:.0%}, {r.preemptions} preempted, "
+            f"{r.steps} steps, {r.step_errors} OOM, {r.wall_s:.1f} s wall"
         )
+    lines.append(
+        "pool pages: used = holding KV; promised = committed to admitted requests "
+        "(reserve-mode admission refuses on promised, hence pool_full at a low used share)"
+    )
     return "\n".join(lines)
 
 
-def plot(results: list[SimResult], out_dir: str) -> list[str]:
-    """PNGs: TTFT CDFs per tenant, pool use over time, ladder level over time."""
-    import os
+def _panels(n: int, plt: Any, height: float = 1.6) -> tuple[Any, list[Any]]:
+    """One panel per scenario, stacked, sharing the time axis."""
+    fig, axes = plt.subplots(n, 1, figsize=(8, 0.8 + height * n), sharex=True, squeeze=False)
+    return fig, list(axes[:, 0])
 
+
+def plot_figures(results: list[SimResult]) -> dict[str, Any]:
+    """The figures `plot` writes, by file name (matplotlib Figures)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
+    from matplotlib.ticker import MaxNLocator, PercentFormatter
+
+    figs: dict[str, Any] = {}
+    tenants = sorted({t for r in results for t in r.tenants()})
+    fig, axes = plt.subplots(1, len(tenants), figsize=(5 * len(tenants) + 2, 4), squeeze=False)
+    for ax, t in zip(axes[0], tenants, strict=True):
+        for r in results:
+            x, y = r.ttft_cdf(t)
+            if len(x):
+                ax.plot(x, y, label=r.name)
+        ax.set(xscale="log", xlabel="TTFT (s)", ylabel="share of offered requests",
+               title=f"{t} (refused = infinite TTFT)", ylim=(0, 1.02))  # fmt: skip
+    seen: dict[str, Any] = {}
+    for ax in axes[0]:
+        for h, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            seen.setdefault(label, h)
+    fig.legend(list(seen.values()), list(seen), loc="center left", bbox_to_anchor=(1.0, 0.5),
+               fontsize=8)  # fmt: skip
+    fig.tight_layout()
+    figs["ttft_cdf.png"] = fig
+
+    fig, axes = _panels(len(results), plt)
+    for ax, r in zip(axes, results, strict=True):
+        ax.plot(r.timeline["t"], r.timeline["pool_used"], lw=0.8, label="used")
+        ax.plot(r.timeline["t"], r.timeline.get("pool_promised", []), lw=0.8, label="promised")
+        ax.set_ylim(0, 1.05)
+        ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+        ax.set_ylabel("share of\npool pages")
+        ax.set_title(f"{r.name}: {r.preemptions} preempted", fontsize=8, loc="left")
+    axes[0].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    axes[-1].set_xlabel("virtual time (s)")
+    fig.tight_layout()
+    figs["pool_use.png"] = fig
+
+    fig, axes = _panels(len(results), plt, height=1.0)
+    for ax, r in zip(axes, results, strict=True):
+        ax.step(r.timeline["t"], r.timeline["ladder_level"], where="post", lw=0.8)
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylim(bottom=0)
+        ax.set_ylabel("level")
+        ax.set_title(r.name, fontsize=8, loc="left")
+    axes[-1].set_xlabel("virtual time (s)")
+    fig.tight_layout()
+    figs["ladder_level.png"] = fig
+    return figs
+
+
+def plot(results: list[SimResult], out_dir: str) -> list[str]:
+    """PNGs: TTFT CDFs per tenant over offered requests (a refusal counts as an
+    infinite TTFT: the curve ends at the served share), the pool's used and
+    promised shares over time, and the ladder level (an integer) over time, one
+    panel per scenario."""
+    import os
+
+    import matplotlib.pyplot as plt
 
     os.makedirs(out_dir, exist_ok=True)
     paths = []
-    tenants = sorted({t for r in results for t in r.tenants()})
-    fig, axes = plt.subplots(1, len(tenants), figsize=(5 * len(tenants), 4), squeeze=False)
-    for ax, t in zip(axes[0], tenants, strict=True):
-        for r in results:
-            ttft = np.sort([x.ttft for x in r.records if x.tenant == t and x.ttft is not None])
-            if len(ttft):
-                ax.plot(ttft, np.arange(1, len(ttft) + 1) / len(ttft), label=r.name)
-        ax.set(xscale="log", xlabel="TTFT (s)", ylabel="share of requests", title=t)
-        ax.legend(fontsize=7)
-    paths.append(os.path.join(out_dir, "ttft_cdf.png"))
-    fig.tight_layout()
-    fig.savefig(paths[-1], dpi=100)
-    for key, label, name in (("pool_used", "pool pages in use", "pool_use.png"),
-                             ("ladder_level", "ladder level", "ladder_level.png")):  # fmt: skip
-        fig, ax = plt.subplots(figsize=(8, 3.5))
-        for r in results:
-            ax.plot(r.timeline["t"], r.timeline[key], label=r.name, lw=0.8)
-        ax.set(xlabel="virtual time (s)", ylabel=label)
-        ax.legend(fontsize=7)
+    for name, fig in plot_figures(results).items():
         paths.append(os.path.join(out_dir, name))
-        fig.tight_layout()
-        fig.savefig(paths[-1], dpi=100)
+        fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
     plt.close("all")
     return paths
 

@@ -151,6 +151,33 @@ class SimResult:
         used = self.timeline.get("pool_used", [])
         return float(np.mean(used)) if used else 0.0
 
+    def pool_shares(self) -> dict[str, float]:
+        """Mean and peak shares of the pool's pages: `used` (holding KV now) and
+        `promised` (committed to admitted requests: what reserve-mode admission
+        refuses on, so a pool_full rejection can come at a low used share)."""
+        out = {}
+        for key in ("used", "promised"):
+            xs = self.timeline.get(f"pool_{key}", [])
+            out[f"{key}_mean"] = float(np.mean(xs)) if xs else 0.0
+            out[f"{key}_peak"] = float(np.max(xs)) if xs else 0.0
+        return out
+
+    @property
+    def preemptions(self) -> int:
+        """Running requests the scheduler preempted (queued again), whole run."""
+        return int(self.stats.get("preemptions", 0))
+
+    def ttft_cdf(self, tenant: str) -> tuple[np.ndarray, np.ndarray]:
+        """The TTFT CDF of `tenant` over every offered request: a request never
+        served (rejected, displaced, aborted) counts as an infinite TTFT, so the
+        curve ends at the served share, below 1 when any was refused."""
+        mine = [r for r in self.records if r.tenant == tenant]
+        ttft = np.sort([r.ttft for r in mine if r.ttft is not None and r.outcome in SERVED])
+        return ttft, np.arange(1, len(ttft) + 1) / max(1, len(mine))
+
+
+SERVED = ("finished", "capped")
+
 
 def _pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
@@ -174,7 +201,9 @@ def simulate(
     records: list[RequestRecord] = []
     by_id: dict[int, RequestRecord] = {}
     total_pages = config.num_blocks - 1
-    timeline: dict[str, list[float]] = {"t": [], "pool_used": [], "ladder_level": []}
+    timeline: dict[str, list[float]] = {
+        "t": [], "pool_used": [], "pool_promised": [], "ladder_level": []
+    }  # fmt: skip
     now, nxt, steps, errors = 0.0, 0, 0, 0
     held: list[tuple[Arrival, RequestRecord]] = []  # static batching: waits client-side
     n = len(arrivals)
@@ -260,6 +289,7 @@ def simulate(
             st = sched.stats(now=now)
             timeline["t"].append(now)
             timeline["pool_used"].append(st["pool"]["used"] / total_pages)
+            timeline["pool_promised"].append(st["pool"]["committed"] / total_pages)
             timeline["ladder_level"].append(st["ladder"]["level"])
         if progress is not None and steps % 256 == 0:
             progress(nxt, n)
