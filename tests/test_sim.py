@@ -270,3 +270,33 @@ def test_plots_label_shares_integer_levels_and_keep_legends_off_the_data():
         import matplotlib.pyplot as plt
 
         plt.close("all")
+
+
+def test_the_readmes_chunked_prefill_claim_reproduces_from_the_cli(capsys):
+    from kvsched.cli import main
+
+    assert main(["simulate", "--trace", "prefill-vs-decode",
+                 "--scenarios", "continuous,unchunked"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "step budget 2,048 tokens, prefill chunk 2,048" in out
+    assert "ITL p50/p99/p99.9/max (ms)" in out
+    rows = {}
+    for line in out.splitlines():
+        f = line.split()
+        if len(f) > 5 and f[1] == "chat":
+            rows[f[0]] = [float(x) for x in f[6].split("/")]  # p50/p99/p99.9/max, ms
+    chunked, unchunked = rows["continuous"], rows["unchunked"]
+    assert chunked[1] < 100 < 800 < unchunked[1]
+    assert chunked[3] < 100 < unchunked[3]
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    claim = " ".join(readme.split("On the prefill-heavy mix, ", 1)[1].split("\n\n")[0].split())
+    assert "kvsched simulate --trace prefill-vs-decode" in claim
+    assert f"p99 and max at {chunked[1]:.1f} ms" in claim and chunked[1] == chunked[3]
+    assert f"stalls it {unchunked[3]:.1f} ms (p99 = max)" in claim
+    assert unchunked[1] == unchunked[3]
+    assert f"({chunked[0]:.1f} ms against {unchunked[0]:.1f} ms" in claim
+    assert main(["simulate", "--trace", "prefill-vs-decode", "--scenarios", "continuous",
+                 "--max-batched-tokens", "8192"]) == 0  # fmt: skip
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.split()[1:2] == ["chat"])
+    big = float(line.split()[6].split("/")[3])
+    assert f"`--max-batched-tokens 8192` chunked prefill's max is {big:.1f} ms" in claim

@@ -89,11 +89,17 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         arrivals = workloads.mooncake(read_mooncake(path, args.limit), time_scale=args.time_scale)
         tenants = [kvsched.TenantConfig("mooncake")]
     elif args.trace == "prefill-vs-decode":
-        arrivals = workloads.scale_time(workloads.prefill_vs_decode(seconds=60), args.time_scale)
+        arrivals = workloads.scale_time(workloads.prefill_vs_decode(seconds=20, long_rate=1.0),
+                                        args.time_scale)  # fmt: skip
         tenants = [kvsched.TenantConfig("chat", tier=0), kvsched.TenantConfig("docs", tier=1)]
     else:
         arrivals = workloads.scale_time(workloads.burst(seconds=40), args.time_scale)
         tenants = [kvsched.TenantConfig("gold", tier=0), kvsched.TenantConfig("bulk", tier=1)]
+    # The prefill-vs-decode mix is the README's chunked-prefill comparison: a
+    # 2,048-token step budget, where p99 already shows the unchunked stall.
+    step_budget = args.max_batched_tokens
+    if step_budget is None:
+        step_budget = 2048 if args.trace == "prefill-vs-decode" else 8192
     if not arrivals:
         print("the workload is empty", file=sys.stderr)
         return 2
@@ -101,7 +107,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     context = max(args.context, -(-longest // 16) * 16)
     cap = capacity(args.model, args.accelerator, devices=args.devices, context=context)
     base = cap.scheduler_config(
-        max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
+        max_num_seqs=args.max_num_seqs, max_batched_tokens=step_budget,
         long_prefill_chunk=args.chunk, max_waiting=4 * args.max_num_seqs,
     )  # fmt: skip
     chosen = scenarios.standard(base)
@@ -115,7 +121,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     cost = StepCost.preset(args.model, args.accelerator, devices=args.devices)
     pool = f"{base.num_blocks - 1:,} KV blocks of {base.block_size}"
     print(f"{len(arrivals)} requests ({args.trace}) on {args.devices} x {args.accelerator} "
-          f"serving {args.model}: {pool}")  # fmt: skip
+          f"serving {args.model}: {pool}; step budget {step_budget:,} tokens, prefill "
+          f"chunk {args.chunk:,}")  # fmt: skip
+    if args.trace == "prefill-vs-decode":
+        print("  prefill-vs-decode: 20 s; chat 4 req/s (200-token prompts, 200 out, tier 0), "
+              "docs 1 req/s (30,000-token prompts, 16 out, tier 1), Poisson, seed 0")  # fmt: skip
     prog, update = _progress()
     if prog is not None:
         prog.start()
@@ -246,7 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--devices", type=int, default=1)
     s.add_argument("--context", type=int, default=8192)
     s.add_argument("--max-num-seqs", type=int, default=128)
-    s.add_argument("--max-batched-tokens", type=int, default=8192)
+    s.add_argument("--max-batched-tokens", type=int, default=None,
+                   help="step budget in tokens (default 2048 for prefill-vs-decode, "
+                   "8192 otherwise)")  # fmt: skip
     s.add_argument("--chunk", type=int, default=2048)
     s.add_argument("--plots", help="write PNG plots to this folder")
     s.set_defaults(func=cmd_simulate)

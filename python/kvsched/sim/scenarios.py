@@ -58,13 +58,18 @@ def run(
     return out
 
 
+def _itl(row: dict[str, Any]) -> str:
+    keys = ("itl_p50", "itl_p99", "itl_p999", "itl_max")
+    return "/".join(f"{row[k] * 1e3:.1f}" for k in keys)
+
+
 def table(results: list[SimResult]) -> str:
     """Per scenario and tenant: TTFT and inter-token p50/p99, rejections, tokens/s;
     `capped` (short): requests the ladder's max_tokens cap cut short, apart from
     `done`, and the output tokens they did not get. Per scenario: the pool's
     used and promised shares (mean and peak) and the preemptions."""
     head = (f"{'scenario':<12}{'tenant':<12}{'offered':>8}{'done':>6}{'capped (short)':>16}"
-            f"  {'TTFT p50/p99 (s)':>18}  {'ITL p50/p99 (ms)':>18}{'tok/s':>9}"
+            f"  {'TTFT p50/p99 (s)':>18}  {'ITL p50/p99/p99.9/max (ms)':>28}{'tok/s':>9}"
             "  rejected")  # fmt: skip
     lines = [head, "-" * len(head)]
     for r in results:
@@ -73,7 +78,7 @@ def table(results: list[SimResult]) -> str:
             lines.append(
                 f"{r.name:<12}{t:<12}{row['requests']:>8}{row['finished']:>6}{capped:>16}  "
                 f"{row['ttft_p50']:>8.3f}/{row['ttft_p99']:<9.3f}  "
-                f"{row['itl_p50'] * 1e3:>8.1f}/{row['itl_p99'] * 1e3:<9.1f}"
+                f"{_itl(row):>28}"
                 f"{row['tokens_per_s']:>9.1f}  {row['rejected'] or '-'}"
             )
         sh = r.pool_shares()
