@@ -300,3 +300,46 @@ def test_the_readmes_chunked_prefill_claim_reproduces_from_the_cli(capsys):
     line = next(x for x in capsys.readouterr().out.splitlines() if x.split()[1:2] == ["chat"])
     big = float(line.split()[6].split("/")[3])
     assert f"`--max-batched-tokens 8192` chunked prefill's max is {big:.1f} ms" in claim
+
+
+def _rows(out: str) -> dict[str, list[str]]:
+    """Each scenario's table lines (tenant rows and its (all) line, minus the
+    wall time), by scenario name."""
+    rows: dict[str, list[str]] = {}
+    name = ""
+    for line in out.splitlines():
+        if "s wall" in line:
+            rows[name].append(line.rsplit(",", 1)[0])
+        elif line[:1].isalpha() and not line.startswith(("scenario", "pool pages")):
+            name = line.split()[0]
+            rows.setdefault(name, []).append(line[12:])  # without the name
+    return rows
+
+
+def test_scenarios_run_at_a_load_where_they_differ_and_say_so(capsys):
+    """The bundled Azure trace whole: at its own rate the reserve scenarios print
+    the figures of the default; at the default --load (2x) they differ."""
+    from kvsched.cli import DEFAULT_LOAD, main
+
+    wanted = "continuous,reserve_5%,reserve_20%"
+    assert main(["simulate", "--trace", "azure", "--scenarios", "continuous,reserve_5%",
+                 "--load", "1"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "load 1x the workload's arrival rate\n" in out
+    one = _rows(out)
+    # Rows: batch, interactive, (all). At 1x tier 0 gets the same figures.
+    assert one["continuous"][1] == one["reserve_5%"][1], "at 1x: the same figures"
+    assert DEFAULT_LOAD["azure"] == 2.0
+    assert main(["simulate", "--trace", "azure", "--scenarios", wanted]) == 0
+    out = capsys.readouterr().out
+    assert "load 2x the workload's arrival rate (the default for this trace" in out
+    two = _rows(out)
+    assert two["continuous"][1] != two["reserve_5%"][1] != two["reserve_20%"][1]
+    assert "pool_full" in two["continuous"][1], "the pool is under pressure"
+    # --load 2 is --time-scale 0.5: the same arrivals.
+    assert main(["simulate", "--trace", "azure", "--scenarios", "reserve_20%",
+                 "--load", "1", "--time-scale", "0.5"]) == 0  # fmt: skip
+    assert _rows(capsys.readouterr().out)["reserve_20%"] == two["reserve_20%"]
+    for bad in ("0", "-1", "nan"):
+        assert main(["simulate", "--trace", "burst", "--load", bad]) == 2
+        assert "--load" in capsys.readouterr().err
