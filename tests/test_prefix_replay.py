@@ -82,3 +82,42 @@ def test_replay_split_over_tenants_keeps_prefixes_together_and_the_partition_cos
     # Cached blocks kept within each tenant's unused floor are fewer than one
     # LRU over the whole pool keeps: fewer hits, never more here.
     assert 0 < parted.hit_tokens < shared.hit_tokens
+
+
+# -- issue 16: the hit rate and its ceiling on the same blocks -----------------
+
+
+def test_the_ceiling_is_counted_on_the_caches_blocks_and_bounds_the_hit_rate():
+    from kvsched.sim.traces import mooncake_ceiling_at
+
+    reqs = read_mooncake(HEAD, limit=300)
+    blocks, tokens = mooncake_ceiling_at(reqs, 16)
+    big = replay(reqs, 1 << 24)  # nothing evicted: as close to the ceiling as timing allows
+    assert big.evictions == 0
+    assert big.query_blocks == sum((r.input_length - 1) // 16 for r in reqs)
+    assert big.block_hit_rate <= blocks and big.token_hit_rate <= tokens
+    assert big.block_hit_rate > 0.6 * blocks
+    # By hand: the second request shares the first 512-token block (32 blocks
+    # of 16); its second id differs, so nothing after that is a possible hit.
+    a = MooncakeRequest(0.0, 1024, 1, (1, 2))
+    b = MooncakeRequest(1.0, 612, 1, (1, 3))
+    blocks, tokens = mooncake_ceiling_at([a, b], 16)
+    queried = (1024 - 1) // 16 + (612 - 1) // 16  # 63 + 38
+    assert blocks == 32 / queried and tokens == 32 * 16 / (1024 + 612)
+    with pytest.raises(ValueError, match="does not divide"):
+        mooncake_ceiling_at([a], 24)
+
+
+def test_prefix_replay_prints_the_hit_rate_beside_its_ceiling_on_the_same_blocks(capsys):
+    from kvsched.sim import prefix_replay
+    from kvsched.sim.traces import mooncake_ceiling_at
+
+    prefix_replay.main([str(HEAD), "--limit", "100", "--pools", "16777216"])
+    out = capsys.readouterr().out.splitlines()
+    blocks, tokens = mooncake_ceiling_at(read_mooncake(HEAD, limit=100), 16)
+    assert "ceiling on 16-token blocks (as the cache counts, the columns below)" in out[1]
+    head = out[3].split()
+    assert head[:7] == ["pool", "tokens", "cache", "block", "hits", "ceiling", "token"]
+    row = out[4].split()
+    assert row[3] == f"{blocks:.1%}" and row[5] == f"{tokens:.1%}"
+    assert float(row[2].rstrip("%")) <= float(row[3].rstrip("%"))

@@ -122,6 +122,30 @@ def mooncake_ceiling(reqs: list[MooncakeRequest]) -> tuple[float, float]:
     return hit_blocks / blocks, hit_tokens / tokens
 
 
+def mooncake_ceiling_at(reqs: list[MooncakeRequest], block_size: int) -> tuple[float, float]:
+    """`mooncake_ceiling` counted the way the scheduler counts its prefix cache,
+    on `block_size`-token blocks (a divisor of 512): a request queries its
+    prompt's full blocks but the last token's ((n - 1) // block_size of them),
+    and a block is a possible hit when an earlier request's prompt held it whole.
+    Returns (the share of queried blocks, hit tokens over prompt tokens), the
+    ceilings of ReplayResult.block_hit_rate and token_hit_rate at that size."""
+    if block_size < 1 or MOONCAKE_BLOCK % block_size:
+        raise ValueError(f"block_size {block_size} does not divide {MOONCAKE_BLOCK}")
+    per = MOONCAKE_BLOCK // block_size
+    seen: set[tuple[int, int]] = set()
+    queried = hits = tokens = 0
+    for r in reqs:
+        # Block k lies in 512-token block k // per at offset k % per; the ids
+        # being prefix-chained, an equal (id, offset) is an equal prefix.
+        keys = [(r.hash_ids[k // per], k % per) for k in range(r.input_length // block_size)]
+        q = (r.input_length - 1) // block_size
+        queried += q
+        hits += sum(key in seen for key in keys[:q])
+        tokens += r.input_length
+        seen.update(keys)
+    return hits / max(1, queried), hits * block_size / max(1, tokens)
+
+
 @dataclass(frozen=True)
 class AzureRequest:
     arrival: float
