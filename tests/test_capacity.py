@@ -140,3 +140,28 @@ def test_an_int8_kv_cache_counts_its_scales():
     assert capacity("llama-3-8b", "h100", kv_dtype_bytes=1).kv_bytes_per_token == 65_536
     with pytest.raises(CapacityError, match="not both"):
         capacity("llama-3-8b", "h100", kv_dtype="int8", kv_dtype_bytes=1)
+
+
+# -- issue 16: sliding-window layers, the cost table, help text ---------------------
+
+
+def test_gemma_2_sliding_window_layers_keep_only_their_window():
+    m = MODELS["gemma-2-9b"]
+    assert (m.sliding_window, m.sliding_layers, m.layers) == (4096, 21, 42)
+    per_layer = 344_064 / 42
+    # Within the window every layer keeps every token; past it, 21 layers stop at 4,096.
+    assert m.kv_bytes_per_sequence(4096) == 344_064 * 4096
+    assert m.kv_bytes_per_sequence(8192) == per_layer * (21 * 8192 + 21 * 4096)
+    assert m.kv_bytes_per_sequence(8192) == pytest.approx(0.75 * 344_064 * 8192)
+    c = capacity("gemma-2-9b", "h100", context=8192)
+    usable = 80e9 * 0.9 - 9.24e9 * 2
+    assert c.max_concurrent_seqs == int(usable // (0.75 * 344_064 * 8192)) == 25
+    assert c.full_context_seqs == 18  # every layer at 8k: 33% more per sequence
+    # kvsched's pages hold every layer: its scheduler gets the full-context figure.
+    assert c.scheduler_config().max_num_seqs == 18
+    big = capacity("gemma-2-27b", "h100", context=8192)
+    assert big.max_concurrent_seqs > big.full_context_seqs
+    # Models without sliding windows: unchanged.
+    llama = capacity("llama-3-8b", "h100", context=8192)
+    assert llama.max_concurrent_seqs == llama.full_context_seqs == 52
+    assert MODELS["llama-3-8b"].kv_bytes_per_sequence(8192) == 131_072 * 8192

@@ -9,10 +9,12 @@ describes its cache arrays with it too (kvsched.engine.kv_cache, which derives
 the element and scale bytes from the dtypes it stores). It lives here, not in
 the engine, because this module must import without JAX. Weights take
 parameters x bytes per weight (bf16 2, int8 1, int4 0.5). Usable KV = devices x
-HBM x (1 - overhead reserve) - weights. Tensor parallelism is modelled as one
-device with the devices' summed memory: right for memory (weights and KV heads
-split evenly), optimistic for latency (it ignores the all-reduces between
-devices).
+HBM x (1 - overhead reserve) - weights. Sliding-window layers (Gemma-2's local
+layers) keep at most their window of each sequence's tokens, so sequences at
+a long context are counted with that bound (`kv_bytes_per_sequence`).
+Tensor parallelism is modelled as one device with the devices' summed
+memory: right for memory (weights and KV heads split evenly), optimistic for
+latency (it ignores the all-reduces between devices).
 
 Cost. Three ways to serve a load of tokens per second: pay-as-you-go per token,
 provisioned throughput units (a fixed rate buys a fixed token throughput), and
@@ -63,6 +65,26 @@ class ModelShape:
     head_dim: int
     params: float  # parameters
     vocab: int
+    # Sliding-window attention (Gemma-2: every other layer attends to the last
+    # 4,096 tokens only): those layers keep at most `sliding_window` tokens of
+    # KV per sequence, whatever its length. 0 layers: every layer is global.
+    sliding_window: int | None = None
+    sliding_layers: int = 0
+
+    def kv_bytes_per_sequence(
+        self, context: int, dtype_bytes: float = 2, *, kv_dtype: str | None = None,
+        block_size: int = 1,
+    ) -> float:  # fmt: skip
+        """KV bytes one sequence of `context` tokens holds, in pages of
+        `block_size` tokens: global layers keep every token, sliding-window
+        layers at most the window's."""
+        per_layer = self.kv_bytes_per_token(dtype_bytes, kv_dtype=kv_dtype) / self.layers
+        full = math.ceil(context / block_size) * block_size
+        kept = full
+        if self.sliding_layers and self.sliding_window is not None:
+            kept = math.ceil(min(context, self.sliding_window) / block_size) * block_size
+        glob = self.layers - self.sliding_layers
+        return per_layer * (glob * full + self.sliding_layers * kept)
 
     def kv_bytes_per_token(self, dtype_bytes: float = 2, *, kv_dtype: str | None = None) -> float:
         """K and V of one token over all layers: `dtype_bytes` per element, or a
@@ -110,8 +132,9 @@ MODELS: dict[str, ModelShape] = {
         ModelShape("llama-3-70b", 80, 8, 128, 70.6e9, 128256),
         ModelShape("mistral-7b", 32, 8, 128, 7.25e9, 32768),
         ModelShape("qwen2.5-7b", 28, 4, 128, 7.62e9, 152064),
-        ModelShape("gemma-2-9b", 42, 8, 256, 9.24e9, 256000),
-        ModelShape("gemma-2-27b", 46, 16, 128, 27.2e9, 256000),
+        # Gemma-2 alternates local (4,096-token sliding window) and global layers.
+        ModelShape("gemma-2-9b", 42, 8, 256, 9.24e9, 256000, 4096, 21),
+        ModelShape("gemma-2-27b", 46, 16, 128, 27.2e9, 256000, 4096, 23),
         ModelShape("smollm2-135m", 30, 3, 64, 134.5e6, 49152),  # the main job's model
     )
 }
@@ -145,6 +168,11 @@ class Capacity:
     kv_tokens: int
     context: int
     max_concurrent_seqs: int
+    """Sequences of `context` tokens that fit at once, sliding-window layers
+    keeping only their window (an engine that frees what slid out)."""
+    full_context_seqs: int = 0
+    """The same if every layer kept every token (as kvsched's pages do: a page
+    holds all layers); equal to max_concurrent_seqs without sliding windows."""
 
     def scheduler_config(self, **overrides: Any) -> kvsched.SchedulerConfig:
         """The kvsched.SchedulerConfig this capacity calls for (the overhead
@@ -155,7 +183,8 @@ class Capacity:
             num_blocks=self.kv_blocks + 1,  # + the null page
             block_size=self.block_size,
             max_seq_len=self.context,
-            max_num_seqs=min(self.max_concurrent_seqs, 1024),
+            # kvsched's pages hold every layer: no sliding-window saving here.
+            max_num_seqs=min(self.full_context_seqs or self.max_concurrent_seqs, 1024),
             overhead_reserve=0.0,
         )
         kw.update(overrides)
@@ -199,6 +228,11 @@ def capacity(
         per_token = m.kv_bytes_per_token(kv_dtype=kv_dtype)
     blocks = int(usable // (per_token * block_size))
     per_seq_blocks = math.ceil(context / block_size)
+    if kv_dtype is None:
+        seq_bytes = m.kv_bytes_per_sequence(context, 2 if kv_dtype_bytes is None
+                                            else kv_dtype_bytes, block_size=block_size)  # fmt: skip
+    else:
+        seq_bytes = m.kv_bytes_per_sequence(context, kv_dtype=kv_dtype, block_size=block_size)
     if blocks < per_seq_blocks:
         raise CapacityError(
             f"{m.name} on {devices} x {a.name} leaves KV room for {blocks * block_size:,} "
@@ -215,8 +249,13 @@ def capacity(
         kv_blocks=blocks,
         kv_tokens=blocks * block_size,
         context=context,
-        max_concurrent_seqs=blocks // per_seq_blocks,
-    )
+        # Whole pages: the same figure as blocks // per_seq_blocks without windows.
+        max_concurrent_seqs=(
+            blocks // per_seq_blocks if not m.sliding_layers
+            else int(usable // seq_bytes)
+        ),
+        full_context_seqs=blocks // per_seq_blocks,
+    )  # fmt: skip
 
 
 # -- cost ----------------------------------------------------------------------------

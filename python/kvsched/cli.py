@@ -54,6 +54,11 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     print(f"  usable for KV    {c.usable_kv_bytes / 1e9:10.1f} GB ({reserve})")
     print(f"  KV blocks        {c.kv_blocks:10,} of {c.block_size} tokens = {c.kv_tokens:,} tokens")
     print(f"  sequences of {c.context:,} tokens at once: {c.max_concurrent_seqs:,}")
+    m = cap.MODELS[args.model]
+    if m.sliding_layers and m.sliding_window is not None:
+        print(f"    ({m.sliding_layers} of {m.layers} layers keep a {m.sliding_window:,}-token "
+              f"sliding window; {c.full_context_seqs:,} if every layer kept all "
+              f"{c.context:,} tokens, as kvsched's pages do)")  # fmt: skip
     cfg = c.scheduler_config()
     print(
         f"  kvsched.SchedulerConfig(num_blocks={cfg.num_blocks}, block_size={cfg.block_size}, "
