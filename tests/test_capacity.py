@@ -165,3 +165,54 @@ def test_gemma_2_sliding_window_layers_keep_only_their_window():
     llama = capacity("llama-3-8b", "h100", context=8192)
     assert llama.max_concurrent_seqs == llama.full_context_seqs == 52
     assert MODELS["llama-3-8b"].kv_bytes_per_sequence(8192) == 131_072 * 8192
+
+
+def test_a_missing_engineering_cost_leaves_self_hosting_out_not_the_table(capsys):
+    from kvsched.cli import main
+
+    assert main(["capacity", "--load", "150", "--payg", "10", "--ptu-hour", "4",
+                 "--ptu-tps", "100", "--device-hour", "2", "--device-tps", "100"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "pay_as_you_go        5.40 $/h" in out and "provisioned          8.00 $/h" in out
+    assert "self_hosted   " not in out
+    assert "self_hosted left out: --engineering-hour" in out
+    assert "provisioned units: throughput units of --ptu-tps 100 tokens/s each" in out
+    # The library still refuses to cost self-hosting without it.
+    with pytest.raises(CapacityError, match="engineering_per_hour"):
+        compare(150, Prices(10.0, device_per_hour=2.0, device_tokens_per_s=100.0))
+
+
+def test_the_cost_table_says_where_self_hosted_units_come_from(capsys):
+    from kvsched.cli import main
+
+    assert main(["capacity", "--load", "150", "--payg", "10", "--device-hour", "2",
+                 "--device-tps", "100", "--engineering-hour", "1"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "self_hosted          5.00 $/h  units    2" in out
+    assert "self_hosted units: accelerators (h100) of --device-tps 100 tokens/s each" in out
+
+
+def test_every_cli_option_has_help_with_its_unit_or_default():
+    import argparse
+    import re
+
+    from kvsched.cli import build_parser
+
+    unit = re.compile(
+        r"tokens|seconds|bytes|\$|count|fraction|tokens/s|\bx\b|requests|port|seed|pages"
+    )
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    checked = 0
+    for name, parser in sub.choices.items():
+        for a in parser._actions:
+            if isinstance(a, argparse._HelpAction):
+                continue
+            where = f"kvsched {name} {'/'.join(a.option_strings)}"
+            assert a.help, f"{where}: no help"
+            if a.default is not None and a.default is not False:
+                assert "default" in a.help, f"{where}: default {a.default!r} not said"
+            if a.type in (int, float):
+                assert "default" in a.help, f"{where}: no default said"
+                assert unit.search(a.help), f"{where}: no unit in {a.help!r}"
+            checked += 1
+    assert checked > 40

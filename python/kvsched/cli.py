@@ -68,12 +68,33 @@ def cmd_capacity(args: argparse.Namespace) -> int:
         if args.payg is None:
             print("cost: --payg (per million tokens) is needed with --load", file=sys.stderr)
             return 2
-        prices = cap.Prices(args.payg, args.ptu_hour, args.ptu_tps, args.device_hour,
-                            args.device_tps, args.engineering_hour)  # fmt: skip
+        device_hour, device_tps = args.device_hour, args.device_tps
+        left_out = None
+        if device_hour is not None and args.engineering_hour is None:
+            # The options that need no engineering cost are still worth printing.
+            left_out = (
+                "self_hosted left out: --engineering-hour ($ per hour of the people who "
+                "run it) is needed; no default is honest (0 makes self-hosting look cheaper)"
+            )
+            device_hour = device_tps = None
+        prices = cap.Prices(args.payg, args.ptu_hour, args.ptu_tps, device_hour,
+                            device_tps, args.engineering_hour)  # fmt: skip
+        options = cap.compare(args.load, prices)
         print(f"cost of {args.load:,.0f} tokens/s:")
-        for o in cap.compare(args.load, prices):
+        for o in options:
             print(f"  {o.name:<14} {o.per_hour:10.2f} $/h  units {o.units:>4}  "
                   f"utilization {o.utilization:.0%}")  # fmt: skip
+        # Where "units" come from: given throughputs, not this command's sizing.
+        names = {o.name for o in options}
+        if "provisioned" in names:
+            print(f"  provisioned units: throughput units of --ptu-tps {args.ptu_tps:g} "
+                  "tokens/s each")  # fmt: skip
+        if "self_hosted" in names:
+            print(f"  self_hosted units: accelerators ({args.accelerator}) of --device-tps "
+                  f"{args.device_tps:g} tokens/s each, as given (not derived from the "
+                  f"capacity above)")  # fmt: skip
+        if left_out:
+            print(f"  {left_out}")
     return 0
 
 
@@ -235,56 +256,119 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return server.run(args.host, args.port, log_level=args.log_level)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `kvsched` command line: every option carries help text with its unit
+    and default (tests/test_capacity.py walks it)."""
     from kvsched.capacity import ACCELERATORS, MODELS
 
     ap = argparse.ArgumentParser(prog="kvsched", description="kvsched: capacity and simulation")
     sub = ap.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("capacity", help="KV capacity, the matching SchedulerConfig, cost")
-    c.add_argument("--model", default="llama-3-8b", choices=sorted(MODELS))
-    c.add_argument("--accelerator", default="h100", choices=sorted(ACCELERATORS))
-    c.add_argument("--devices", type=int, default=1)
-    c.add_argument("--precision", default="bf16")
+    c.add_argument("--model", default="llama-3-8b", choices=sorted(MODELS),
+                   help="model preset (default llama-3-8b)")  # fmt: skip
+    c.add_argument("--accelerator", default="h100", choices=sorted(ACCELERATORS),
+                   help="accelerator preset (default h100)")  # fmt: skip
+    c.add_argument(
+        "--devices",
+        type=int,
+        default=1,
+        help="accelerators, tensor parallel as one big device (count; default 1)",
+    )
+    c.add_argument(
+        "--precision",
+        default="bf16",
+        help="weight precision: bf16, fp16, int8 or int4 (default bf16)",
+    )
     c.add_argument("--kv-bytes", type=float, help="bytes per KV element (default 2)")
     c.add_argument(
         "--kv-dtype",
         choices=["float32", "bf16", "int8"],
-        help="KV dtype by name (int8 includes its scales); instead of --kv-bytes",
+        help="KV dtype by name (int8 includes its scales); instead of --kv-bytes "
+        "(default: 2 bytes per element)",
     )
-    c.add_argument("--reserve", type=float, default=0.10)
-    c.add_argument("--block-size", type=int, default=16)
-    c.add_argument("--context", type=int, default=8192)
-    c.add_argument("--load", type=float, help="tokens/s to cost")
-    c.add_argument("--payg", type=float, help="pay-as-you-go $ per million tokens")
-    c.add_argument("--ptu-hour", type=float)
-    c.add_argument("--ptu-tps", type=float)
-    c.add_argument("--device-hour", type=float)
-    c.add_argument("--device-tps", type=float)
-    c.add_argument("--engineering-hour", type=float)
+    c.add_argument(
+        "--reserve",
+        type=float,
+        default=0.10,
+        help="share of HBM held back from KV (fraction 0..1; default 0.10)",
+    )
+    c.add_argument("--block-size", type=int, default=16,
+                   help="tokens per KV page (default 16)")  # fmt: skip
+    c.add_argument(
+        "--context",
+        type=int,
+        default=8192,
+        help="tokens per sequence to count sequences at (default 8192)",
+    )
+    c.add_argument("--load", type=float,
+                   help="load to cost, in tokens/s (default: no cost table)")  # fmt: skip
+    c.add_argument(
+        "--payg",
+        type=float,
+        help="pay-as-you-go price, $ per million tokens (no default; needed with --load)",
+    )
+    c.add_argument(
+        "--ptu-hour",
+        type=float,
+        help="provisioned throughput unit, $ per hour (default: not costed)",
+    )
+    c.add_argument(
+        "--ptu-tps", type=float, help="tokens/s one provisioned unit sustains (default: not costed)"
+    )
+    c.add_argument(
+        "--device-hour",
+        type=float,
+        help="self-hosting, $ per accelerator-hour (default: not costed)",
+    )
+    c.add_argument("--device-tps", type=float,
+                   help="tokens/s one self-hosted accelerator sustains, as you measured it: "
+                   "the self_hosted units are load / this (default: not costed)")  # fmt: skip
+    c.add_argument("--engineering-hour", type=float,
+                   help="self-hosting's people, $ per hour; no default (without it "
+                   "self-hosting is left out of the cost table)")  # fmt: skip
     c.set_defaults(func=cmd_capacity)
 
     s = sub.add_parser("simulate", help="replay a workload through the real scheduler")
     s.add_argument("--trace", choices=["azure", "mooncake", "prefill-vs-decode", "burst"],
-                   default="azure")  # fmt: skip
-    s.add_argument("--trace-path")
-    s.add_argument("--limit", type=int)
+                   default="azure", help="workload (default azure)")  # fmt: skip
+    s.add_argument("--trace-path",
+                   help="the trace file for azure or mooncake, plain or .gz (default: "
+                   "the bundled copy)")  # fmt: skip
+    s.add_argument(
+        "--limit", type=int, help="replay the first N requests of the trace (default: all)"
+    )
     s.add_argument("--time-scale", type=float, default=1.0,
-                   help="multiplies arrival times (< 1 compresses time; default 1)")  # fmt: skip
+                   help="multiplies arrival times (x; < 1 compresses time; default 1)")  # fmt: skip
     s.add_argument("--load", type=float, default=None,
                    help="arrival-rate multiplier (x; arrival times divided by it); default "
                    f"{DEFAULT_LOAD['azure']:g} for azure (the pool under pressure), "
                    "1 otherwise")  # fmt: skip
-    s.add_argument("--scenarios", default="standard")
-    s.add_argument("--model", default="llama-3-8b", choices=sorted(MODELS))
-    s.add_argument("--accelerator", default="h100", choices=sorted(ACCELERATORS))
-    s.add_argument("--devices", type=int, default=1)
-    s.add_argument("--context", type=int, default=8192)
-    s.add_argument("--max-num-seqs", type=int, default=128)
+    s.add_argument(
+        "--scenarios",
+        default="standard",
+        help="comma-separated scenario names (default: standard, all eight)",
+    )
+    s.add_argument("--model", default="llama-3-8b", choices=sorted(MODELS),
+                   help="model preset (default llama-3-8b)")  # fmt: skip
+    s.add_argument("--accelerator", default="h100", choices=sorted(ACCELERATORS),
+                   help="accelerator preset (default h100)")  # fmt: skip
+    s.add_argument("--devices", type=int, default=1,
+                   help="accelerators, tensor parallel (count; default 1)")  # fmt: skip
+    s.add_argument("--context", type=int, default=8192,
+                   help="max sequence length in tokens, raised to the workload's longest "
+                   "(default 8192)")  # fmt: skip
+    s.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=128,
+        help="sequences running at once (count; default 128)",
+    )
     s.add_argument("--max-batched-tokens", type=int, default=None,
                    help="step budget in tokens (default 2048 for prefill-vs-decode, "
                    "8192 otherwise)")  # fmt: skip
-    s.add_argument("--chunk", type=int, default=2048)
+    s.add_argument("--chunk", type=int, default=2048,
+                   help="long-prefill chunk in tokens (default 2048)")  # fmt: skip
     s.add_argument("--plots", help="write PNG plots to this folder")
     s.set_defaults(func=cmd_simulate)
 
@@ -292,9 +376,12 @@ def main(argv: list[str] | None = None) -> int:
     f.set_defaults(func=cmd_fetch_model)
 
     e = sub.add_parser("eval-kv", help="the quantized-KV gate, measured on the real model")
-    e.add_argument("--kv-dtype", default="int8", choices=["int8"])
-    e.add_argument("--prompts", type=int, default=8, choices=range(1, 11), metavar="1..10")
-    e.add_argument("--tokens", type=int, default=32)
+    e.add_argument("--kv-dtype", default="int8", choices=["int8"],
+                   help="the KV dtype judged (default int8)")  # fmt: skip
+    e.add_argument("--prompts", type=int, default=8, choices=range(1, 11), metavar="1..10",
+                   help="evaluation prompts (count; default 8)")  # fmt: skip
+    e.add_argument("--tokens", type=int, default=32,
+                   help="greedy tokens per prompt (default 32)")  # fmt: skip
     e.set_defaults(func=cmd_eval_kv)
 
     v = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
@@ -302,40 +389,54 @@ def main(argv: list[str] | None = None) -> int:
         "--model",
         choices=["smollm2", "tiny"],
         default="smollm2",
-        help="SmolLM2-135M-Instruct, or a random tiny model without a tokenizer",
+        help="SmolLM2-135M-Instruct, or a random tiny model without a tokenizer (default smollm2)",
     )
     v.add_argument("--tenants", required=True, help="the tenants TOML file (names, API keys)")
-    v.add_argument("--host", default="127.0.0.1")
-    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    v.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     v.add_argument(
         "--drain-seconds",
         type=float,
         default=30.0,
-        help="on SIGTERM, how long running requests may go on",
+        help="on SIGTERM, how long running requests may go on (seconds; default 30)",
     )
     v.add_argument("--end-at", help="drain and exit by this time (ISO 8601 or Unix seconds)")
     v.add_argument(
         "--checkpoint",
         help="where the drain writes the scheduler checkpoint (default: the kvsched cache folder)",
     )
-    v.add_argument("--max-seq-len", type=int, default=1024)
-    v.add_argument("--max-num-seqs", type=int, default=16)
-    v.add_argument("--max-batched-tokens", type=int, default=256)
+    v.add_argument("--max-seq-len", type=int, default=1024,
+                   help="longest prompt + output in tokens (default 1024)")  # fmt: skip
+    v.add_argument("--max-num-seqs", type=int, default=16,
+                   help="sequences running at once (count; default 16)")  # fmt: skip
+    v.add_argument("--max-batched-tokens", type=int, default=256,
+                   help="step budget in tokens (default 256)")  # fmt: skip
     v.add_argument(
-        "--num-blocks", type=int, help="KV pages (default: every sequence at full length)"
+        "--num-blocks",
+        type=int,
+        help="KV pages (count; default: every sequence at full length)",
     )
-    v.add_argument("--max-logprobs", type=int, default=5, help="top logprobs a request may ask")
-    v.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    v.add_argument("--max-logprobs", type=int, default=5,
+                   help="top logprobs a request may ask (count; default 5)")  # fmt: skip
+    v.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                   help="largest request body in bytes (default 1048576)")  # fmt: skip
     v.add_argument(
         "--backend", choices=["reference", "pallas", "jax"], default="reference",
         help="attention: reference (jnp), pallas (kvsched's kernel; on TPU JAX's unless "
-        "KVSCHED_TPU_ATTENTION=ours), jax (JAX's kernel on TPU, its jnp reference elsewhere)",
+        "KVSCHED_TPU_ATTENTION=ours), jax (JAX's kernel on TPU, its jnp reference elsewhere); "
+        "default reference",
     )  # fmt: skip
-    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     v.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug"])  # fmt: skip
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="log level (default info)")  # fmt: skip
     v.set_defaults(func=cmd_serve)
 
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.command == "capacity" and args.kv_dtype and args.kv_bytes is not None:
         ap.error("--kv-dtype and --kv-bytes: give one")
