@@ -143,9 +143,13 @@ def plot_figures(results: list[SimResult]) -> dict[str, Any]:
 
     fig, axes = _panels(len(results), plt, height=1.0)
     for ax, r in zip(axes, results, strict=True):
-        ax.step(r.timeline["t"], r.timeline["ladder_level"], where="post", lw=0.8)
-        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_ylim(bottom=0)
+        levels = r.timeline["ladder_level"]
+        ax.step(r.timeline["t"], levels, where="post", lw=0.8)
+        # Integer ticks, also for a ladder that never climbed (all 0: the
+        # automatic limits would put 0.006, 0.012... there).
+        top = max(1, int(max(levels, default=0)))
+        ax.set_ylim(-0.1 * top, 1.1 * top)
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True, nbins=min(top, 5)))
         ax.set_ylabel("level")
         ax.set_title(r.name, fontsize=8, loc="left")
     axes[-1].set_xlabel("virtual time (s)")
