@@ -141,10 +141,13 @@ def _kernel(
     j_hi = search(0, row_end)  # first sequence starting at or after the block's end
 
     def seq_pages(j: jax.Array) -> jax.Array:
-        """Pages of sequence j this block reads: up to its last row's causal bound."""
-        q_lo, q_hi = cu_ref[j], cu_ref[j + 1]
-        last = kv_lens_ref[j] - (q_hi - jnp.minimum(q_hi, row_end))
-        span = jnp.where(q_hi > q_lo, last, 0)
+        """Pages of sequence j this block reads: up to its last row's causal bound
+        (0 past the last sequence; the index is clamped so SMEM reads stay in
+        bounds, as a `where` evaluates both sides)."""
+        jc = jnp.minimum(j, max_seqs - 1)
+        q_lo, q_hi = cu_ref[jc], cu_ref[jc + 1]
+        last = kv_lens_ref[jc] - (q_hi - jnp.minimum(q_hi, row_end))
+        span = jnp.where((q_hi > q_lo) & (j < max_seqs), last, 0)
         return lax.div(span + bs - 1, bs)
 
     def seq_blocks(j: jax.Array) -> jax.Array:
