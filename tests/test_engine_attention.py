@@ -251,6 +251,34 @@ def test_tpu_v2_lowers_to_mosaic_for_tpu(d, packed):
     assert "tpu_custom_call" in text and "kvsched_ragged_paged_attention_v2" in text
 
 
+@pytest.mark.parametrize(("knob", "v2"), [("ours", True), ("ours1", False)])
+def test_pallas_on_tpu_runs_the_kernel_the_knob_names(monkeypatch, knob, v2):
+    """KVSCHED_TPU_ATTENTION=ours is version 2, ours1 version 1: the paged_attention
+    dispatch on a (faked) TPU, with the stacked cache at a traced layer, lowered."""
+    import functools
+
+    import jax
+    from jax import export
+
+    from kvsched.engine import AttentionInputs, paged_attention
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    monkeypatch.setenv("KVSCHED_TPU_ATTENTION", knob)
+    t, hq, d, p, bs, hkv, s, pps = 32, 8, 128, 32, 16, 2, 4, 8
+    shapes = [((t, hq, d), jnp.bfloat16), ((2, p, bs, 2 * hkv, d), jnp.bfloat16),
+              ((), jnp.int32), ((t,), jnp.int32), ((s + 1,), jnp.int32), ((s,), jnp.int32),
+              ((s, pps), jnp.int32), ((1,), jnp.int32)]  # fmt: skip
+    args = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in shapes]
+
+    def f(q, cache, layer, *plan):
+        return paged_attention(q, cache, AttentionInputs(*plan), scale=0.1, backend="pallas",
+                               layer=layer)  # fmt: skip
+
+    text = export.export(jax.jit(functools.partial(f)), platforms=["tpu"])(*args).mlir_module()
+    assert "tpu_custom_call" in text and "kvsched_ragged_paged_attention" in text
+    assert ("kvsched_ragged_paged_attention_v2" in text) == v2
+
+
 @pytest.mark.parametrize(("hq", "hkv", "block_q"), [(4, 2, 8), (4, 4, 16), (8, 1, 8)])
 def test_the_gpu_variant_matches_the_reference_in_the_interpreter(hq, hkv, block_q):
     from kvsched.engine.kernels.gpu import ragged_paged_attention_gpu

@@ -134,6 +134,7 @@ def _kernel(
             return (jnp.where(open_ & ~hit, mid + 1, lo), jnp.where(open_ & hit, mid, hi))
 
         steps = max(1, max_seqs.bit_length() + 1)
+        lo: jax.Array
         lo, _ = lax.fori_loop(0, steps, body, (jnp.int32(0), nseq), unroll=True)
         return lo
 
