@@ -180,12 +180,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     plan_model = cost.Plan((1,) * seqs, (ctx,) * seqs, t)
     bkv, bq = cost.jax_rpa_block_sizes(shapes, t, per_seq, dev_name)
     kvh = cost.jax_rpa_kv_heads_per_block(shapes)
+    bq2 = cost.tpu_v2_block_q(t, seqs, hq // hkv)  # v2's default, from the shape
     runs: list[tuple[str, Any, cost.KernelDesc | None]] = [
         ("pallas", jax.jit(lambda q, c: ragged_paged_attention(
             q, c, inputs, scale=scale, block_q=args.block_q)), cost.ours_tpu(args.block_q)),
         ("pallas2", jax.jit(lambda q, c: ragged_paged_attention_v2(q, c, inputs, scale=scale)),
-         cost.ours_tpu_v2(cost.tpu_v2_block_q(t, seqs, hq // hkv),
-                          cost.tpu_v2_pages_per_block(bs, per_seq))),
+         cost.ours_tpu_v2(bq2, cost.tpu_v2_pages_per_block(bs, per_seq, bq2 * hq // hkv <= 8))),
     ]  # fmt: skip
     if jax_known:
         runs.append(("jax", jax.jit(lambda q, c: paged_attention(

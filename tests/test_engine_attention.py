@@ -211,7 +211,7 @@ def test_tpu_v2_refuses_bad_arguments_by_name():
     from kvsched.engine.kernels.tpu2 import ragged_paged_attention_v2
 
     q, cache, inputs, _, _ = next(plans())
-    for kw in ({"block_q": 0}, {"pages_per_block": 0}):
+    for kw in ({"block_q": 0}, {"pages_per_block": 0}, {"prefetch_depth": 0}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             ragged_paged_attention_v2(q, cache, inputs, scale=1.0, **kw)
     with pytest.raises(ValueError, match="group"):
@@ -227,6 +227,7 @@ def test_tpu_v2_picks_the_decode_path_from_the_shape():
     assert default_block_q(512, 8, 4) == 128  # prefill: 128-token blocks
     assert default_block_q(20, 4, 4) == 24
     assert default_pages_per_block(16, 128) == 16 and default_pages_per_block(64, 2) == 2
+    assert default_pages_per_block(16, 128, decode=True) == 32
 
 
 @pytest.mark.parametrize(("d", "packed"), [(128, False), (64, True)])

@@ -240,25 +240,28 @@ def test_decode_bounds_hold_for_the_target_and_jax_not_for_todays_kernel():
 
 
 def test_decode_and_prefill_for_tpu_v2():
-    """Version 2 at its defaults for the decode case (block_q 2: M = 8, 16 pages
-    per block): the KV read once, in 2048 blocks of 1 MiB, one wait each,
-    within issue 15's bounds; 128 grid steps, one cold chain each. A 512-token
-    chunk at 2k in blocks of 128 rows reads up to each block's causal bound
-    (104, 112, 120, 128 pages, rounded up to whole blocks of 16)."""
+    """Version 2 at its defaults for the decode case (block_q 2: M = 8, 32 pages
+    per block, two in flight): the KV read once, in 1024 blocks of 2 MiB, one
+    wait each, within issue 15's bounds; 128 grid steps, one cold chain each. A
+    512-token chunk at 2k in blocks of 128 rows (16 pages per block) reads up
+    to each block's causal bound (104, 112, 120, 128 pages, rounded up to whole
+    blocks of 16)."""
     bq = C.tpu_v2_block_q(256, 256, C.LLAMA3_8B.group)
-    ppb = C.tpu_v2_pages_per_block(16, 128)
-    assert (bq, ppb) == (2, 16)
+    ppb = C.tpu_v2_pages_per_block(16, 128, decode=True)
+    assert (bq, ppb) == (2, 32)
     v = C.count(DECODE, C.LLAMA3_8B, C.ours_tpu_v2(bq, ppb))
     assert ideal_bounds(v, ppb) == (True, True)
     assert (v.kv_blocks, v.dma_starts, v.dma_waits) == (PAGES // ppb, PAGES, PAGES // ppb)
     assert (v.grid_steps, v.chains, v.seq_visits) == (128, 128, 256)
     assert v.mxu_flops == 2 * v.useful_flops  # M = 8 rows, 4 of them real
     plan = C.Plan.prefill_chunk(512, 2048)
+    ppb = C.tpu_v2_pages_per_block(16, 128)
+    assert ppb == 16
     p = C.count(plan, C.LLAMA3_8B, C.ours_tpu_v2(C.tpu_v2_block_q(512, 1, 4), ppb))
     assert p.kv_blocks == 7 + 7 + 8 + 8 and p.kv_bytes_moved == 30 * 16 * 65536
     for dev in ("tpu-v5e", "tpu-v6e"):
         ours = C.predict(DECODE, C.LLAMA3_8B, C.ours_tpu(), dev)
-        new = C.predict(DECODE, C.LLAMA3_8B, C.ours_tpu_v2(bq, ppb), dev)
+        new = C.predict(DECODE, C.LLAMA3_8B, C.ours_tpu_v2(bq, 32), dev)
         target = C.predict(DECODE, C.LLAMA3_8B, C.target_tpu(), dev)
         assert ours.hbm_fraction * 5 < new.hbm_fraction < target.hbm_fraction
         before = C.predict(plan, C.LLAMA3_8B, C.ours_tpu(), dev)
@@ -399,9 +402,9 @@ def test_todays_tpu_kernel_description_matches_its_mosaic_program():
 def test_tpu_v2_description_matches_its_mosaic_program():
     """Version 2 lowered for TPU: in each loop that waits, one wait for a whole
     block of pages_per_block pages and pages_per_block page DMAs (the next
-    block, prefetched); bf16 QK and PV with M = block_q x group and N (QK) =
-    the block's keys; the first block of a grid step started outside the loops
-    (a chain per step)."""
+    block `prefetch_depth` ahead); bf16 QK and PV with M = block_q x group and N
+    (QK) = the block's keys; the first two blocks of a grid step started outside
+    the loops (a chain per step)."""
     pytest.importorskip("jax")
     from kvsched.engine.kernels.tpu2 import _call
 
@@ -430,7 +433,7 @@ def test_tpu_v2_description_matches_its_mosaic_program():
             assert o.shapes[2][0] == block_q * shapes.group
         assert {o.shapes[2][1] for o in mm[::2]} == {ppb * BS}  # QK: [M, keys of the block]
     cold = [o for o in m.ops if o.op == "enqueue_dma" and o.depth == 0]
-    assert len(cold) == ppb and desc.chain_per_step
+    assert len(cold) == desc.prefetch_depth * ppb == 2 * ppb and desc.chain_per_step
 
 
 def test_jax_kernel_description_matches_its_mosaic_program():

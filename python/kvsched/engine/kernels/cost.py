@@ -378,20 +378,21 @@ def jax_tpu(
     )  # fmt: skip
 
 
-def ours_tpu_v2(block_q: int = 2, pages_per_block: int = 16) -> KernelDesc:
+def ours_tpu_v2(block_q: int = 2, pages_per_block: int = 32, depth: int = 2) -> KernelDesc:
     """kernels/tpu2.py (version 2, issue 15 section 2, first subset): grid over
     query blocks of `block_q` rows (its default_block_q: block_q x group = 8 for
     decode-heavy buckets, 128 tokens otherwise); each block finds the sequences
     that meet it by binary search (no scan of every sequence) and reads each one's
     pages only up to its last row's causal bound, in blocks of `pages_per_block`
     page DMAs (every block moves the full count: pages past the span re-read the
-    sequence's first page) waited once per block; the next block is prefetched
-    across the block's sequences, the chain restarting at each grid step. QK and
+    sequence's first page) waited once per block; the next `depth` blocks are in
+    flight across the block's sequences, the chain restarting (`depth` cold
+    fetches, one exposed) at each grid step. QK and
     PV with the cache's dtype as operands (bf16) and f32 accumulation; M =
     block_q x group rows per KV head, masked per sequence."""
     return KernelDesc(
         f"kvsched pallas v2 (TPU), {pages_per_block} pages x {block_q} queries", "tpu",
-        block_q=block_q, pages_per_block=pages_per_block, prefetch_depth=1,
+        block_q=block_q, pages_per_block=pages_per_block, prefetch_depth=depth,
         prefetch_across=False, causal_bound=True, fixed_blocks=True, scan_all_seqs=False,
         rows="block", operands="bf16", wait_per_page=False, chain_per_step=True,
     )  # fmt: skip
@@ -405,9 +406,10 @@ def tpu_v2_block_q(tokens: int, seqs: int, group: int) -> int:
     return min(128, -(-tokens // 8) * 8)
 
 
-def tpu_v2_pages_per_block(page_size: int, pages_per_seq: int) -> int:
-    """kernels/tpu2.py's default_pages_per_block: 256 tokens' worth of pages."""
-    return max(1, min(pages_per_seq, 256 // page_size))
+def tpu_v2_pages_per_block(page_size: int, pages_per_seq: int, decode: bool = False) -> int:
+    """kernels/tpu2.py's default_pages_per_block: 512 tokens' worth of pages on
+    the decode path, 256 otherwise."""
+    return max(1, min(pages_per_seq, (512 if decode else 256) // page_size))
 
 
 def target_tpu(pages_per_block: int = 32, block_q: int = 128, depth: int = 2) -> KernelDesc:
@@ -652,8 +654,8 @@ def kernels_for(plan: Plan, shapes: Shapes, device: str) -> list[KernelDesc]:
     pps = max(-(-kv // shapes.page_size) for kv in plan.kv_lens)
     bkv, bq = jax_rpa_block_sizes(shapes, plan.padded_tokens, pps, device)
     kvh = jax_rpa_kv_heads_per_block(shapes)
-    v2 = ours_tpu_v2(tpu_v2_block_q(plan.padded_tokens, len(plan.q_lens), shapes.group),
-                     tpu_v2_pages_per_block(shapes.page_size, pps))  # fmt: skip
+    bq2 = tpu_v2_block_q(plan.padded_tokens, len(plan.q_lens), shapes.group)
+    v2 = ours_tpu_v2(bq2, tpu_v2_pages_per_block(shapes.page_size, pps, bq2 * shapes.group <= 8))
     return [ours_tpu(), v2, jax_tpu(bkv, bq, None if kvh == shapes.kv_heads else kvh),
             target_tpu()]  # fmt: skip
 

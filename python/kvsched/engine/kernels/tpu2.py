@@ -9,10 +9,11 @@ what changes is how KV reaches the MXU:
   moves `pages_per_block` pages: pages past the sequence's causal span read the
   sequence's first page again (a valid page id) and are masked, so the wait
   size is static.
-- The next block is in flight while one is computed, across sequences within a
-  grid step: a query block's (sequence, KV block) pairs form one flat loop
-  whose next pair is prefetched into the other buffer slot. (Not across grid
-  steps: each query block starts one cold fetch; see `cost.ours_tpu_v2`.)
+- The next `prefetch_depth` blocks (2 by default) are in flight while one is
+  computed, across sequences within a grid step: a query block's (sequence, KV
+  block) pairs form one flat loop, and the pair `prefetch_depth` ahead is
+  fetched into a free slot of depth + 1. (Not across grid steps: each query
+  block starts with cold fetches; see `cost.ours_tpu_v2`.)
 - A query block visits only the sequences that meet it: the first and the end
   are found by binary search over cu_q_lens (O(log S) scalar steps per block),
   not by scanning every sequence.
@@ -51,7 +52,8 @@ from kvsched.engine.kernels.tpu import LANES, cache_mode, on_tpu
 if TYPE_CHECKING:
     from jax._src.pallas.mosaic.primitives import AsyncCopyDescriptor
 
-_Carry = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]
+# (sequence, block) computed next, (sequence, block) fetched last, m, l, acc.
+_Carry = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]
 
 PREFILL_BLOCK_Q = 128  # query rows per block outside the decode path
 SUBLANES = 8
@@ -67,10 +69,12 @@ def default_block_q(tokens: int, seqs: int, group: int) -> int:
     return min(PREFILL_BLOCK_Q, -(-tokens // SUBLANES) * SUBLANES)
 
 
-def default_pages_per_block(page_size: int, pages_per_seq: int) -> int:
-    """KV pages per DMA block: 256 tokens' worth (16 pages of 16), at least one
-    page, at most a sequence's page row."""
-    return max(1, min(pages_per_seq, 256 // page_size))
+def default_pages_per_block(page_size: int, pages_per_seq: int, decode: bool = False) -> int:
+    """KV pages per DMA block: 512 tokens' worth on the decode path (32 pages of
+    16: 2 MiB at Llama-3-8B's heads, 6 MiB of VMEM for three slots), 256 tokens
+    otherwise (the 128-row query blocks' q, output and scores need VMEM too); at
+    least one page, at most a sequence's page row."""
+    return max(1, min(pages_per_seq, (512 if decode else 256) // page_size))
 
 
 def _kv_block(
@@ -98,7 +102,7 @@ def _kernel(
     q_ref: jax.Ref,  # [Hkv, block_q * group, QW]
     cache_hbm: jax.Ref,  # [L, P, bs, X, W], in HBM
     o_ref: jax.Ref,
-    kv_buf: jax.Ref,  # [2, ppb, bs, X, W] VMEM: two block slots
+    kv_buf: jax.Ref,  # [depth + 1, ppb, bs, X, W] VMEM: block slots
     sem: jax.Ref,  # one DMA semaphore per slot
     *,
     block_q: int,
@@ -106,6 +110,7 @@ def _kernel(
     group: int,
     pages_per_seq: int,
     max_seqs: int,
+    depth: int,
     scale: float,
     mode: str,
     head_dim: int,
@@ -187,20 +192,33 @@ def _kernel(
     l0 = jnp.zeros((kv_heads, rows, 1), jnp.float32)
     acc0 = jnp.zeros((kv_heads, rows, qw), jnp.float32)
     j0 = skip_empty(j_lo)
+    slots = depth + 1
 
-    @pl.when(total > 0)
-    def _() -> None:
-        fetch(j0, jnp.int32(0), jnp.int32(0))
+    # The first `depth` blocks of this grid step, one per slot; (fj, fi) is the
+    # last pair fetched (advancing past the end is harmless: reads are clamped
+    # and only pairs below `total` are fetched).
+    fj, fi = j0, jnp.int32(0)
+    for k in range(depth):
+        if k:
+            fj, fi = advance(fj, fi)
+
+        @pl.when(k < total)
+        def _(fj: jax.Array = fj, fi: jax.Array = fi, k: int = k) -> None:  # traced now
+            fetch(fj, fi, jnp.int32(k))
 
     def body(t: jax.Array, carry: _Carry) -> _Carry:
-        j, i, m, denom, acc = carry
-        slot = lax.rem(t, 2)
-        nj, ni = advance(j, i)
+        j, i, fj, fi, m, denom, acc = carry
+        slot = lax.rem(t, slots)
+        nfj, nfi = advance(fj, fi)
 
-        @pl.when(t + 1 < total)
+        # `depth` blocks ahead: fetched while this one and those between compute.
+        @pl.when(t + depth < total)
         def _() -> None:
-            fetch(nj, ni, 1 - slot)
+            fetch(nfj, nfi, lax.rem(t + depth, slots))
 
+        fj = jnp.where(t + depth < total, nfj, fj)
+        fi = jnp.where(t + depth < total, nfi, fi)
+        nj, ni = advance(j, i)
         wait(slot)
         q_lo, q_hi = cu_ref[j], cu_ref[j + 1]
         kv_len = kv_lens_ref[j]
@@ -231,16 +249,19 @@ def _kernel(
             )
             accs.append(alpha * acc[h] + pv)
             ms.append(m_new)
-        return nj, ni, jnp.stack(ms), jnp.stack(ls), jnp.stack(accs)
+        return nj, ni, fj, fi, jnp.stack(ms), jnp.stack(ls), jnp.stack(accs)
 
-    init: _Carry = (j0, jnp.int32(0), m0, l0, acc0)
-    _, _, _, denom, acc = lax.fori_loop(0, total, body, init)
+    init: _Carry = (j0, jnp.int32(0), fj, fi, m0, l0, acc0)
+    *_, denom, acc = lax.fori_loop(0, total, body, init)
     out = jnp.where(denom == 0, 0.0, acc / jnp.where(denom == 0, 1.0, denom))
     for h in range(kv_heads):
         o_ref[h] = out[h].astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_q", "pages_per_block", "interpret"))
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "block_q", "pages_per_block", "prefetch_depth", "interpret"),
+)
 def _call(
     q: jax.Array,
     cache: jax.Array,
@@ -253,6 +274,7 @@ def _call(
     block_q: int,
     interpret: bool,
     pages_per_block: int | None = None,
+    prefetch_depth: int = 2,
     layer: jax.Array | int | None = None,
 ) -> jax.Array:
     """q [T, Hq, D] (T a multiple of block_q), cache [P, bs, X, W] or, with
@@ -265,7 +287,8 @@ def _call(
     g = hq // hkv
     qw = 2 * d if mode == "row" else d
     s, pps = page_indices.shape
-    ppb = default_pages_per_block(bs, pps) if pages_per_block is None else pages_per_block
+    decode = block_q * g <= SUBLANES
+    ppb = default_pages_per_block(bs, pps, decode) if pages_per_block is None else pages_per_block
     ppb = min(ppb, pps)
     rows = block_q * g
     q3 = q.reshape(t, hkv, g, d).transpose(1, 0, 2, 3).reshape(hkv, t * g, d)
@@ -273,7 +296,7 @@ def _call(
         q3 = jnp.pad(q3, ((0, 0), (0, 0), (0, qw - d)))
     kernel = functools.partial(
         _kernel, block_q=block_q, kv_heads=hkv, group=g, pages_per_seq=pps, max_seqs=s,
-        scale=scale, mode=mode, head_dim=d,
+        depth=prefetch_depth, scale=scale, mode=mode, head_dim=d,
     )  # fmt: skip
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
@@ -284,8 +307,8 @@ def _call(
         ],
         out_specs=pl.BlockSpec((hkv, rows, qw), lambda b, *_: (0, b, 0)),
         scratch_shapes=[
-            pltpu.VMEM((2, ppb, bs, x, w), cache.dtype),
-            pltpu.SemaphoreType.DMA((2,)),
+            pltpu.VMEM((prefetch_depth + 1, ppb, bs, x, w), cache.dtype),
+            pltpu.SemaphoreType.DMA((prefetch_depth + 1,)),
         ],
     )
     out: jax.Array = pl.pallas_call(
@@ -310,16 +333,20 @@ def ragged_paged_attention_v2(
     scale: float,
     block_q: int | None = None,
     pages_per_block: int | None = None,
+    prefetch_depth: int = 2,
     interpret: bool | None = None,
     layer: jax.Array | int | None = None,
 ) -> jax.Array:
     """Version 2 of kernels/tpu.py's `ragged_paged_attention`, same arguments
     and result; `block_q` defaults to `default_block_q` of the bucket's shape,
-    `pages_per_block` to `default_pages_per_block`. Values below 1 are a
+    `pages_per_block` to `default_pages_per_block`; `prefetch_depth` blocks are
+    in flight while one is computed (depth + 1 VMEM slots). Values below 1 are a
     ValueError naming the knob."""
     if interpret is None:
         interpret = not on_tpu()
-    for name, value in (("block_q", block_q), ("pages_per_block", pages_per_block)):
+    knobs = (("block_q", block_q), ("pages_per_block", pages_per_block),
+             ("prefetch_depth", prefetch_depth))  # fmt: skip
+    for name, value in knobs:
         if value is not None and value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
     d = q.shape[-1]
@@ -344,7 +371,8 @@ def ragged_paged_attention_v2(
         raise ValueError(f"{q.shape[1]} query heads do not group over {hkv} KV heads")
     if block_q is None:
         block_q = default_block_q(q.shape[0], inputs.page_indices.shape[0], q.shape[1] // hkv)
-    call = functools.partial(_call, pages_per_block=pages_per_block)
+    call = functools.partial(_call, pages_per_block=pages_per_block,
+                             prefetch_depth=prefetch_depth)  # fmt: skip
     if layer is not None:
         call = functools.partial(call, layer=layer)
     return run_padded(call, q, cache, inputs, scale=scale, block_q=block_q, interpret=interpret,
