@@ -33,6 +33,11 @@ and prefetches across sequences. Neither has run on a TPU yet: the choice is a
 prediction until benches/tpu_check.py measures both (it calls
 `paged_attention(..., backend="jax")` and `backend="pallas"` with
 KVSCHED_TPU_ATTENTION=ours); whoever measures sets the default from it.
+kvsched's version 2 (kernels/tpu2.py: several pages per DMA wait, two blocks
+in flight, causal bound, bf16 operands) is predicted by kernels/cost.py at
+94% / 88% of v5e / v6e HBM bandwidth on that decode batch, JAX's at 54% / 62%;
+v2 has been lowered for TPU but never compiled by Mosaic nor run on a TPU, so
+the default stays the kernel JAX ships until tpu_check measures both.
 Off TPU the variable changes nothing. It is read when a call is traced: a
 jitted function keeps the kernel it was traced with, so set it before the
 engine (or a benchmark's jit) first runs. `resolve_backend` names the kernel a
