@@ -178,6 +178,48 @@ def test_tpu_v2_matches_the_reference_on_mixed_plans(hq, hkv, block_size, block_
     assert mixed, "a plan mixing decodes and prefill chunks"
 
 
+def test_tpu_v2_decode_path_matches_jaxs_tpu_decode_kernel():
+    """An independent implementation: JAX's own TPU paged_attention (decode only)
+    in interpret mode, on a decode batch with the shape's default block_q (2
+    rows x group 4 = M 8), blocks of 2 pages crossing sequences, a 1-token and
+    a padding slot. bf16 q (pre-scaled for JAX's, which takes no scale) and KV;
+    both outputs are bf16, so they agree to an output rounding (3e-2 as above);
+    the reference is the third opinion."""
+    from jax.experimental.pallas import tpu as pltpu
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as jax_decode
+
+    from kvsched.engine import AttentionInputs
+    from kvsched.engine.kernels.tpu2 import default_block_q, ragged_paged_attention_v2
+
+    rng = np.random.default_rng(0)
+    s, hq, hkv, d, bs, pps, p, nseq = 8, 8, 2, 128, 16, 4, 40, 7
+    kv = np.asarray([17, 64, 1, 33, 50, 5, 48, 0], np.int32)  # slot 7 is padding
+    pages = rng.permutation(np.arange(1, p))[: s * pps].reshape(s, pps).astype(np.int32)
+    cache = jnp.asarray(rng.standard_normal((p, bs, 2 * hkv, d)), jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((s, hq, d)), jnp.bfloat16)
+    inputs = AttentionInputs(
+        positions=jnp.asarray(np.maximum(kv - 1, 0)),
+        cu_q_lens=jnp.asarray(np.minimum(np.arange(s + 1), nseq).astype(np.int32)),
+        kv_lens=jnp.asarray(kv), page_indices=jnp.asarray(pages),
+        num_seqs=jnp.asarray([nseq], np.int32),
+    )  # fmt: skip
+    scale = d**-0.5
+    assert default_block_q(s, s, hq // hkv) == 2
+    got = ragged_paged_attention_v2(q, cache, inputs, scale=scale, pages_per_block=2)
+    got = np.asarray(got, np.float32)
+    k_pages = jnp.moveaxis(cache[:, :, 0::2], 2, 0)  # [Hkv, P, bs, D]
+    v_pages = jnp.moveaxis(cache[:, :, 1::2], 2, 0)
+    q_scaled = (q.astype(jnp.float32) * scale).astype(jnp.bfloat16)[:nseq]
+    with pltpu.force_tpu_interpret_mode():
+        want = jax_decode(q_scaled, k_pages, v_pages, jnp.asarray(kv[:nseq]),
+                          jnp.asarray(pages[:nseq]), pages_per_compute_block=2)  # fmt: skip
+    want = np.asarray(want, np.float32)
+    np.testing.assert_allclose(got[:nseq], want, atol=3e-2, rtol=3e-2)
+    ref = np.asarray(reference_attention(q, cache, inputs, scale=scale), np.float32)
+    np.testing.assert_allclose(got, ref, atol=3e-2, rtol=3e-2)
+    assert not got[nseq:].any(), "the padding slot's row is zero"
+
+
 def test_tpu_v2_reads_the_packed_layout_and_a_stacked_cache():
     """Packed [P, bs, Hkv, 2*D] (the "row" mode of head_dim 16) and a
     stacked [L, P, ...] cache read at a traced layer, against the reference on
