@@ -1,4 +1,5 @@
-"""TPU check: kvsched's Pallas TPU kernel (and JAX's, as backend "jax") against the
+"""TPU check: kvsched's Pallas TPU kernels, version 1 ("pallas", kernels/tpu.py)
+and version 2 ("pallas2", kernels/tpu2.py), and JAX's (backend "jax") against the
 reference on a real mixed plan, then decode attention timed beside the cost
 model's prediction. Run this first on any TPU lent to the project.
 
@@ -76,6 +77,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from kvsched.engine.kernels import cost
     from kvsched.engine.kernels.reference import reference_attention
     from kvsched.engine.kernels.tpu import ragged_paged_attention
+    from kvsched.engine.kernels.tpu2 import ragged_paged_attention_v2
 
     on_tpu = jax.default_backend() == "tpu"
     if not on_tpu and not args.small:
@@ -118,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for n in (5, 40, 90, 200, 17)[: 3 if args.small else 5]:
         sched.submit("t", rng.integers(0, 1000, n, dtype=np.int32), 8, now=0.0)
     cache = jnp.asarray(rng.standard_normal((pages, bs, 2 * hkv, d)), jnp.bfloat16)
-    worst: dict[str, float] = {"pallas": 0.0}
+    worst: dict[str, float] = {"pallas": 0.0, "pallas2": 0.0}
     jax_known = True
     mixed = False
     for step in range(4):
@@ -137,6 +139,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         got = ragged_paged_attention(q, cache, inputs, scale=scale, block_q=args.block_q)
         err = float(jnp.max(jnp.abs(got.astype(jnp.float32)[:n] - want)))
         worst["pallas"] = max(worst["pallas"], err)
+        got = ragged_paged_attention_v2(q, cache, inputs, scale=scale)
+        err = float(jnp.max(jnp.abs(got.astype(jnp.float32)[:n] - want)))
+        worst["pallas2"] = max(worst["pallas2"], err)
         if jax_known:
             got_jax = run_jax(q, cache, inputs)
             if got_jax is None:
@@ -175,9 +180,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     plan_model = cost.Plan((1,) * seqs, (ctx,) * seqs, t)
     bkv, bq = cost.jax_rpa_block_sizes(shapes, t, per_seq, dev_name)
     kvh = cost.jax_rpa_kv_heads_per_block(shapes)
+    bq2 = cost.tpu_v2_block_q(t, seqs, hq // hkv)  # v2's default, from the shape
     runs: list[tuple[str, Any, cost.KernelDesc | None]] = [
         ("pallas", jax.jit(lambda q, c: ragged_paged_attention(
             q, c, inputs, scale=scale, block_q=args.block_q)), cost.ours_tpu(args.block_q)),
+        ("pallas2", jax.jit(lambda q, c: ragged_paged_attention_v2(q, c, inputs, scale=scale)),
+         cost.ours_tpu_v2(bq2, cost.tpu_v2_pages_per_block(bs, per_seq, bq2 * hq // hkv <= 8))),
     ]  # fmt: skip
     if jax_known:
         runs.append(("jax", jax.jit(lambda q, c: paged_attention(

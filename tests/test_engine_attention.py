@@ -147,6 +147,181 @@ def test_the_kernel_lowers_to_mosaic_for_tpu():
     assert "tpu_custom_call" in text and "kvsched_ragged_paged_attention" in text
 
 
+# TPU kernel version 2 (kernels/tpu2.py): blocks of several pages, one wait per
+# block, causal KV bound. bf16: operands stay bf16 (q rounded to bf16 after
+# scaling, probabilities rounded to bf16 for PV), f32 accumulation: the
+# reference computes in f32 from bf16 inputs, so 3e-2 as for version 1.
+@pytest.mark.parametrize(
+    ("hq", "hkv", "block_size", "block_q", "ppb", "dtype", "tol"),
+    [
+        (4, 2, 4, None, 2, jnp.float32, 2e-5),  # GQA, the shape's default block_q
+        (2, 2, 8, 16, 3, jnp.float32, 2e-5),  # MHA, blocks straddling sequences
+        (8, 1, 2, 8, 1, jnp.float32, 2e-5),  # MQA, tiny pages, one page per block
+        (4, 2, 4, 2, 8, jnp.bfloat16, 3e-2),  # the decode path's M = 8
+    ],
+)
+def test_tpu_v2_matches_the_reference_on_mixed_plans(hq, hkv, block_size, block_q, ppb, dtype,
+                                                     tol):  # fmt: skip
+    from kvsched.engine.kernels.tpu2 import ragged_paged_attention_v2
+
+    d, scale = 16, 0.25
+    mixed = 0
+    for q, cache, inputs, plan, _ in plans(hq=hq, hkv=hkv, d=d, block_size=block_size,
+                                           dtype=dtype, steps=4):  # fmt: skip
+        kw = {"block_q": block_q, "pages_per_block": ppb}
+        got = np.asarray(ragged_paged_attention_v2(q, cache, inputs, scale=scale, **kw))
+        want = np.asarray(reference_attention(q, cache, inputs, scale=scale))
+        np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64),
+                                   atol=tol, rtol=tol)  # fmt: skip
+        assert not got[plan.num_tokens :].any(), "padding rows are zero"
+        mixed += 0 < plan.num_decode < len(plan)
+    assert mixed, "a plan mixing decodes and prefill chunks"
+
+
+def test_tpu_v2_decode_path_matches_jaxs_tpu_decode_kernel():
+    """An independent implementation: JAX's own TPU paged_attention (decode only)
+    in interpret mode, on a decode batch with the shape's default block_q (2
+    rows x group 4 = M 8), blocks of 2 pages crossing sequences, a 1-token and
+    a padding slot. bf16 q (pre-scaled for JAX's, which takes no scale) and KV;
+    both outputs are bf16, so they agree to an output rounding (3e-2 as above);
+    the reference is the third opinion."""
+    from jax.experimental.pallas import tpu as pltpu
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as jax_decode
+
+    from kvsched.engine import AttentionInputs
+    from kvsched.engine.kernels.tpu2 import default_block_q, ragged_paged_attention_v2
+
+    rng = np.random.default_rng(0)
+    s, hq, hkv, d, bs, pps, p, nseq = 8, 8, 2, 128, 16, 4, 40, 7
+    kv = np.asarray([17, 64, 1, 33, 50, 5, 48, 0], np.int32)  # slot 7 is padding
+    pages = rng.permutation(np.arange(1, p))[: s * pps].reshape(s, pps).astype(np.int32)
+    cache = jnp.asarray(rng.standard_normal((p, bs, 2 * hkv, d)), jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((s, hq, d)), jnp.bfloat16)
+    inputs = AttentionInputs(
+        positions=jnp.asarray(np.maximum(kv - 1, 0)),
+        cu_q_lens=jnp.asarray(np.minimum(np.arange(s + 1), nseq).astype(np.int32)),
+        kv_lens=jnp.asarray(kv), page_indices=jnp.asarray(pages),
+        num_seqs=jnp.asarray([nseq], np.int32),
+    )  # fmt: skip
+    scale = d**-0.5
+    assert default_block_q(s, s, hq // hkv) == 2
+    got = ragged_paged_attention_v2(q, cache, inputs, scale=scale, pages_per_block=2)
+    got = np.asarray(got, np.float32)
+    k_pages = jnp.moveaxis(cache[:, :, 0::2], 2, 0)  # [Hkv, P, bs, D]
+    v_pages = jnp.moveaxis(cache[:, :, 1::2], 2, 0)
+    q_scaled = (q.astype(jnp.float32) * scale).astype(jnp.bfloat16)[:nseq]
+    with pltpu.force_tpu_interpret_mode():
+        want = jax_decode(q_scaled, k_pages, v_pages, jnp.asarray(kv[:nseq]),
+                          jnp.asarray(pages[:nseq]), pages_per_compute_block=2)  # fmt: skip
+    want = np.asarray(want, np.float32)
+    np.testing.assert_allclose(got[:nseq], want, atol=3e-2, rtol=3e-2)
+    ref = np.asarray(reference_attention(q, cache, inputs, scale=scale), np.float32)
+    np.testing.assert_allclose(got, ref, atol=3e-2, rtol=3e-2)
+    assert not got[nseq:].any(), "the padding slot's row is zero"
+
+
+def test_tpu_v2_reads_the_packed_layout_and_a_stacked_cache():
+    """Packed [P, bs, Hkv, 2*D] (the "row" mode of head_dim 16) and a
+    stacked [L, P, ...] cache read at a traced layer, against the reference on
+    the split single-layer cache; stale inf past kv_len stays harmless."""
+    import functools
+
+    import jax
+
+    from kvsched.engine.kernels.tpu import pack_cache
+    from kvsched.engine.kernels.tpu2 import ragged_paged_attention_v2
+
+    for q, cache, inputs, plan, _ in plans(steps=2):
+        want = np.asarray(reference_attention(q, cache, inputs, scale=0.25))
+        c = np.asarray(cache).copy()
+        bs = c.shape[1]
+        for i in range(len(plan)):
+            kv_len = int(inputs.kv_lens[i])
+            row = np.asarray(inputs.page_indices[i])
+            for pos in range(kv_len, -(-kv_len // bs) * bs):
+                c[row[pos // bs], pos % bs] = np.inf
+        packed = pack_cache(jnp.asarray(c))
+        got = ragged_paged_attention_v2(q, packed, inputs, scale=0.25, pages_per_block=3)
+        np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
+        stacked = jnp.stack([jnp.zeros_like(jnp.asarray(c)), jnp.asarray(c)])
+        f = jax.jit(functools.partial(ragged_paged_attention_v2, scale=0.25, pages_per_block=2))
+        got = f(q, stacked, inputs, layer=jnp.int32(1))
+        np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
+
+
+def test_tpu_v2_refuses_bad_arguments_by_name():
+    from kvsched.engine.kernels.tpu2 import ragged_paged_attention_v2
+
+    q, cache, inputs, _, _ = next(plans())
+    for kw in ({"block_q": 0}, {"pages_per_block": 0}, {"prefetch_depth": 0}):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            ragged_paged_attention_v2(q, cache, inputs, scale=1.0, **kw)
+    with pytest.raises(ValueError, match="group"):
+        ragged_paged_attention_v2(q[:, :3], cache, inputs, scale=1.0)
+
+
+def test_tpu_v2_picks_the_decode_path_from_the_shape():
+    from kvsched.engine.kernels.tpu2 import default_block_q, default_pages_per_block
+
+    assert default_block_q(256, 256, 4) == 2  # decode: M = 2 x 4 = 8 rows
+    assert default_block_q(256, 256, 8) == 1
+    assert default_block_q(256, 256, 3) == 8  # a group that does not divide 8
+    assert default_block_q(512, 8, 4) == 128  # prefill: 128-token blocks
+    assert default_block_q(20, 4, 4) == 24
+    assert default_pages_per_block(16, 128) == 16 and default_pages_per_block(64, 2) == 2
+    assert default_pages_per_block(16, 128, decode=True) == 32
+
+
+@pytest.mark.parametrize(("d", "packed"), [(128, False), (64, True)])
+def test_tpu_v2_lowers_to_mosaic_for_tpu(d, packed):
+    """Lowering only (the Mosaic compiler runs on a TPU host): bf16, split at
+    head_dim 128 and packed at 64."""
+    import functools
+
+    import jax
+    from jax import export
+
+    from kvsched.engine.kernels.tpu2 import _call
+
+    t, hq, p, bs, hkv, s, pps = 64, 8, 64, 16, 2, 8, 16
+    cache = (p, bs, hkv, 2 * d) if packed else (p, bs, 2 * hkv, d)
+    shapes = [((t, hq, d), jnp.bfloat16), (cache, jnp.bfloat16), ((s,), jnp.int32),
+              ((s, pps), jnp.int32), ((s + 1,), jnp.int32), ((1,), jnp.int32)]  # fmt: skip
+    args = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in shapes]
+    f = jax.jit(functools.partial(_call, scale=0.1, block_q=16, pages_per_block=4,
+                                  interpret=False))  # fmt: skip
+    text = export.export(f, platforms=["tpu"])(*args).mlir_module()
+    assert "tpu_custom_call" in text and "kvsched_ragged_paged_attention_v2" in text
+
+
+@pytest.mark.parametrize(("knob", "v2"), [("ours", True), ("ours1", False)])
+def test_pallas_on_tpu_runs_the_kernel_the_knob_names(monkeypatch, knob, v2):
+    """KVSCHED_TPU_ATTENTION=ours is version 2, ours1 version 1: the paged_attention
+    dispatch on a (faked) TPU, with the stacked cache at a traced layer, lowered."""
+    import functools
+
+    import jax
+    from jax import export
+
+    from kvsched.engine import AttentionInputs, paged_attention
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    monkeypatch.setenv("KVSCHED_TPU_ATTENTION", knob)
+    t, hq, d, p, bs, hkv, s, pps = 32, 8, 128, 32, 16, 2, 4, 8
+    shapes = [((t, hq, d), jnp.bfloat16), ((2, p, bs, 2 * hkv, d), jnp.bfloat16),
+              ((), jnp.int32), ((t,), jnp.int32), ((s + 1,), jnp.int32), ((s,), jnp.int32),
+              ((s, pps), jnp.int32), ((1,), jnp.int32)]  # fmt: skip
+    args = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in shapes]
+
+    def f(q, cache, layer, *plan):
+        return paged_attention(q, cache, AttentionInputs(*plan), scale=0.1, backend="pallas",
+                               layer=layer)  # fmt: skip
+
+    text = export.export(jax.jit(functools.partial(f)), platforms=["tpu"])(*args).mlir_module()
+    assert "tpu_custom_call" in text and "kvsched_ragged_paged_attention" in text
+    assert ("kvsched_ragged_paged_attention_v2" in text) == v2
+
+
 @pytest.mark.parametrize(("hq", "hkv", "block_q"), [(4, 2, 8), (4, 4, 16), (8, 1, 8)])
 def test_the_gpu_variant_matches_the_reference_in_the_interpreter(hq, hkv, block_q):
     from kvsched.engine.kernels.gpu import ragged_paged_attention_gpu

@@ -67,6 +67,23 @@ def test_causal_bound_by_hand():
     assert C.count(plan, SMALL, target).kv_bytes_moved == (3 + 4) * 128
 
 
+def test_tpu_v2_counts_by_hand():
+    """block_q 2, blocks of 2 pages: block 0 (rows 0, 1) reads the decode (kv 5:
+    2 pages) and the chunk's first row (position 4: bound 5, 2 pages); block 1
+    (rows 2, 3) the chunk up to 7 (2 pages). One wait per block, a chain per
+    grid step, no scan of every sequence."""
+    c = C.count(MIXED, SMALL, C.ours_tpu_v2(block_q=2, pages_per_block=2))
+    assert (c.grid_steps, c.pairs, c.seq_visits) == (2, 3, 3)
+    assert (c.kv_blocks, c.dma_starts, c.dma_waits, c.chains) == (3, 6, 3, 2)
+    assert c.kv_bytes_moved == 6 * 128
+    # Blocks are always full: 3 pages of a 2-page block re-read the first page.
+    c = C.count(MIXED, SMALL, C.ours_tpu_v2(block_q=4, pages_per_block=4))
+    assert (c.kv_blocks, c.dma_starts, c.dma_waits, c.chains) == (2, 8, 2, 1)
+    # The causal bound: an 8-token chunk ending at 16, blocks of 4 rows.
+    v2 = C.ours_tpu_v2(block_q=4, pages_per_block=1)
+    assert C.count(C.Plan((8,), (16,)), SMALL, v2).kv_bytes_moved == (3 + 4) * 128
+
+
 def test_gpu_v2_counts_by_hand():
     """block_q 2, sequence-aligned: the decode is a block of its own (2 pages
     of kv 5), the 3-row chunk two blocks (rows at positions 4-5: last 6, 2
@@ -222,6 +239,36 @@ def test_decode_bounds_hold_for_the_target_and_jax_not_for_todays_kernel():
     assert o.mxu_flops == 8 * o.useful_flops
 
 
+def test_decode_and_prefill_for_tpu_v2():
+    """Version 2 at its defaults for the decode case (block_q 2: M = 8, 32 pages
+    per block, two in flight): the KV read once, in 1024 blocks of 2 MiB, one
+    wait each, within issue 15's bounds; 128 grid steps, one cold chain each. A
+    512-token chunk at 2k in blocks of 128 rows (16 pages per block) reads up
+    to each block's causal bound (104, 112, 120, 128 pages, rounded up to whole
+    blocks of 16)."""
+    bq = C.tpu_v2_block_q(256, 256, C.LLAMA3_8B.group)
+    ppb = C.tpu_v2_pages_per_block(16, 128, decode=True)
+    assert (bq, ppb) == (2, 32)
+    v = C.count(DECODE, C.LLAMA3_8B, C.ours_tpu_v2(bq, ppb))
+    assert ideal_bounds(v, ppb) == (True, True)
+    assert (v.kv_blocks, v.dma_starts, v.dma_waits) == (PAGES // ppb, PAGES, PAGES // ppb)
+    assert (v.grid_steps, v.chains, v.seq_visits) == (128, 128, 256)
+    assert v.mxu_flops == 2 * v.useful_flops  # M = 8 rows, 4 of them real
+    plan = C.Plan.prefill_chunk(512, 2048)
+    ppb = C.tpu_v2_pages_per_block(16, 128)
+    assert ppb == 16
+    p = C.count(plan, C.LLAMA3_8B, C.ours_tpu_v2(C.tpu_v2_block_q(512, 1, 4), ppb))
+    assert p.kv_blocks == 7 + 7 + 8 + 8 and p.kv_bytes_moved == 30 * 16 * 65536
+    for dev in ("tpu-v5e", "tpu-v6e"):
+        ours = C.predict(DECODE, C.LLAMA3_8B, C.ours_tpu(), dev)
+        new = C.predict(DECODE, C.LLAMA3_8B, C.ours_tpu_v2(bq, 32), dev)
+        target = C.predict(DECODE, C.LLAMA3_8B, C.target_tpu(), dev)
+        assert ours.hbm_fraction * 5 < new.hbm_fraction < target.hbm_fraction
+        before = C.predict(plan, C.LLAMA3_8B, C.ours_tpu(), dev)
+        after = C.predict(plan, C.LLAMA3_8B, C.ours_tpu_v2(128, ppb), dev)
+        assert after.step_s * 50 < before.step_s
+
+
 def test_decode_predictions_order_the_kernels():
     """Under the stated constants: today's TPU kernel is latency bound, far from
     the bandwidth (a few percent, as the design review estimated); the target
@@ -287,6 +334,7 @@ def test_table_has_every_kernel_and_device():
         for d in ("tpu-v5e", "tpu-v6e")
         for k in (
             "kvsched pallas (TPU)",
+            "kvsched pallas v2 (TPU)",
             "jax ragged_paged_attention (TPU)",
             "target design (not built)",
         )
@@ -349,6 +397,43 @@ def test_todays_tpu_kernel_description_matches_its_mosaic_program():
             assert BS in o.shapes[2] or o.shapes[0][1] == BS  # N (QK) or K (PV): one page
     cold = [o for o in m.ops if o.op == "enqueue_dma" and o.loop not in bodies]
     assert cold and all(o.depth == 1 for o in cold)  # in the sequence loop: a chain each
+
+
+def test_tpu_v2_description_matches_its_mosaic_program():
+    """Version 2 lowered for TPU: in each loop that waits, one wait for a whole
+    block of pages_per_block pages and pages_per_block page DMAs (the next
+    block `prefetch_depth` ahead); bf16 QK and PV with M = block_q x group and N
+    (QK) = the block's keys; the first two blocks of a grid step started outside
+    the loops (a chain per step)."""
+    pytest.importorskip("jax")
+    from kvsched.engine.kernels.tpu2 import _call
+
+    block_q, ppb = 16, 4
+    m = _export(functools.partial(_call, scale=0.1, block_q=block_q, pages_per_block=ppb,
+                                  interpret=False))  # fmt: skip
+    desc = C.ours_tpu_v2(block_q, ppb)
+    shapes = C.Shapes(HQ, HKV, D, BS)
+    plan = C.Plan((1,) * S, (PPS * BS,) * S, T)
+    assert m.name == "kvsched_ragged_paged_attention_v2"
+    assert m.grid == (C.count(plan, shapes, desc).grid_steps,) == (T // block_q,)
+    bodies = m.loops_with("wait_dma")
+    assert bodies and not desc.wait_per_page
+    for ops in bodies.values():
+        kinds = [o.op for o in ops]
+        assert kinds.count("wait_dma") == 1 and kinds.count("enqueue_dma") == ppb
+        for o in ops:
+            if o.op == "wait_dma":
+                assert C.memref_bytes(o.shapes[0], o.dtypes[0]) == ppb * shapes.page_bytes
+            if o.op == "enqueue_dma":
+                assert C.memref_bytes(o.shapes[0], o.dtypes[0]) == shapes.page_bytes
+        mm = [o for o in ops if o.op == "matmul"]
+        assert len(mm) == 2 * HKV
+        for o in mm:
+            assert o.dtypes == ("bf16", "bf16") == (desc.operands, desc.pv)
+            assert o.shapes[2][0] == block_q * shapes.group
+        assert {o.shapes[2][1] for o in mm[::2]} == {ppb * BS}  # QK: [M, keys of the block]
+    cold = [o for o in m.ops if o.op == "enqueue_dma" and o.depth == 0]
+    assert len(cold) == desc.prefetch_depth * ppb == 2 * ppb and desc.chain_per_step
 
 
 def test_jax_kernel_description_matches_its_mosaic_program():
@@ -485,6 +570,53 @@ def test_the_counts_are_what_the_kernel_does_in_the_interpreter(dma_log):
         assert set(dma_log["waits"]) == {shapes.page_bytes}
         seen += c.dma_starts > 0
     assert seen == 3 and mixed, "three plans that read KV, one of them mixed"
+
+
+def test_tpu_v2_counts_are_what_it_does_in_the_interpreter(dma_log):
+    """Version 2 in the interpreter: on the hand-counted plan, then on real mixed
+    plans at the shape's default block_q and at block_q 8, the DMAs it starts,
+    its waits (one per block) and the bytes they wait for are the model's."""
+    import jax.numpy as jnp
+    import numpy as np
+    from engine_helpers import plans
+
+    from kvsched.engine import AttentionInputs
+    from kvsched.engine.kernels.tpu2 import ragged_paged_attention_v2
+
+    inputs = AttentionInputs(
+        positions=jnp.asarray([4, 4, 5, 6], jnp.int32),
+        cu_q_lens=jnp.asarray([0, 1, 4], jnp.int32),
+        kv_lens=jnp.asarray([5, 7], jnp.int32),
+        page_indices=jnp.asarray([[1, 2], [3, 4]], jnp.int32),
+        num_seqs=jnp.asarray([2], jnp.int32),
+    )
+    q = jnp.ones((4, 2, 8), jnp.bfloat16)
+    cache = jnp.ones((5, 4, 2, 8), jnp.bfloat16)
+    ragged_paged_attention_v2(q, cache, inputs, scale=0.5, block_q=2, pages_per_block=2)
+    want = C.count(MIXED, SMALL, C.ours_tpu_v2(block_q=2, pages_per_block=2))
+    assert (len(dma_log["starts"]), len(dma_log["waits"])) == (want.dma_starts, want.dma_waits)
+    assert dma_log["waits"] == [2 * 128] * 3 and want.kv_bytes_moved == 6 * 128
+
+    shapes = C.Shapes(q_heads=4, kv_heads=2, head_dim=16, page_size=4)
+    seen = mixed = 0
+    for q, cache, inputs, plan, _ in plans(dtype=jnp.bfloat16, steps=4):
+        mixed += 0 < plan.num_decode < len(plan)
+        model = C.Plan.from_arrays(np.asarray(inputs.cu_q_lens), np.asarray(inputs.kv_lens),
+                                   int(inputs.num_seqs[0]), tokens=q.shape[0])  # fmt: skip
+        slots, pps = inputs.page_indices.shape
+        for bq in (None, 8):
+            dma_log["starts"].clear()
+            dma_log["waits"].clear()
+            out = ragged_paged_attention_v2(q, cache, inputs, scale=0.25, block_q=bq,
+                                            pages_per_block=3)  # fmt: skip
+            out.block_until_ready()
+            block_q = bq or C.tpu_v2_block_q(q.shape[0], slots, shapes.group)
+            c = C.count(model, shapes, C.ours_tpu_v2(block_q, min(3, pps)))
+            assert (len(dma_log["starts"]), len(dma_log["waits"])) == (c.dma_starts, c.dma_waits)
+            assert sum(dma_log["waits"]) == c.kv_bytes_moved
+            assert set(dma_log["waits"]) <= {min(3, pps) * shapes.page_bytes}
+            seen += c.dma_starts > 0
+    assert seen >= 6 and mixed, "plans that read KV, one of them mixed"
 
 
 def test_jax_block_sizes_are_what_its_tuned_table_gives():

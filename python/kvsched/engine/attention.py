@@ -20,7 +20,11 @@ environment variable KVSCHED_TPU_ATTENTION (`tpu_attention()`):
     KVSCHED_TPU_ATTENTION   pallas on TPU runs               status
     jax (default)           JAX's ragged_paged_attention     unmeasured
                             (kvsched's when head_dim % 128)
-    ours                    kvsched's kernels/tpu.py         unmeasured
+    ours                    kvsched's kernels/tpu2.py (v2)   unmeasured
+    ours1                   kvsched's kernels/tpu.py (v1)    unmeasured
+
+(kvsched's kernel where JAX's cannot run, head_dim % 128 != 0, is v2 unless
+the variable says ours1.)
 
 The default is JAX's because a design review (issue 15) predicts kvsched's
 kernel at 4-8% of HBM bandwidth on a v5e decode batch (one page per DMA, f32
@@ -29,6 +33,11 @@ and prefetches across sequences. Neither has run on a TPU yet: the choice is a
 prediction until benches/tpu_check.py measures both (it calls
 `paged_attention(..., backend="jax")` and `backend="pallas"` with
 KVSCHED_TPU_ATTENTION=ours); whoever measures sets the default from it.
+kvsched's version 2 (kernels/tpu2.py: several pages per DMA wait, two blocks
+in flight, causal bound, bf16 operands) is predicted by kernels/cost.py at
+94% / 88% of v5e / v6e HBM bandwidth on that decode batch, JAX's at 54% / 62%;
+v2 has been lowered for TPU but never compiled by Mosaic nor run on a TPU, so
+the default stays the kernel JAX ships until tpu_check measures both.
 Off TPU the variable changes nothing. It is read when a call is traced: a
 jitted function keeps the kernel it was traced with, so set it before the
 engine (or a benchmark's jit) first runs. `resolve_backend` names the kernel a
@@ -69,13 +78,14 @@ __all__ = [
 
 BACKENDS = ("reference", "pallas", "pallas_gpu", "jax")
 TPU_ATTENTION_ENV = "KVSCHED_TPU_ATTENTION"
-TPU_ATTENTION_CHOICES = ("jax", "ours")
+TPU_ATTENTION_CHOICES = ("jax", "ours", "ours1")  # ours: kernels/tpu2.py; ours1: tpu.py
 TPU_ATTENTION_DEFAULT = "jax"  # a prediction, unmeasured: see the module docstring
 JAX_KERNEL_HEAD_DIM = 128  # JAX's TPU kernel needs head_dim % 128 == 0
 
 
 def tpu_attention() -> str:
-    """Which kernel backend `pallas` runs on a TPU: "jax" or "ours", from
+    """Which kernel backend `pallas` runs on a TPU: "jax", "ours" (kvsched's
+    version 2) or "ours1" (kvsched's version 1), from
     KVSCHED_TPU_ATTENTION (default "jax"). Any other value is
     kvsched.InvalidConfig."""
     value = os.environ.get(TPU_ATTENTION_ENV, TPU_ATTENTION_DEFAULT).strip().lower()
@@ -153,7 +163,12 @@ def paged_attention(
     if kernel.startswith("jax_"):
         return _jax_attention(q, cache, inputs, scale=scale, mesh=mesh, layer=layer, **kw)
     if kernel == "pallas" and mesh is None and jax.default_backend() == "tpu":
-        from kvsched.engine.kernels.tpu import ragged_paged_attention
+        if tpu_attention() == "ours1":
+            from kvsched.engine.kernels.tpu import ragged_paged_attention
+        else:  # version 2, also where JAX's kernel cannot run (head_dim % 128)
+            from kvsched.engine.kernels.tpu2 import (
+                ragged_paged_attention_v2 as ragged_paged_attention,
+            )
 
         # On TPU the kernel reads the stacked cache at `layer`: no layer is copied
         # out. (The CPU interpreter copies a kernel's whole operands per call, so

@@ -218,6 +218,9 @@ class KernelDesc:
     # Split-KV (flash-decoding): each (block, head) program's pages are shared
     # over kv_splits programs, whose partial results a reduce step combines.
     kv_splits: int = 1
+    # The prefetch chain crosses sequences within a grid step but restarts at
+    # each grid step that reads KV (kernels/tpu2.py): one chain per such step.
+    chain_per_step: bool = False
 
     @property
     def pv(self) -> str:
@@ -375,6 +378,40 @@ def jax_tpu(
     )  # fmt: skip
 
 
+def ours_tpu_v2(block_q: int = 2, pages_per_block: int = 32, depth: int = 2) -> KernelDesc:
+    """kernels/tpu2.py (version 2, issue 15 section 2, first subset): grid over
+    query blocks of `block_q` rows (its default_block_q: block_q x group = 8 for
+    decode-heavy buckets, 128 tokens otherwise); each block finds the sequences
+    that meet it by binary search (no scan of every sequence) and reads each one's
+    pages only up to its last row's causal bound, in blocks of `pages_per_block`
+    page DMAs (every block moves the full count: pages past the span re-read the
+    sequence's first page) waited once per block; the next `depth` blocks are in
+    flight across the block's sequences, the chain restarting (`depth` cold
+    fetches, one exposed) at each grid step. QK and
+    PV with the cache's dtype as operands (bf16) and f32 accumulation; M =
+    block_q x group rows per KV head, masked per sequence."""
+    return KernelDesc(
+        f"kvsched pallas v2 (TPU), {pages_per_block} pages x {block_q} queries", "tpu",
+        block_q=block_q, pages_per_block=pages_per_block, prefetch_depth=depth,
+        prefetch_across=False, causal_bound=True, fixed_blocks=True, scan_all_seqs=False,
+        rows="block", operands="bf16", wait_per_page=False, chain_per_step=True,
+    )  # fmt: skip
+
+
+def tpu_v2_block_q(tokens: int, seqs: int, group: int) -> int:
+    """The query rows per block kernels/tpu2.py picks from a bucket's shape (its
+    `default_block_q`, repeated here so the model needs no JAX)."""
+    if tokens <= 2 * seqs:
+        return 8 // group if 8 % group == 0 else 8
+    return min(128, -(-tokens // 8) * 8)
+
+
+def tpu_v2_pages_per_block(page_size: int, pages_per_seq: int, decode: bool = False) -> int:
+    """kernels/tpu2.py's default_pages_per_block: 512 tokens' worth of pages on
+    the decode path, 256 otherwise."""
+    return max(1, min(pages_per_seq, (512 if decode else 256) // page_size))
+
+
 def target_tpu(pages_per_block: int = 32, block_q: int = 128, depth: int = 2) -> KernelDesc:
     """The section-2 design (issue 15), NOT built: several pages per block and
     one wait per block, the next `depth` blocks in flight across sequences
@@ -476,6 +513,7 @@ def count(plan: Plan, shapes: Shapes, kernel: KernelDesc, device: Device | None 
     kv_blocks = dma_starts = dma_waits = moved_pages = 0
     flops = padded = padded_f32 = 0
     chains = busy = 0
+    steps_reading: set[int] = set()
     sizes: list[int] = []
     for _b, _s, rows, last in pairs:
         span = last if kernel.causal_bound else plan.kv_lens[_s]
@@ -515,6 +553,9 @@ def count(plan: Plan, shapes: Shapes, kernel: KernelDesc, device: Device | None 
         busy += parts * head_programs
         if nblk:
             chains += 0 if kernel.prefetch_across else head_programs * parts
+            steps_reading.add(_b)
+    if kernel.chain_per_step:
+        chains = len(steps_reading) * head_programs
     if kernel.prefetch_across and kv_blocks:
         chains = 1
     needed = sum(kv * 2 * hkv * d * shapes.kv_bytes for kv in plan.kv_lens)
@@ -613,7 +654,10 @@ def kernels_for(plan: Plan, shapes: Shapes, device: str) -> list[KernelDesc]:
     pps = max(-(-kv // shapes.page_size) for kv in plan.kv_lens)
     bkv, bq = jax_rpa_block_sizes(shapes, plan.padded_tokens, pps, device)
     kvh = jax_rpa_kv_heads_per_block(shapes)
-    return [ours_tpu(), jax_tpu(bkv, bq, None if kvh == shapes.kv_heads else kvh), target_tpu()]
+    bq2 = tpu_v2_block_q(plan.padded_tokens, len(plan.q_lens), shapes.group)
+    v2 = ours_tpu_v2(bq2, tpu_v2_pages_per_block(shapes.page_size, pps, bq2 * shapes.group <= 8))
+    return [ours_tpu(), v2, jax_tpu(bkv, bq, None if kvh == shapes.kv_heads else kvh),
+            target_tpu()]  # fmt: skip
 
 
 def table(
@@ -757,5 +801,6 @@ __all__ = [
     "Prediction", "Shapes", "count", "format_table", "jax_rpa_block_sizes",
     "jax_rpa_kv_heads_per_block", "jax_tpu", "kernels_for", "mosaic_summary", "ours_gpu",
     "ours_gpu_v2", "gpu_v2_block_q", "gpu_v2_kv_splits", "gpu_v2_tile_pages",
-    "ours_tpu", "predict", "table", "target_tpu",
+    "ours_tpu", "ours_tpu_v2", "predict", "table", "target_tpu", "tpu_v2_block_q",
+    "tpu_v2_pages_per_block",
 ]  # fmt: skip

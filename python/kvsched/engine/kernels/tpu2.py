@@ -1,0 +1,379 @@
+"""kvsched's ragged paged attention kernel for TPU, version 2 (issue 15 section 2,
+a first subset of the anchors' design). Same inputs, layouts and output as
+kernels/tpu.py (version 1, whose module doc describes the query regrouping to
+[Hkv, T * group, D], the "split" and "packed" cache layouts and `layer`);
+what changes is how KV reaches the MXU:
+
+- KV blocks of `pages_per_block` pages: one DMA per page, all on one semaphore,
+  and ONE wait per block (a wait for the whole block's bytes). A block always
+  moves `pages_per_block` pages: pages past the sequence's causal span read the
+  sequence's first page again (a valid page id) and are masked, so the wait
+  size is static.
+- The next `prefetch_depth` blocks (2 by default) are in flight while one is
+  computed, across sequences within a grid step: a query block's (sequence, KV
+  block) pairs form one flat loop, and the pair `prefetch_depth` ahead is
+  fetched into a free slot of depth + 1. (Not across grid steps: each query
+  block starts with cold fetches; see `cost.ours_tpu_v2`.)
+- A query block visits only the sequences that meet it: the first and the end
+  are found by binary search over cu_q_lens (O(log S) scalar steps per block),
+  not by scanning every sequence.
+- Causal KV bound: a query block reads each sequence's pages only up to its
+  last row's position in the block (a prefill chunk's early blocks read less).
+- Query block size chosen from the static shape (`default_block_q`): a
+  decode-heavy bucket (tokens <= 2 x sequence slots) gets block_q x group = 8
+  rows (one sublane tile: the GQA group is the matmul's M), others 128 tokens.
+- Operands in the cache's dtype (bf16 stays bf16; an f32 cache stays f32) with
+  f32 accumulation (`preferred_element_type`): no f32 upcast of K/V before the
+  MXU. q is scaled in f32, then cast to the cache's dtype; the probabilities
+  are cast to V's dtype for the PV product.
+
+Not done yet (stated, not hidden): the prefetch chain restarts per grid step;
+the softmax state (m, l, acc) is a loop carry, not VMEM scratch; each KV
+head's K and V are loaded by ref indexing of the block buffer (a strided ref
+load per head, as version 1), the [ppb, bs, D] value reshaped to
+[ppb * bs, D]; page sizes and head dims as in version 1.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from kvsched.engine.inputs import AttentionInputs
+from kvsched.engine.kernels.common import MASK, run_padded
+from kvsched.engine.kernels.tpu import LANES, cache_mode, on_tpu
+
+if TYPE_CHECKING:
+    from jax._src.pallas.mosaic.primitives import AsyncCopyDescriptor
+
+# (sequence, block) computed next, (sequence, block) fetched last, m, l, acc.
+_Carry = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]
+
+PREFILL_BLOCK_Q = 128  # query rows per block outside the decode path
+SUBLANES = 8
+
+
+def default_block_q(tokens: int, seqs: int, group: int) -> int:
+    """Query rows per block from a plan's static shape: decode-heavy buckets
+    (tokens <= 2 x sequence slots) get M = block_q x group = 8 rows (one
+    sublane tile) when the group divides 8, else 8 tokens; other buckets get
+    128 tokens (at most the bucket rounded up to 8)."""
+    if tokens <= 2 * seqs:
+        return SUBLANES // group if SUBLANES % group == 0 else SUBLANES
+    return min(PREFILL_BLOCK_Q, -(-tokens // SUBLANES) * SUBLANES)
+
+
+def default_pages_per_block(page_size: int, pages_per_seq: int, decode: bool = False) -> int:
+    """KV pages per DMA block: 512 tokens' worth on the decode path (32 pages of
+    16: 2 MiB at Llama-3-8B's heads, 6 MiB of VMEM for three slots), 256 tokens
+    otherwise (the 128-row query blocks' q, output and scores need VMEM too); at
+    least one page, at most a sequence's page row."""
+    return max(1, min(pages_per_seq, (512 if decode else 256) // page_size))
+
+
+def _kv_block(
+    kv_buf: jax.Ref, slot: jax.Array, h: int, mode: str, d: int
+) -> tuple[jax.Array, jax.Array]:
+    """K and V ([ppb * bs, *]) of KV head h from block slot `slot`."""
+    ppb, bs = kv_buf.shape[1], kv_buf.shape[2]
+    if mode == "split":  # [ppb, bs, 2*Hkv, D]: K at 2h, V at 2h + 1
+        k = kv_buf[slot, :, :, 2 * h, :]
+        v = kv_buf[slot, :, :, 2 * h + 1, :]
+        return k.reshape(ppb * bs, d), v.reshape(ppb * bs, d)
+    row = kv_buf[slot, :, :, h, :]  # [ppb, bs, 2*D] = [K_h | V_h]
+    row = row.reshape(ppb * bs, 2 * d)
+    if mode == "halves":
+        return row[:, :d], row[:, d:]
+    return row, row
+
+
+def _kernel(
+    kv_lens_ref: jax.Ref,
+    pages_ref: jax.Ref,
+    cu_ref: jax.Ref,
+    nseq_ref: jax.Ref,
+    layer_ref: jax.Ref,
+    q_ref: jax.Ref,  # [Hkv, block_q * group, QW]
+    cache_hbm: jax.Ref,  # [L, P, bs, X, W], in HBM
+    o_ref: jax.Ref,
+    kv_buf: jax.Ref,  # [depth + 1, ppb, bs, X, W] VMEM: block slots
+    sem: jax.Ref,  # one DMA semaphore per slot
+    *,
+    block_q: int,
+    kv_heads: int,
+    group: int,
+    pages_per_seq: int,
+    max_seqs: int,
+    depth: int,
+    scale: float,
+    mode: str,
+    head_dim: int,
+) -> None:
+    ppb, bs = kv_buf.shape[1], kv_buf.shape[2]
+    span_keys = ppb * bs
+    rows = block_q * group
+    qw = q_ref.shape[2]
+    row0 = pl.program_id(0) * block_q
+    row_end = row0 + block_q
+    nseq = nseq_ref[0]
+    layer = layer_ref[0]
+    token = row0 + lax.div(lax.broadcasted_iota(jnp.int32, (rows, 1), 0), group)
+    op_dtype = kv_buf.dtype
+    qs = [(q_ref[h].astype(jnp.float32) * scale).astype(op_dtype) for h in range(kv_heads)]
+
+    def search(pred_index: int, bound: jax.Array) -> jax.Array:
+        """Smallest j in [0, nseq] with cu[j + pred_index] >= bound (+1 for >)."""
+
+        def body(_: int, lohi: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+            lo, hi = lohi
+            mid = lax.div(lo + hi, 2)
+            idx = jnp.minimum(mid + pred_index, max_seqs)
+            hit = cu_ref[idx] >= bound
+            open_ = lo < hi
+            return (jnp.where(open_ & ~hit, mid + 1, lo), jnp.where(open_ & hit, mid, hi))
+
+        steps = max(1, max_seqs.bit_length() + 1)
+        lo: jax.Array
+        lo, _ = lax.fori_loop(0, steps, body, (jnp.int32(0), nseq), unroll=True)
+        return lo
+
+    j_lo = search(1, row0 + 1)  # first sequence ending after row0
+    j_hi = search(0, row_end)  # first sequence starting at or after the block's end
+
+    def seq_pages(j: jax.Array) -> jax.Array:
+        """Pages of sequence j this block reads: up to its last row's causal bound
+        (0 past the last sequence; the index is clamped so SMEM reads stay in
+        bounds, as a `where` evaluates both sides)."""
+        jc = jnp.minimum(j, max_seqs - 1)
+        q_lo, q_hi = cu_ref[jc], cu_ref[jc + 1]
+        last = kv_lens_ref[jc] - (q_hi - jnp.minimum(q_hi, row_end))
+        span = jnp.where((q_hi > q_lo) & (j < max_seqs), last, 0)
+        return lax.div(span + bs - 1, bs)
+
+    def seq_blocks(j: jax.Array) -> jax.Array:
+        return lax.div(seq_pages(j) + ppb - 1, ppb)
+
+    def skip_empty(j: jax.Array) -> jax.Array:
+        return lax.while_loop(lambda j: (j < j_hi) & (seq_blocks(j) == 0), lambda j: j + 1, j)
+
+    total = lax.fori_loop(j_lo, j_hi, lambda j, n: n + seq_blocks(j), jnp.int32(0))
+
+    def advance(j: jax.Array, i: jax.Array) -> tuple[jax.Array, jax.Array]:
+        more = i + 1 < seq_blocks(j)
+        nj = jnp.where(more, j, skip_empty(j + 1))
+        return nj, jnp.where(more, i + 1, 0)
+
+    def wait(slot: jax.Array) -> None:
+        # One wait for the whole block: the semaphore counts the bytes of every
+        # page DMA started on it; a descriptor of the block's size waits for all.
+        desc: AsyncCopyDescriptor = pltpu.make_async_copy(
+            kv_buf.at[slot], kv_buf.at[slot], sem.at[slot]
+        )
+        desc.wait()
+
+    def fetch(j: jax.Array, i: jax.Array, slot: jax.Array) -> None:
+        n_pages = seq_pages(j)
+        for p in range(ppb):
+            page_no = i * ppb + p
+            # Past the span: the sequence's first page again (valid; masked).
+            idx = jnp.where(page_no < n_pages, page_no, 0)
+            page = pages_ref[j * pages_per_seq + idx]
+            pltpu.make_async_copy(
+                cache_hbm.at[layer, page], kv_buf.at[slot, p], sem.at[slot]
+            ).start()
+
+    m0 = jnp.full((kv_heads, rows, 1), MASK, jnp.float32)
+    l0 = jnp.zeros((kv_heads, rows, 1), jnp.float32)
+    acc0 = jnp.zeros((kv_heads, rows, qw), jnp.float32)
+    j0 = skip_empty(j_lo)
+    slots = depth + 1
+
+    # The first `depth` blocks of this grid step, one per slot; (fj, fi) is the
+    # last pair fetched (advancing past the end is harmless: reads are clamped
+    # and only pairs below `total` are fetched).
+    fj, fi = j0, jnp.int32(0)
+    for k in range(depth):
+        if k:
+            fj, fi = advance(fj, fi)
+
+        @pl.when(k < total)
+        def _(fj: jax.Array = fj, fi: jax.Array = fi, k: int = k) -> None:  # traced now
+            fetch(fj, fi, jnp.int32(k))
+
+    def body(t: jax.Array, carry: _Carry) -> _Carry:
+        j, i, fj, fi, m, denom, acc = carry
+        slot = lax.rem(t, slots)
+        nfj, nfi = advance(fj, fi)
+
+        # `depth` blocks ahead: fetched while this one and those between compute.
+        @pl.when(t + depth < total)
+        def _() -> None:
+            fetch(nfj, nfi, lax.rem(t + depth, slots))
+
+        fj = jnp.where(t + depth < total, nfj, fj)
+        fi = jnp.where(t + depth < total, nfi, fi)
+        nj, ni = advance(j, i)
+        wait(slot)
+        q_lo, q_hi = cu_ref[j], cu_ref[j + 1]
+        kv_len = kv_lens_ref[j]
+        in_seq = jnp.logical_and(token >= q_lo, token < q_hi)
+        pos = kv_len - (q_hi - token)
+        key0 = i * span_keys
+        key = key0 + lax.broadcasted_iota(jnp.int32, (1, span_keys), 1)
+        # Keys past the block's causal span are masked by pos and kv_len (the
+        # re-read first page sits past them).
+        limit = jnp.minimum(kv_len, seq_pages(j) * bs)
+        ok = in_seq & (key <= pos) & (key < limit)
+        live = key0 + lax.broadcasted_iota(jnp.int32, (span_keys, 1), 0) < limit
+        ms, ls, accs = [], [], []
+        for h in range(kv_heads):
+            k, v = _kv_block(kv_buf, slot, h, mode, head_dim)
+            v = jnp.where(live, v, jnp.zeros_like(v))
+            k = v if mode == "row" else k
+            s = lax.dot_general(
+                qs[h], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+            )
+            s = jnp.where(ok, s, MASK)
+            m_new = jnp.maximum(m[h], jnp.max(s, axis=1, keepdims=True))
+            alpha = jnp.exp(m[h] - m_new)
+            w = jnp.where(ok, jnp.exp(s - m_new), 0.0)
+            ls.append(alpha * denom[h] + jnp.sum(w, axis=1, keepdims=True))
+            pv = lax.dot_general(
+                w.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            )
+            accs.append(alpha * acc[h] + pv)
+            ms.append(m_new)
+        return nj, ni, fj, fi, jnp.stack(ms), jnp.stack(ls), jnp.stack(accs)
+
+    init: _Carry = (j0, jnp.int32(0), fj, fi, m0, l0, acc0)
+    *_, denom, acc = lax.fori_loop(0, total, body, init)
+    out = jnp.where(denom == 0, 0.0, acc / jnp.where(denom == 0, 1.0, denom))
+    for h in range(kv_heads):
+        o_ref[h] = out[h].astype(o_ref.dtype)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "block_q", "pages_per_block", "prefetch_depth", "interpret"),
+)
+def _call(
+    q: jax.Array,
+    cache: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    scale: float,
+    block_q: int,
+    interpret: bool,
+    pages_per_block: int | None = None,
+    prefetch_depth: int = 2,
+    layer: jax.Array | int | None = None,
+) -> jax.Array:
+    """q [T, Hq, D] (T a multiple of block_q), cache [P, bs, X, W] or, with
+    `layer`, [L, P, bs, X, W] -> [T, Hq, D]."""
+    t, hq, d = q.shape
+    if layer is None:
+        cache, layer = cache[None], 0
+    _, _, bs, x, w = cache.shape
+    mode, hkv = cache_mode(d, cache.shape)
+    g = hq // hkv
+    qw = 2 * d if mode == "row" else d
+    s, pps = page_indices.shape
+    decode = block_q * g <= SUBLANES
+    ppb = default_pages_per_block(bs, pps, decode) if pages_per_block is None else pages_per_block
+    ppb = min(ppb, pps)
+    rows = block_q * g
+    q3 = q.reshape(t, hkv, g, d).transpose(1, 0, 2, 3).reshape(hkv, t * g, d)
+    if qw != d:
+        q3 = jnp.pad(q3, ((0, 0), (0, 0), (0, qw - d)))
+    kernel = functools.partial(
+        _kernel, block_q=block_q, kv_heads=hkv, group=g, pages_per_seq=pps, max_seqs=s,
+        depth=prefetch_depth, scale=scale, mode=mode, head_dim=d,
+    )  # fmt: skip
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=5,
+        grid=(t // block_q,),
+        in_specs=[
+            pl.BlockSpec((hkv, rows, qw), lambda b, *_: (0, b, 0)),
+            pl.BlockSpec(memory_space=pl.ANY),
+        ],
+        out_specs=pl.BlockSpec((hkv, rows, qw), lambda b, *_: (0, b, 0)),
+        scratch_shapes=[
+            pltpu.VMEM((prefetch_depth + 1, ppb, bs, x, w), cache.dtype),
+            pltpu.SemaphoreType.DMA((prefetch_depth + 1,)),
+        ],
+    )
+    out: jax.Array = pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct(q3.shape, q.dtype),
+        interpret=pltpu.InterpretParams() if interpret else False,
+        name="kvsched_ragged_paged_attention_v2",
+    )(
+        kv_lens, page_indices.reshape(s * pps), cu_q_lens, num_seqs,
+        jnp.asarray(layer, jnp.int32).reshape(1), q3, cache,
+    )  # fmt: skip
+    out = out[..., qw - d :]
+    return out.reshape(hkv, t, g, d).transpose(1, 0, 2, 3).reshape(t, hq, d)
+
+
+def ragged_paged_attention_v2(
+    q: jax.Array,
+    cache: jax.Array,
+    inputs: AttentionInputs,
+    *,
+    scale: float,
+    block_q: int | None = None,
+    pages_per_block: int | None = None,
+    prefetch_depth: int = 2,
+    interpret: bool | None = None,
+    layer: jax.Array | int | None = None,
+) -> jax.Array:
+    """Version 2 of kernels/tpu.py's `ragged_paged_attention`, same arguments
+    and result; `block_q` defaults to `default_block_q` of the bucket's shape,
+    `pages_per_block` to `default_pages_per_block`; `prefetch_depth` blocks are
+    in flight while one is computed (depth + 1 VMEM slots). Values below 1 are a
+    ValueError naming the knob."""
+    if interpret is None:
+        interpret = not on_tpu()
+    knobs = (("block_q", block_q), ("pages_per_block", pages_per_block),
+             ("prefetch_depth", prefetch_depth))  # fmt: skip
+    for name, value in knobs:
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+    d = q.shape[-1]
+    if cache.ndim != (4 if layer is None else 5):
+        raise ValueError(
+            f"cache of rank {cache.ndim}: expected [P, bs, X, W], or [L, P, bs, X, W] with layer"
+        )
+    mode, hkv = cache_mode(d, cache.shape)
+    if not interpret:
+        if mode == "split" and d % LANES:
+            raise ValueError(
+                f"head_dim {d} with a [P, bs, 2*Hkv, D] cache on TPU: each K or V row is {d} "
+                f"lanes, the lane width is {LANES}; store the cache packed, "
+                f"[P, bs, Hkv, 2*D] (see kernels.tpu.pack_cache)"
+            )
+        if (2 * d) % LANES:
+            raise ValueError(
+                f"head_dim {d} on TPU: a packed [K | V] row of {2 * d} lanes is not a "
+                f"multiple of the {LANES}-lane width (head_dim must be a multiple of 64)"
+            )
+    if q.shape[1] % hkv:
+        raise ValueError(f"{q.shape[1]} query heads do not group over {hkv} KV heads")
+    if block_q is None:
+        block_q = default_block_q(q.shape[0], inputs.page_indices.shape[0], q.shape[1] // hkv)
+    call = functools.partial(_call, pages_per_block=pages_per_block,
+                             prefetch_depth=prefetch_depth)  # fmt: skip
+    if layer is not None:
+        call = functools.partial(call, layer=layer)
+    return run_padded(call, q, cache, inputs, scale=scale, block_q=block_q, interpret=interpret,
+                      kv_heads=hkv)  # fmt: skip
