@@ -114,6 +114,18 @@ pub fn check_vocab(
     ))
 }
 
+/// `check_vocab` on a request's prompt, then on the tokens it had already
+/// generated (a restored request's; empty otherwise).
+pub fn check_ids(
+    tenant: &Tenant,
+    vocab_size: Option<u32>,
+    prompt: &[i32],
+    generated: &[i32],
+) -> Result<(), Rejection> {
+    check_vocab(tenant, vocab_size, prompt, "prompt token")?;
+    check_vocab(tenant, vocab_size, generated, "generated token")
+}
+
 pub fn check_request(
     tenant: &Tenant,
     max_seq_len: usize,

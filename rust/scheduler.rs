@@ -545,20 +545,8 @@ impl Scheduler {
             max_tokens,
         )
         .and_then(|()| {
-            admission::check_vocab(
-                self.tenants.get(tid),
-                self.config.vocab_size,
-                prompt,
-                "prompt token",
-            )
-        })
-        .and_then(|()| {
-            admission::check_vocab(
-                self.tenants.get(tid),
-                self.config.vocab_size,
-                restored,
-                "generated token",
-            )
+            let vocab = self.config.vocab_size;
+            admission::check_ids(self.tenants.get(tid), vocab, prompt, restored)
         }) {
             return Err(self.reject(Some(tid), rejection));
         }

@@ -120,6 +120,29 @@ fn a_request_of_exactly_max_seq_len_fits_and_one_token_more_is_too_long() {
 }
 
 #[test]
+fn ids_at_or_above_the_vocabulary_are_invalid_and_the_first_one_is_named() {
+    let t = plain();
+    assert!(check_ids(&t, None, &[i32::MAX], &[i32::MAX]).is_ok());
+    assert!(check_ids(&t, Some(512), &[0, 511], &[511]).is_ok());
+    let r = check_ids(&t, Some(512), &[3, 512, 9999], &[]).unwrap_err();
+    assert_eq!((r.reason, r.retry_after), (RejectReason::Invalid, None));
+    assert!(
+        r.message
+            .contains("prompt token 1 is 512, outside the vocabulary of 512 (ids 0..=511)"),
+        "{}",
+        r.message
+    );
+    let r = check_ids(&t, Some(512), &[3], &[7, 600]).unwrap_err();
+    assert!(
+        r.message.contains("generated token 1 is 600"),
+        "{}",
+        r.message
+    );
+    // A vocabulary beyond i32 holds every id.
+    assert!(check_ids(&t, Some(u32::MAX), &[i32::MAX], &[]).is_ok());
+}
+
+#[test]
 fn the_permanent_checks_come_first() {
     let t = plain();
     // Empty and too long: empty is reported.

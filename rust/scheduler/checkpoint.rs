@@ -236,8 +236,7 @@ impl Scheduler {
                 &rec.prompt,
                 rec.max_tokens,
             )
-            .and_then(|()| admission::check_vocab(tenant, vocab, &rec.prompt, "prompt token"))
-            .and_then(|()| admission::check_vocab(tenant, vocab, &rec.generated, "generated token"))
+            .and_then(|()| admission::check_ids(tenant, vocab, &rec.prompt, &rec.generated))
             {
                 out.push((rec.id, r.reason.as_str(), r.message));
             }

@@ -212,6 +212,33 @@ def on_tpu() -> bool:
     return jax.default_backend() == "tpu"
 
 
+def checked_cache_mode(
+    q: jax.Array, cache: jax.Array, layer: jax.Array | int | None, interpret: bool
+) -> tuple[str, int]:
+    """`cache_mode` for q [T, Hq, D] and a cache of one layer (rank 4) or of
+    every layer with `layer` (rank 5); off the interpreter, a ValueError for a
+    cache whose rows are not whole multiples of the TPU's lane width."""
+    d = q.shape[-1]
+    if cache.ndim != (4 if layer is None else 5):
+        raise ValueError(
+            f"cache of rank {cache.ndim}: expected [P, bs, X, W], or [L, P, bs, X, W] with layer"
+        )
+    mode, hkv = cache_mode(d, cache.shape)
+    if not interpret:
+        if mode == "split" and d % LANES:
+            raise ValueError(
+                f"head_dim {d} with a [P, bs, 2*Hkv, D] cache on TPU: each K or V row is {d} "
+                f"lanes, the lane width is {LANES} (the cache would be lane padding in HBM); "
+                f"store the cache packed, [P, bs, Hkv, 2*D] (see kernels.tpu.pack_cache)"
+            )
+        if (2 * d) % LANES:
+            raise ValueError(
+                f"head_dim {d} on TPU: a packed [K | V] row of {2 * d} lanes is not a "
+                f"multiple of the {LANES}-lane width (head_dim must be a multiple of 64)"
+            )
+    return mode, hkv
+
+
 def cache_mode(head_dim: int, cache_shape: tuple[int, ...]) -> tuple[str, int]:
     """How a cache of this shape is read for queries of `head_dim`: ("split",
     Hkv) for [..., 2*Hkv, D]; ("halves" or "row", Hkv) for the packed
@@ -310,24 +337,7 @@ def ragged_paged_attention(
     come out 0). `interpret` defaults to True off TPU (the TPU interpreter)."""
     if interpret is None:
         interpret = not on_tpu()
-    d = q.shape[-1]
-    if cache.ndim != (4 if layer is None else 5):
-        raise ValueError(
-            f"cache of rank {cache.ndim}: expected [P, bs, X, W], or [L, P, bs, X, W] with layer"
-        )
-    mode, hkv = cache_mode(d, cache.shape)
-    if not interpret:
-        if mode == "split" and d % LANES:
-            raise ValueError(
-                f"head_dim {d} with a [P, bs, 2*Hkv, D] cache on TPU: each K or V row is {d} "
-                f"lanes, the lane width is {LANES} (the cache would be lane padding in HBM); "
-                f"store the cache packed, [P, bs, Hkv, 2*D] (see pack_cache)"
-            )
-        if (2 * d) % LANES:
-            raise ValueError(
-                f"head_dim {d} on TPU: a packed [K | V] row of {2 * d} lanes is not a "
-                f"multiple of the {LANES}-lane width (head_dim must be a multiple of 64)"
-            )
+    _, hkv = checked_cache_mode(q, cache, layer, interpret)
     call = _call if layer is None else functools.partial(_call, layer=layer)
     return run_padded(call, q, cache, inputs, scale=scale, block_q=block_q, interpret=interpret,
                       kv_heads=hkv)  # fmt: skip

@@ -47,7 +47,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kvsched.engine.inputs import AttentionInputs
 from kvsched.engine.kernels.common import MASK, run_padded
-from kvsched.engine.kernels.tpu import LANES, cache_mode, on_tpu
+from kvsched.engine.kernels.tpu import cache_mode, checked_cache_mode, on_tpu
 
 if TYPE_CHECKING:
     from jax._src.pallas.mosaic.primitives import AsyncCopyDescriptor
@@ -349,24 +349,7 @@ def ragged_paged_attention_v2(
     for name, value in knobs:
         if value is not None and value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
-    d = q.shape[-1]
-    if cache.ndim != (4 if layer is None else 5):
-        raise ValueError(
-            f"cache of rank {cache.ndim}: expected [P, bs, X, W], or [L, P, bs, X, W] with layer"
-        )
-    mode, hkv = cache_mode(d, cache.shape)
-    if not interpret:
-        if mode == "split" and d % LANES:
-            raise ValueError(
-                f"head_dim {d} with a [P, bs, 2*Hkv, D] cache on TPU: each K or V row is {d} "
-                f"lanes, the lane width is {LANES}; store the cache packed, "
-                f"[P, bs, Hkv, 2*D] (see kernels.tpu.pack_cache)"
-            )
-        if (2 * d) % LANES:
-            raise ValueError(
-                f"head_dim {d} on TPU: a packed [K | V] row of {2 * d} lanes is not a "
-                f"multiple of the {LANES}-lane width (head_dim must be a multiple of 64)"
-            )
+    _, hkv = checked_cache_mode(q, cache, layer, interpret)
     if q.shape[1] % hkv:
         raise ValueError(f"{q.shape[1]} query heads do not group over {hkv} KV heads")
     if block_q is None:
