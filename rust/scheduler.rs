@@ -19,8 +19,12 @@
 //! # Layout
 //!
 //! One concept a file, in the order a request meets them:
-//! - `scheduler.rs` (this file): the `Scheduler` struct, `new`, the live
-//!   knobs and tenants, `submit` and `commit`;
+//! - `scheduler.rs` (this file): the `Scheduler` struct, `new`, `submit` and
+//!   `commit`;
+//! - `scheduler/clock.rs`: which `now` values are accepted, and a re-based
+//!   clock; `scheduler/knobs.rs`: live reconfiguration and the tenants;
+//! - `scheduler/displace.rs`: which lower-tier requests a higher tier's
+//!   request displaces when a global limit would refuse it;
 //! - `scheduler/config.rs`: `SchedulerConfig`, `AdmissionMode` (and what each
 //!   mode means, as methods), the prefix-cache secret;
 //! - `scheduler/request.rs`: `Request`, its `Place`, `FinishReason`, the
@@ -55,13 +59,18 @@ use crate::metrics::{Histogram, TenantMetrics};
 use crate::planner::{self, DecodeSeq, PlanBuffers, PlanShape, RowCache, SeqSlice};
 use crate::pool::{BlockPool, BlockSize};
 use crate::prefix::{BlockChain, BlockKey, Namespace, PrefixHasher, Scope};
-use crate::tenant::{TenantConfig, TenantId, Tenants};
+#[cfg(test)]
+use crate::tenant::TenantConfig;
+use crate::tenant::{TenantId, Tenants};
 
 mod checkpoint;
+mod clock;
 mod config;
+mod displace;
 mod ending;
 mod events;
 mod invariants;
+mod knobs;
 mod kv;
 mod lifecycle;
 mod queues;
@@ -71,6 +80,7 @@ mod stats;
 mod step;
 
 pub use checkpoint::InFlight;
+pub use clock::{check_time, CLOCK_JITTER_S, MAX_TIME_S};
 pub use config::{
     AdmissionMode, CachePartition, SchedulerConfig, SecretKey, DEFAULT_WATERMARK_BLOCKS,
 };
@@ -109,32 +119,6 @@ pub struct CommitEvents {
     pub finished: Vec<FinishedRequest>,
     /// Requests preempted by the step this commit closes.
     pub preempted: Vec<u64>,
-}
-
-/// Largest `now` accepted, in seconds (about 31,700 years): any clock in
-/// seconds a server uses (`time.monotonic()`, `time.time()`) is far below it;
-/// a larger value is a unit mistake (ns, ms) or garbage, refused.
-pub const MAX_TIME_S: f64 = 1e12;
-
-/// How far `now` may go back behind the latest one (the scheduler's clock)
-/// and still be jitter (a time read before waiting for the lock): nothing
-/// changes, as when time stands still. Further back, the caller's clock was
-/// re-based (another clock, a restart): the scheduler's clock and every rate
-/// bucket follow it (`TokenBucket::rebase`), so none waits for a time that
-/// will not come.
-pub const CLOCK_JITTER_S: f64 = 60.0;
-
-/// The one check on a `now` (and on every time the bindings take for one):
-/// finite, not negative, at most `MAX_TIME_S`. InvalidRequest naming `what`.
-pub fn check_time(now: f64, what: &str) -> KvResult<()> {
-    if now.is_finite() && (0.0..=MAX_TIME_S).contains(&now) {
-        Ok(())
-    } else {
-        Err(KvError::InvalidRequest(format!(
-            "{what} must be a finite number of seconds in [0, {MAX_TIME_S:e}] (a monotonic \
-             or Unix clock), got {now}"
-        )))
-    }
 }
 
 /// Gaps between productive steps kept for the step-rate estimate.
@@ -293,163 +277,6 @@ impl Scheduler {
     /// The buffer set the next `step()` writes (0 or 1).
     pub fn next_parity(&self) -> usize {
         (self.steps % 2) as usize
-    }
-
-    /// Every method that takes a `now` calls this first: a bad time is
-    /// refused (`check_time`; nothing changes), and a time more than
-    /// `CLOCK_JITTER_S` behind the clock re-bases the clock and the rate
-    /// buckets to it (see `CLOCK_JITTER_S`).
-    pub(crate) fn accept_now(&mut self, now: f64) -> KvResult<()> {
-        check_time(now, "now")?;
-        if now < self.clock - CLOCK_JITTER_S {
-            self.clock = now;
-            self.tenants.rebase_buckets(now);
-        }
-        Ok(())
-    }
-
-    // -- live knobs ---------------------------------------------------------------
-
-    /// Change the configuration live, effective from the next step. Validated
-    /// as a whole; on an error nothing changes.
-    ///
-    /// Restart-only (`RestartRequired` names the knob): num_blocks, block_size,
-    /// token_buckets, admission, prefix_caching, prefix_cache_key,
-    /// prefix_cache_partition, vocab_size; and raising
-    /// max_num_seqs, max_seq_len or max_batched_tokens past the plan shape the
-    /// scheduler started with (the engine compiled for it). Lowering them is
-    /// live: running sequences are not cut, new work obeys. overhead_reserve may
-    /// not shrink the usable pool below what admission has already promised.
-    pub fn update_config(&mut self, new: SchedulerConfig) -> KvResult<()> {
-        new.validate()?;
-        let old = &self.config;
-        let restart = |knob: &'static str| Err(KvError::RestartRequired(knob));
-        if new.num_blocks != old.num_blocks {
-            return restart("num_blocks");
-        }
-        if new.block_size != old.block_size {
-            return restart("block_size");
-        }
-        if new.token_buckets != old.token_buckets {
-            return restart("token_buckets");
-        }
-        if new.admission != old.admission {
-            return restart("admission");
-        }
-        if new.prefix_caching != old.prefix_caching {
-            return restart("prefix_caching");
-        }
-        if new.prefix_cache_partition != old.prefix_cache_partition {
-            return restart("prefix_cache_partition");
-        }
-        if new.vocab_size != old.vocab_size {
-            return restart("vocab_size");
-        }
-        if new.prefix_cache_key.is_some() && new.prefix_cache_key != old.prefix_cache_key {
-            return restart("prefix_cache_key");
-        }
-        // Against the plan shape as bounded by the pool (`plan_shape`): a
-        // value past what the pool can use needs no larger buffer.
-        let shape = new.plan_shape()?;
-        if shape.max_seqs > self.shape.max_seqs {
-            return restart("max_num_seqs");
-        }
-        if shape.pages_per_seq > self.shape.pages_per_seq {
-            return restart("max_seq_len");
-        }
-        if new.reachable_step_tokens() > self.buckets.largest() {
-            return restart("max_batched_tokens");
-        }
-        let total = self.kv.pool().total();
-        let usable = total - new.reserve_blocks(total);
-        if self.tenants.committed() > usable {
-            return Err(KvError::InvalidConfig(format!(
-                "overhead_reserve {} leaves {usable} usable blocks, fewer than the {} \
-                 already promised",
-                new.overhead_reserve,
-                self.tenants.committed()
-            )));
-        }
-        let mut ladder = self.ladder.clone();
-        ladder.reconfigure(new.ladder.clone())?;
-        self.ladder = ladder;
-        let key = self.config.prefix_cache_key;
-        self.config = SchedulerConfig {
-            prefix_cache_key: key,
-            ..new
-        };
-        Ok(())
-    }
-
-    /// Most sequences that may run now: max_num_seqs, or less while a ladder
-    /// rung says so.
-    pub fn max_running(&self) -> usize {
-        let cap = self.ladder.effects().max_running.unwrap_or(usize::MAX);
-        self.config.max_num_seqs.min(self.shape.max_seqs).min(cap)
-    }
-
-    /// Most sequences running at once while a request of `tier` enters: the
-    /// ladder's max_running rung binds the tiers below the top one (and every
-    /// tier when all tenants share one); the top tier is bounded by
-    /// max_num_seqs alone, so the rung gives the top tier the slots it takes
-    /// from the others.
-    pub fn max_running_for(&self, tier: u32) -> usize {
-        if self.ladder.effects().max_running.is_none() {
-            return self.config.max_num_seqs;
-        }
-        let (top, lowest) = self.tier_range();
-        if top < lowest && tier == top {
-            self.config.max_num_seqs
-        } else {
-            self.max_running()
-        }
-    }
-
-    // -- tenants ----------------------------------------------------------------
-
-    pub fn add_tenant(&mut self, config: TenantConfig) -> KvResult<()> {
-        let usable = self.usable_blocks();
-        self.tenants.add(config, usable).map(|_| ())
-    }
-
-    /// Replace a tenant's configuration live. Its prefix namespace may change
-    /// only while it has no live request (`TenantInUse`): a request keeps the
-    /// namespace it was admitted in, and must not go on naming blocks in a
-    /// group the tenant has left. A new tier applies to its waiting requests
-    /// at once (preempted ones move to the new tier's resume queue).
-    pub fn update_tenant(&mut self, config: TenantConfig, now: f64) -> KvResult<()> {
-        self.accept_now(now)?;
-        let usable = self.usable_blocks();
-        let Some(tid) = self.tenants.id(&config.name) else {
-            return Err(KvError::UnknownTenant(config.name));
-        };
-        let old = self.tenants.get(tid);
-        if old.config.prefix_namespace != config.prefix_namespace && old.live_requests > 0 {
-            return Err(KvError::TenantInUse {
-                tenant: config.name,
-                live_requests: old.live_requests,
-            });
-        }
-        let (old_tier, new_tier) = (old.config.tier, config.tier);
-        self.tenants.update(config, usable, now)?;
-        if old_tier != new_tier {
-            self.refile_resuming(tid, new_tier);
-        }
-        // A lowered floor lowers its quota of cached blocks (partitioned).
-        self.trim_cache(tid);
-        Ok(())
-    }
-
-    /// Remove a tenant without live requests; its evictable prefix-cache pages
-    /// are forgotten and freed, so a tenant added later under the same name
-    /// starts cold.
-    pub fn remove_tenant(&mut self, name: &str) -> KvResult<()> {
-        let id = self.tenants.id(name);
-        self.tenants.remove(name)?;
-        if let Some(id) = id {
-            self.kv.forget_tenant(id);
-        }
-        Ok(())
     }
 
     // -- requests ---------------------------------------------------------------
@@ -713,12 +540,6 @@ impl Scheduler {
         Ok(id)
     }
 
-    /// The top (smallest) and lowest (largest) tier among the tenants.
-    fn tier_range(&self) -> (u32, u32) {
-        let tiers = self.tenants.iter().map(|(_, t)| t.config.tier);
-        tiers.fold((u32::MAX, 0), |(lo, hi), t| (lo.min(t), hi.max(t)))
-    }
-
     /// `admission::decide` for tenant `tid` now. `lookup` receives the prefix
     /// hits (when the pool is consulted); `room` the room a capacity refusal
     /// waits for.
@@ -752,109 +573,6 @@ impl Scheduler {
                 self.room_wait(tid, r)
             },
         )
-    }
-
-    /// The requests to end (`Shed`) so that a request of `tid`, refused for a
-    /// global limit (the live-request cap or the pool), passes; None when
-    /// ending every candidate would not be enough, or when something else
-    /// would still refuse it. Nothing changes here: the caller ends them.
-    ///
-    /// Candidates are requests of lower tiers (larger numbers) that have not
-    /// entered the running set (their tenant's queue) and, with
-    /// `preempt_lower_tiers`, also running and preempted ones. Taken lowest
-    /// tier first; within a tier, those that never ran first, newest first;
-    /// just as many as needed. A tenant's own limits (its max_concurrent, its
-    /// cap) are not displaced for: they bound that tenant alone.
-    ///
-    /// The room is counted conservatively: a victim's tenant gives back its
-    /// reservation, less every page the victim referenced in case each was
-    /// one its tenant counted as shared (a floor holds what it holds).
-    fn displacement(
-        &self,
-        tid: TenantId,
-        capacity: &Capacity,
-        prompt: &[i32],
-        max_tokens: usize,
-        now: f64,
-        root: BlockKey,
-    ) -> Option<Vec<usize>> {
-        let tier = self.tenants.get(tid).config.tier;
-        let preempt = self.config.preempt_lower_tiers;
-        let mut candidates: Vec<(std::cmp::Reverse<u32>, bool, std::cmp::Reverse<u64>, usize)> =
-            Vec::new();
-        for (_, t) in self.tenants.iter().filter(|(_, t)| t.config.tier > tier) {
-            let lower = std::cmp::Reverse(t.config.tier);
-            for &slab in &t.waiting {
-                let r = self.requests.get(slab);
-                let started = r.first_scheduled.is_some();
-                if preempt || !started {
-                    candidates.push((lower, started, std::cmp::Reverse(r.id), slab));
-                }
-            }
-        }
-        if preempt {
-            for (slab, r) in self.requests.iter() {
-                let t = self.tenants.get(r.tenant);
-                if t.config.tier > tier && !matches!(r.place, Place::Queued) {
-                    let lower = std::cmp::Reverse(t.config.tier);
-                    candidates.push((lower, true, std::cmp::Reverse(r.id), slab));
-                }
-            }
-        }
-        if candidates.is_empty() {
-            return None;
-        }
-        candidates.sort_unstable();
-        // Per victim tenant: (reservation given back, pages referenced).
-        let mut freed: HashMap<TenantId, (usize, usize)> = HashMap::new();
-        let mut victims = Vec::new();
-        // The prefix lookup, once, when the pool is consulted (other tenants'
-        // endings do not change what the tenant's own requests share).
-        let shared = std::cell::OnceCell::new();
-        let shared_hits = || {
-            *shared.get_or_init(|| {
-                let (mut hits, mut chain) = (Vec::new(), self.kv.chain(root));
-                self.kv.lookup_at_submit(tid, prompt, &mut hits, &mut chain)
-            })
-        };
-        for (_, _, _, slab) in candidates {
-            let r = self.requests.get(slab);
-            let e = freed.entry(r.tenant).or_default();
-            e.0 += r.reserved_blocks;
-            e.1 += r.pages.len();
-            victims.push(slab);
-            let released: usize = freed
-                .iter()
-                .map(|(&v, &(blocks, pages))| {
-                    let t = self.tenants.get(v);
-                    let after = (t.reserved_blocks - blocks)
-                        .saturating_sub(t.shared_blocks.saturating_sub(pages))
-                        .max(t.config.kv_floor_blocks);
-                    t.footprint().saturating_sub(after)
-                })
-                .sum();
-            let hypothetical = Capacity {
-                committed_blocks: capacity.committed_blocks - released,
-                live_requests: capacity.live_requests - victims.len(),
-                ..*capacity
-            };
-            let decision = admission::decide(
-                self.tenants.get(tid),
-                &hypothetical,
-                prompt,
-                max_tokens,
-                now,
-                shared_hits,
-                |_| None,
-            );
-            match decision {
-                Ok(_) => return Some(victims),
-                Err(r)
-                    if matches!(r.reason, RejectReason::Concurrency | RejectReason::PoolFull) => {}
-                Err(_) => return None,
-            }
-        }
-        None
     }
 
     /// Count a refusal (for its tenant too, when it has one) and turn it into
