@@ -325,7 +325,8 @@ def _rows(out: str) -> dict[str, list[str]]:
 def test_scenarios_run_at_a_load_where_they_differ_and_say_so(capsys):
     """The bundled Azure trace whole: at its own rate the reserve scenarios print
     the figures of the default; at the default --load (2x) they differ."""
-    from kvsched.cli import DEFAULT_LOAD, main
+    from kvsched.cli import main
+    from kvsched.sim.setup import DEFAULT_LOAD
 
     wanted = "continuous,reserve_5%,reserve_20%"
     assert main(["simulate", "--trace", "azure", "--scenarios", "continuous,reserve_5%",

@@ -98,55 +98,26 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     return 0
 
 
-# The arrival-rate multiplier `simulate` uses unless --load is given. On the Azure
-# trace at its own rate (2.6 req/s) one H100's pool is seldom short and six of
-# the eight scenarios print the same figures; at 2x, promised pages peak at
-# ~99% and every scenario but static sees pool_full refusals, so they differ.
-DEFAULT_LOAD = {"azure": 2.0}
-
-
 def cmd_simulate(args: argparse.Namespace) -> int:
-    import kvsched
-    from kvsched.capacity import capacity
-    from kvsched.sim import scenarios, workloads
-    from kvsched.sim.simulator import StepCost
-    from kvsched.sim.traces import read_azure, read_mooncake
+    from kvsched.sim import scenarios, setup
 
-    load = DEFAULT_LOAD.get(args.trace, 1.0) if args.load is None else args.load
+    load = setup.DEFAULT_LOAD.get(args.trace, 1.0) if args.load is None else args.load
     if not (load > 0 and args.time_scale > 0):  # NaN too
         raise ValueError(f"--load ({load}) and --time-scale ({args.time_scale}) must be > 0")
-    scale = args.time_scale / load  # arrival times shrink: load x the arrival rate
-    if args.trace == "azure":
-        path = args.trace_path  # None: the bundled trace (package data)
-        arrivals = workloads.azure(read_azure(path, args.limit), time_scale=scale)
-        tenants = [kvsched.TenantConfig("interactive", tier=0),
-                   kvsched.TenantConfig("batch", tier=1)]  # fmt: skip
-    elif args.trace == "mooncake":
-        path = args.trace_path
-        arrivals = workloads.mooncake(read_mooncake(path, args.limit), time_scale=scale)
-        tenants = [kvsched.TenantConfig("mooncake")]
-    elif args.trace == "prefill-vs-decode":
-        arrivals = workloads.scale_time(workloads.prefill_vs_decode(seconds=20, long_rate=1.0),
-                                        scale)  # fmt: skip
-        tenants = [kvsched.TenantConfig("chat", tier=0), kvsched.TenantConfig("docs", tier=1)]
-    else:
-        arrivals = workloads.scale_time(workloads.burst(seconds=40), scale)
-        tenants = [kvsched.TenantConfig("gold", tier=0), kvsched.TenantConfig("bulk", tier=1)]
-    # The prefill-vs-decode mix is the README's chunked-prefill comparison: a
-    # 2,048-token step budget, where p99 already shows the unchunked stall.
+    arrivals, tenants = setup.named_workload(
+        args.trace, load=load, time_scale=args.time_scale, limit=args.limit, path=args.trace_path
+    )
     step_budget = args.max_batched_tokens
     if step_budget is None:
-        step_budget = 2048 if args.trace == "prefill-vs-decode" else 8192
+        step_budget = setup.DEFAULT_STEP_BUDGET.get(args.trace, setup.STEP_BUDGET)
     if not arrivals:
         print("the workload is empty", file=sys.stderr)
         return 2
-    longest = max(len(a.prompt) + a.max_tokens for a in arrivals)
-    context = max(args.context, -(-longest // 16) * 16)
-    cap = capacity(args.model, args.accelerator, devices=args.devices, context=context)
-    base = cap.scheduler_config(
-        max_num_seqs=args.max_num_seqs, max_batched_tokens=step_budget,
-        long_prefill_chunk=args.chunk, max_waiting=4 * args.max_num_seqs,
-    )  # fmt: skip
+    engine = setup.engine_for(arrivals, model=args.model, accelerator=args.accelerator,
+                              devices=args.devices, context=args.context,
+                              max_num_seqs=args.max_num_seqs, step_budget=step_budget,
+                              chunk=args.chunk)  # fmt: skip
+    base, cost = engine.config, engine.cost
     chosen = scenarios.standard(base)
     if args.scenarios != "standard":
         wanted = list(dict.fromkeys(w.strip() for w in args.scenarios.split(",") if w.strip()))
@@ -155,7 +126,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             names = ", ".join(s.name for s in scenarios.standard(base))
             print(f"unknown scenario in {args.scenarios!r}; known: {names}", file=sys.stderr)
             return 2
-    cost = StepCost.preset(args.model, args.accelerator, devices=args.devices)
     pool = f"{base.num_blocks - 1:,} KV blocks of {base.block_size}"
     print(f"{len(arrivals)} requests ({args.trace}) on {args.devices} x {args.accelerator} "
           f"serving {args.model}: {pool}; step budget {step_budget:,} tokens, prefill "
@@ -260,6 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The `kvsched` command line: every option carries help text with its unit
     and default (tests/test_capacity.py walks it)."""
     from kvsched.capacity import ACCELERATORS, MODELS
+    from kvsched.sim.setup import DEFAULT_LOAD
 
     ap = argparse.ArgumentParser(prog="kvsched", description="kvsched: capacity and simulation")
     sub = ap.add_subparsers(dest="command", required=True)

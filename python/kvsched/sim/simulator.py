@@ -78,6 +78,7 @@ class RequestRecord:
     output_len: int = 0
     asked_max_tokens: int = 0  # what the workload asked for
     max_tokens: int = 0  # what it was admitted with (less when capped)
+    max_gap: float = 0.0  # the longest pause between two of its output tokens, seconds
 
     @property
     def tokens_short(self) -> int:
@@ -286,7 +287,9 @@ def simulate(
             if rec.first_token is None:
                 rec.first_token = now
             else:
-                gaps.setdefault(rec.tenant, []).append(now - rec.last_token)
+                gap = now - rec.last_token
+                gaps.setdefault(rec.tenant, []).append(gap)
+                rec.max_gap = max(rec.max_gap, gap)
             rec.last_token = now
         end(events.finished, now)
         if steps % 16 == 0:
