@@ -426,6 +426,7 @@ impl BlockPool {
     ) -> KvResult<usize> {
         debug_assert!(list != SHARED_LIST || !self.cache.partitioned());
         let mut counted = 0;
+        let mut to_park = 0usize;
         let free_len = self.free.len();
         let shared = self.shared;
         for (i, &page) in pages.iter().enumerate().rev() {
@@ -451,11 +452,16 @@ impl BlockPool {
             }
             *rc -= 1;
             match *rc {
-                0 if self.cache.is_cached(id as u32) => self.cache.park(id as u32, list),
+                0 if self.cache.is_cached(id as u32) => to_park += 1,
                 0 => self.free.push(id as u32),
                 1 => self.shared -= 1,
                 _ => {}
             }
+        }
+        if to_park > 0 {
+            // Cached pages left without a reference become evictable, newest
+            // last released: in the order of the pass above, as one run.
+            self.cache.park_released(pages, &self.refcount, list);
         }
         Ok(counted)
     }

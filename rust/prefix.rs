@@ -41,7 +41,7 @@ use crate::pool::{resident, PageId};
 use crate::tenant::TenantId;
 
 use index::PageIndex;
-pub use naming::{BlockChain, BlockNamer};
+pub use naming::{BlockChain, BlockNamer, TokenWidth};
 
 /// A block's name.
 pub type BlockKey = u128;
@@ -62,7 +62,8 @@ pub struct Namespace {
 }
 
 /// The keyed hash. Equal inputs give equal keys on every host that shares the
-/// secret (token ids are hashed as little-endian int32 whatever the host).
+/// secret and the token encoding (little-endian whatever the host; see
+/// `naming`).
 #[derive(Clone)]
 pub struct PrefixHasher {
     /// Names namespaces (their roots).
@@ -82,10 +83,16 @@ const TAG_TENANT: u8 = 1;
 const TAG_SHARED: u8 = 2;
 
 impl PrefixHasher {
+    /// Tokens named as int32.
     pub fn new(key: &[u8; 16]) -> Self {
+        Self::with_width(key, TokenWidth::I32)
+    }
+
+    /// Tokens named at `width` (see `naming::TokenWidth`).
+    pub fn with_width(key: &[u8; 16], width: TokenWidth) -> Self {
         PrefixHasher {
             base: SipHasher13::new_with_key(key),
-            namer: BlockNamer::new(key),
+            namer: BlockNamer::with_width(key, width),
         }
     }
 
@@ -318,7 +325,7 @@ impl PrefixCache {
 
     /// A cached page lost its last reference: it becomes the newest evictable
     /// one of `list` (`SHARED_LIST`, or a tenant's from `list_of`).
-    #[inline]
+    #[cfg(test)]
     pub(crate) fn park(&mut self, page: u32, list: List) {
         debug_assert!(self.is_cached(page) && !self.is_parked(page));
         debug_assert_eq!(list == SHARED_LIST, !self.partitioned());
@@ -333,6 +340,37 @@ impl PrefixCache {
         if list != SHARED_LIST {
             self.home[p] = list;
             self.parked_by[list as usize - self.parked.len()] += 1;
+        }
+    }
+
+    /// `park` for each cached page of `pages` that `refcount` says lost its
+    /// last reference, last listed first (each the newest so far): the run is
+    /// linked with the list's newest end in a register and spliced in once,
+    /// where `park` per page reloads and rewrites that end.
+    pub(crate) fn park_released<P: PageId>(&mut self, pages: &[P], refcount: &[u32], list: List) {
+        debug_assert_eq!(list == SHARED_LIST, !self.partitioned());
+        let tenant_list = list != SHARED_LIST;
+        let mut newest = self.prev[list as usize];
+        let mut n = 0;
+        for page in pages.iter().rev() {
+            let p = page.to_i64() as usize;
+            if refcount[p] != 0 || !self.is_cached(p as u32) || self.parked[p] {
+                continue;
+            }
+            self.next[newest as usize] = p as u32;
+            self.prev[p] = newest;
+            self.parked[p] = true;
+            if tenant_list {
+                self.home[p] = list;
+            }
+            newest = p as u32;
+            n += 1;
+        }
+        self.next[newest as usize] = list;
+        self.prev[list as usize] = newest;
+        self.evictable += n;
+        if tenant_list {
+            self.parked_by[list as usize - self.parked.len()] += n;
         }
     }
 
@@ -624,6 +662,36 @@ mod tests {
         assert_eq!(c.lookup(40), Some(4));
         assert_eq!(c.scope(4), Some(Scope::Tenant(0)));
         c.check_invariants(&rc).unwrap();
+    }
+
+    #[test]
+    fn park_released_is_park_for_each_unreferenced_cached_page_last_first() {
+        let fill = |c: &mut PrefixCache| {
+            for p in 1..9u32 {
+                if p != 6 {
+                    assert!(c.register(p, 100 + p as u128, Scope::Shared));
+                }
+            }
+        };
+        let (mut one, mut run) = (PrefixCache::new(10).unwrap(), PrefixCache::new(10).unwrap());
+        fill(&mut one);
+        fill(&mut run);
+        // Already parked before: 8, which stays the oldest.
+        one.park(8, SHARED_LIST);
+        run.park(8, SHARED_LIST);
+        // Released: 1..7 and 8 again; 3 is still referenced, 6 is not cached,
+        // 8 is parked already: each of those is skipped.
+        let mut rc = vec![0u32; 10];
+        rc[3] = 1;
+        for p in [7, 5, 4, 2, 1] {
+            one.park(p, SHARED_LIST);
+        }
+        run.park_released(&[1u32, 2, 3, 4, 5, 6, 7, 8], &rc, SHARED_LIST);
+        one.check_invariants(&rc).unwrap();
+        run.check_invariants(&rc).unwrap();
+        assert_eq!(run.evictable(), 6);
+        let order = |c: &mut PrefixCache| std::iter::from_fn(|| c.evict_lru()).collect::<Vec<_>>();
+        assert_eq!(order(&mut run), order(&mut one));
     }
 
     #[test]
