@@ -140,6 +140,54 @@ fn ids_at_or_above_the_vocabulary_are_invalid_and_the_first_one_is_named() {
     );
     // A vocabulary beyond i32 holds every id.
     assert!(check_ids(&t, Some(u32::MAX), &[i32::MAX], &[]).is_ok());
+    assert!(check_ids(&t, Some(1 << 31), &[i32::MAX], &[]).is_ok());
+}
+
+#[test]
+fn the_vocabulary_test_agrees_with_a_plain_comparison_at_every_edge() {
+    let t = plain();
+    // (A vocabulary of 0 is refused by the config.)
+    let vocabs = [1u32, 2, 511, 512, 65_536, (1 << 31) - 1, 1 << 31, u32::MAX];
+    let ids = [
+        0,
+        1,
+        510,
+        511,
+        512,
+        65_535,
+        65_536,
+        i32::MAX - 1,
+        i32::MAX,
+        -1,
+        i32::MIN,
+    ];
+    let mut seed = 7u64;
+    for &vocab in &vocabs {
+        for n in 0..40 {
+            // Mostly in range, with an edge id at a random place.
+            let list: Vec<i32> = (0..n)
+                .map(|_| {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    ids[(seed % ids.len() as u64) as usize]
+                })
+                .collect();
+            // Negative ids are check_request's to refuse, not this check's.
+            let first_oov = list.iter().position(|&x| i64::from(x) >= i64::from(vocab));
+            let got = check_vocab(&t, Some(vocab), &list, "id");
+            match first_oov {
+                None => assert!(got.is_ok(), "{vocab} {list:?}"),
+                Some(at) => {
+                    let msg = got.unwrap_err().message;
+                    assert!(
+                        msg.starts_with(&format!("id {at} is ")),
+                        "{vocab} {list:?}: {msg}"
+                    );
+                }
+            }
+        }
+    }
 }
 
 #[test]

@@ -16,7 +16,7 @@
 //! helpers at the end).
 
 use super::*;
-use crate::prefix::BlockChain;
+use crate::prefix::{BlockChain, TokenWidth};
 
 pub(super) struct KvManager {
     pool: BlockPool,
@@ -50,7 +50,10 @@ impl KvManager {
                 Some(SecretKey(k)) => k,
                 None => PrefixHasher::random_key().map_err(KvError::Internal)?,
             };
-            Some(PrefixHasher::new(&key))
+            // Ids are checked below the vocabulary wherever they enter, so a
+            // small one is named in two bytes a token: half the hashing.
+            let width = TokenWidth::for_vocab(config.vocab_size);
+            Some(PrefixHasher::with_width(&key, width))
         } else {
             None
         };
