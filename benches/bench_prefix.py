@@ -26,7 +26,13 @@ def prompt_pair() -> tuple[np.ndarray, np.ndarray]:
     return base[: CACHED + 1], other
 
 
-def warmed_kvsched(caching: bool, warm: bool) -> kvsched.Scheduler:
+# The prompts' ids are below 32,000: the vocabulary an engine would declare
+# (Engine.create always sets vocab_size). Declared, ids are checked against
+# it and, at most 65,536 ids, named two bytes a token: the "_vocab" kinds.
+VOCAB = 32000
+
+
+def warmed_kvsched(caching: bool, warm: bool, vocab_size: int | None = None) -> kvsched.Scheduler:
     s = kvsched.Scheduler(
         kvsched.SchedulerConfig(
             num_blocks=NUM_BLOCKS,
@@ -35,6 +41,7 @@ def warmed_kvsched(caching: bool, warm: bool) -> kvsched.Scheduler:
             max_seq_len=8192,
             max_batched_tokens=2048,
             prefix_caching=caching,
+            vocab_size=vocab_size,
         )  # fmt: skip
     )
     s.add_tenant(kvsched.TenantConfig("t"))
@@ -53,10 +60,15 @@ def make(kind: str):
         s.tenants["t"] = PyTenant(None)
         s.warm("t", prompt_pair()[0])
         return s
-    return warmed_kvsched(caching=kind != "kvsched_off", warm=kind != "kvsched_cold")
+    vocab = VOCAB if kind.endswith("_vocab") else None
+    kind = kind.removesuffix("_vocab")
+    return warmed_kvsched(caching=kind != "kvsched_off", warm=kind != "kvsched_cold",
+                          vocab_size=vocab)  # fmt: skip
 
 
-@pytest.mark.parametrize("kind", ["kvsched", "kvsched_cold", "kvsched_off", "python"])
+@pytest.mark.parametrize(
+    "kind", ["kvsched", "kvsched_vocab", "kvsched_cold", "kvsched_off", "python"]
+)
 @pytest.mark.benchmark(group=GROUP)
 def test_lookup_and_admission(benchmark, kind):
     sched = make(kind)
@@ -71,7 +83,7 @@ def test_lookup_and_admission(benchmark, kind):
         assert len(sched.lookup("t", prompt)) == CACHED // BLOCK
     else:
         pc = sched.stats(now=1.0)["tenants"]["t"]["prefix_cache"]
-        if kind == "kvsched":
+        if kind in ("kvsched", "kvsched_vocab"):
             # The warm-up request looked up 64 blocks, each benchmarked one 127.
             submits = (pc["query_blocks"] - CACHED // BLOCK) // ((PROMPT - 1) // BLOCK)
             assert pc["hit_blocks"] == (CACHED // BLOCK) * submits > 0

@@ -216,6 +216,7 @@ def main() -> None:
             jobs.append((f"step+commit {n} ({'cache on' if kind == 'kvsched' else 'cache off'})",
                          ("step", kind, str(n))))  # fmt: skip
     jobs.append(("prefix admission 2048 (1024 cached)", ("prefix", "kvsched")))
+    jobs.append(("  the same, vocab_size 32,000 declared", ("prefix", "kvsched_vocab")))
     if not args.no_memory:
         jobs.append(("bytes/token, 4096 x ~2k (cache on)", ("memory", "kvsched")))
         jobs.append(("bytes/token, 4096 x ~2k (cache off)", ("memory", "kvsched_off")))
