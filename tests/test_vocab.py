@@ -73,3 +73,28 @@ def test_a_checkpoint_with_an_id_outside_the_vocabulary_restores_nothing():
     with pytest.raises(kvsched.KvSchedError, match=f"generated token 0 is {VOCAB + 7}"):
         dst.restore_records(records, now=1.0)
     assert dst.stats(now=1.0)["live_requests"] == 0
+
+
+@pytest.mark.parametrize("vocab", [None, 65_536, 65_537, 200_000])
+def test_prefix_hits_are_the_same_whatever_width_the_names_use(vocab):
+    # Up to 65,536 ids a block is named from two bytes a token, beyond from
+    # four: which prompts share which prefix must not change, edge ids included.
+    s = kvsched.Scheduler(kvsched.SchedulerConfig(num_blocks=256, block_size=4,
+                                                  vocab_size=vocab))  # fmt: skip
+    s.add_tenant(kvsched.TenantConfig("a"))
+    top = 65_535 if vocab is None else min(vocab, 1 << 20) - 1
+    base = np.array([0, top, 1, top - 1, 256, 255, 7, 8, top, 0, 3, 5, 9], np.int32)
+    # Equal up to 8 tokens; a swap of two tokens (the same bytes, in a
+    # different order); the same ids with one changed by 1 << 8 (a byte over).
+    prompts = [base, base.copy(), base.copy(), base.copy()]
+    prompts[2][[4, 5]] = prompts[2][[5, 4]]
+    prompts[3][9] = 1 << 8
+    hits = []
+    for p in prompts:
+        s.submit("a", p, 2, now=0.0)
+        done = []
+        while s.live_requests:
+            plan = s.step(now=0.0)
+            done += s.commit(plan, np.zeros(len(plan), np.int32), now=0.0).finished
+        hits.append(done[0].cached_tokens)
+    assert hits == [0, 12, 4, 8]
