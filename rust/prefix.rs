@@ -344,28 +344,41 @@ impl PrefixCache {
     }
 
     /// `park` for each cached page of `pages` that `refcount` says lost its
-    /// last reference, last listed first (each the newest so far): the run is
-    /// linked with the list's newest end in a register and spliced in once,
-    /// where `park` per page reloads and rewrites that end.
+    /// last reference, as a release that walks `pages` last to first parks
+    /// them (each the newest so far; a page listed twice parks where its last
+    /// reference went, its first listing). The run is linked in one forward
+    /// walk, newest first, and spliced onto the list once, where `park` per
+    /// page reloads and rewrites the list's newest end.
     pub(crate) fn park_released<P: PageId>(&mut self, pages: &[P], refcount: &[u32], list: List) {
         debug_assert_eq!(list == SHARED_LIST, !self.partitioned());
         let tenant_list = list != SHARED_LIST;
-        let mut newest = self.prev[list as usize];
+        let (mut newest, mut oldest) = (END, END);
         let mut n = 0;
-        for page in pages.iter().rev() {
+        for page in pages {
             let p = page.to_i64() as usize;
             if refcount[p] != 0 || !self.is_cached(p as u32) || self.parked[p] {
                 continue;
             }
-            self.next[newest as usize] = p as u32;
-            self.prev[p] = newest;
             self.parked[p] = true;
             if tenant_list {
                 self.home[p] = list;
             }
-            newest = p as u32;
+            if n == 0 {
+                newest = p as u32;
+            } else {
+                // `p` is older than the page linked before it.
+                self.prev[oldest as usize] = p as u32;
+                self.next[p] = oldest;
+            }
+            oldest = p as u32;
             n += 1;
         }
+        if n == 0 {
+            return;
+        }
+        let before = self.prev[list as usize];
+        self.next[before as usize] = oldest;
+        self.prev[oldest as usize] = before;
         self.next[newest as usize] = list;
         self.prev[list as usize] = newest;
         self.evictable += n;
@@ -680,13 +693,15 @@ mod tests {
         one.park(8, SHARED_LIST);
         run.park(8, SHARED_LIST);
         // Released: 1..7 and 8 again; 3 is still referenced, 6 is not cached,
-        // 8 is parked already: each of those is skipped.
+        // 8 is parked already: each of those is skipped. 2 is listed twice: it
+        // parks where a last-to-first walk drops its last reference, at its
+        // first listing.
         let mut rc = vec![0u32; 10];
         rc[3] = 1;
         for p in [7, 5, 4, 2, 1] {
             one.park(p, SHARED_LIST);
         }
-        run.park_released(&[1u32, 2, 3, 4, 5, 6, 7, 8], &rc, SHARED_LIST);
+        run.park_released(&[1u32, 2, 3, 4, 2, 5, 6, 7, 8], &rc, SHARED_LIST);
         one.check_invariants(&rc).unwrap();
         run.check_invariants(&rc).unwrap();
         assert_eq!(run.evictable(), 6);
