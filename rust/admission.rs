@@ -79,38 +79,30 @@ fn reject(
     }
 }
 
-/// The checks that depend on the request alone: empty prompt, max_tokens 0,
-/// negative ids, too long. A request that fails one fails it forever.
-/// The first id of `ids` at or above `vocab_size` (None: no vocabulary), as a
-/// refusal `invalid` naming `what` (e.g. "prompt token"). Ids are already known
-/// to be non-negative.
-pub fn check_vocab(
-    tenant: &Tenant,
-    vocab_size: Option<u32>,
-    ids: &[i32],
-    what: &str,
-) -> Result<(), Rejection> {
-    let Some(vocab) = vocab_size else {
-        return Ok(());
-    };
-    // Every id is in 0..vocab when every `id - vocab` is negative and no id
-    // is (no wrap for ids >= 0 and a vocabulary below 2^31): AND and OR
-    // reductions, which vectorize on any x86-64 (a signed max needs SSE4.1).
-    // The position is looked for only on failure.
-    let Ok(v) = i32::try_from(vocab) else {
-        return Ok(()); // a vocabulary of 2^31 ids or more holds every int32 >= 0
-    };
-    let (below, any) = ids
-        .iter()
-        .fold((-1i32, 0i32), |(a, o), &t| (a & t.wrapping_sub(v), o | t));
-    if below < 0 && any >= 0 {
-        return Ok(());
-    }
-    // Only negative ids (another check's to refuse) fail the fast test alone.
-    let Some(at) = ids.iter().position(|&t| i64::from(t) >= i64::from(vocab)) else {
-        return Ok(());
-    };
-    Err(reject(
+/// What one pass over a list of ids finds: whether any is negative, and
+/// whether every one is below `vocab` (true when there is no vocabulary). A
+/// sign bit in the OR of the ids, and in the AND of `id - vocab` (no wrap for
+/// ids >= 0 and a vocabulary below 2^31): reductions that vectorize on any
+/// x86-64, where a signed max needs SSE4.1. Positions are looked for only
+/// when a test fails.
+fn scan_ids(ids: &[i32], vocab: Option<u32>) -> (bool, bool) {
+    let v = vocab.map(|v| i32::try_from(v).unwrap_or(i32::MAX));
+    let huge = vocab.is_some_and(|v| v > i32::MAX as u32); // holds every int32 >= 0
+    let (below, any) = ids.iter().fold((-1i32, 0i32), |(a, o), &t| {
+        (a & t.wrapping_sub(v.unwrap_or(0)), o | t)
+    });
+    let negative = any < 0;
+    // With negatives present the AND proves nothing: the caller refuses them
+    // first, or `first_outside` looks.
+    let inside = vocab.is_none() || huge || (below < 0 && !negative);
+    (negative, inside)
+}
+
+/// The first id of `ids` at or above `vocab` as a refusal `invalid` naming
+/// `what` (e.g. "prompt token"); None when there is none.
+fn first_outside(tenant: &Tenant, vocab: u32, ids: &[i32], what: &str) -> Option<Rejection> {
+    let at = ids.iter().position(|&t| i64::from(t) >= i64::from(vocab))?;
+    Some(reject(
         tenant,
         RejectReason::Invalid,
         None,
@@ -122,21 +114,31 @@ pub fn check_vocab(
     ))
 }
 
-/// `check_vocab` on a request's prompt, then on the tokens it had already
-/// generated (a restored request's; empty otherwise).
-pub fn check_ids(
+/// The first id of `ids` at or above `vocab_size` (None: no vocabulary), as a
+/// refusal `invalid` naming `what` (e.g. "generated token"). Negative ids are
+/// not this check's to refuse.
+pub fn check_vocab(
     tenant: &Tenant,
     vocab_size: Option<u32>,
-    prompt: &[i32],
-    generated: &[i32],
+    ids: &[i32],
+    what: &str,
 ) -> Result<(), Rejection> {
-    check_vocab(tenant, vocab_size, prompt, "prompt token")?;
-    check_vocab(tenant, vocab_size, generated, "generated token")
+    match vocab_size {
+        Some(vocab) if !scan_ids(ids, vocab_size).1 => {
+            first_outside(tenant, vocab, ids, what).map_or(Ok(()), Err)
+        }
+        _ => Ok(()),
+    }
 }
 
+/// The checks that depend on the request alone, in this order: empty prompt,
+/// max_tokens 0, a negative id, too long, a prompt id outside the vocabulary
+/// (`vocab_size`; None: not checked). A request that fails one fails it
+/// forever. The prompt is read once for both id checks.
 pub fn check_request(
     tenant: &Tenant,
     max_seq_len: usize,
+    vocab_size: Option<u32>,
     prompt: &[i32],
     max_tokens: usize,
 ) -> Result<(), Rejection> {
@@ -152,10 +154,8 @@ pub fn check_request(
             "max_tokens must be at least 1".into(),
         ));
     }
-    // A negative id sets the sign bit of the OR of all ids: an OR reduction
-    // vectorizes on any x86-64; the position is looked for only on failure.
-    let any_negative = prompt.iter().fold(0i32, |acc, &t| acc | t) < 0;
-    if let Some(at) = any_negative
+    let (negative, inside) = scan_ids(prompt, vocab_size);
+    if let Some(at) = negative
         .then(|| prompt.iter().position(|&t| t < 0))
         .flatten()
     {
@@ -179,7 +179,12 @@ pub fn check_request(
             ),
         ));
     }
-    Ok(())
+    match vocab_size {
+        Some(vocab) if !inside => {
+            first_outside(tenant, vocab, prompt, "prompt token").map_or(Ok(()), Err)
+        }
+        _ => Ok(()),
+    }
 }
 
 /// Decide on a request of `tenant` for `prompt` plus up to `max_tokens` new
@@ -206,7 +211,7 @@ pub fn decide(
     let name = &tenant.config.name;
 
     // The caller ran check_request (before reading the ladder's pressure).
-    debug_assert!(check_request(tenant, cap.max_seq_len, prompt, max_tokens).is_ok());
+    debug_assert!(check_request(tenant, cap.max_seq_len, None, prompt, max_tokens).is_ok());
     let final_len = prompt.len() + max_tokens;
     // The ladder: passing, but cheaper than anything below it.
     if cap.shed_tier == Some(tenant.config.tier) {

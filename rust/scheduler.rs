@@ -365,15 +365,16 @@ impl Scheduler {
         }
         // What is wrong with the request itself is refused before the ladder
         // reads the pressure: such a refusal moves nothing but its counter.
+        let vocab = self.config.vocab_size;
         if let Err(rejection) = admission::check_request(
             self.tenants.get(tid),
             self.config.max_seq_len,
+            vocab,
             prompt,
             max_tokens,
         )
         .and_then(|()| {
-            let vocab = self.config.vocab_size;
-            admission::check_ids(self.tenants.get(tid), vocab, prompt, restored)
+            admission::check_vocab(self.tenants.get(tid), vocab, restored, "generated token")
         }) {
             return Err(self.reject(Some(tid), rejection));
         }

@@ -89,7 +89,7 @@ fn refused(a: &Asked) -> (RejectReason, Option<f64>) {
 #[test]
 fn a_request_is_invalid_when_empty_zero_length_or_negative() {
     let t = plain();
-    let why = |p: &[i32], m| check_request(&t, 64, p, m).unwrap_err();
+    let why = |p: &[i32], m| check_request(&t, 64, None, p, m).unwrap_err();
     let r = why(&[], 1);
     assert_eq!((r.reason, r.retry_after), (RejectReason::Invalid, None));
     assert_eq!(r.tenant.as_deref(), Some("a"));
@@ -103,28 +103,34 @@ fn a_request_is_invalid_when_empty_zero_length_or_negative() {
     );
     assert_eq!(why(&[i32::MIN], 1).reason, RejectReason::Invalid);
     // Zero and the largest id are valid ids.
-    assert!(check_request(&t, 64, &[0, i32::MAX], 1).is_ok());
+    assert!(check_request(&t, 64, None, &[0, i32::MAX], 1).is_ok());
 }
 
 #[test]
 fn a_request_of_exactly_max_seq_len_fits_and_one_token_more_is_too_long() {
     let t = plain();
-    assert!(check_request(&t, 64, &[1; 60], 4).is_ok());
-    let r = check_request(&t, 64, &[1; 60], 5).unwrap_err();
+    assert!(check_request(&t, 64, None, &[1; 60], 4).is_ok());
+    let r = check_request(&t, 64, None, &[1; 60], 5).unwrap_err();
     assert_eq!((r.reason, r.retry_after), (RejectReason::TooLong, None));
-    assert!(check_request(&t, 64, &[1; 64], 1).is_err());
+    assert!(check_request(&t, 64, None, &[1; 64], 1).is_err());
     // max_tokens near usize::MAX saturates instead of wrapping into a fit.
-    let r = check_request(&t, 64, &[1; 3], usize::MAX).unwrap_err();
+    let r = check_request(&t, 64, None, &[1; 3], usize::MAX).unwrap_err();
     assert_eq!(r.reason, RejectReason::TooLong);
-    assert!(check_request(&t, usize::MAX, &[1; 3], usize::MAX - 3).is_ok());
+    assert!(check_request(&t, usize::MAX, None, &[1; 3], usize::MAX - 3).is_ok());
+}
+
+/// What submit and restore check of a request's ids.
+fn ids(t: &Tenant, vocab: Option<u32>, prompt: &[i32], generated: &[i32]) -> Result<(), Rejection> {
+    check_request(t, usize::MAX, vocab, prompt, 1)?;
+    check_vocab(t, vocab, generated, "generated token")
 }
 
 #[test]
 fn ids_at_or_above_the_vocabulary_are_invalid_and_the_first_one_is_named() {
     let t = plain();
-    assert!(check_ids(&t, None, &[i32::MAX], &[i32::MAX]).is_ok());
-    assert!(check_ids(&t, Some(512), &[0, 511], &[511]).is_ok());
-    let r = check_ids(&t, Some(512), &[3, 512, 9999], &[]).unwrap_err();
+    assert!(ids(&t, None, &[i32::MAX], &[i32::MAX]).is_ok());
+    assert!(ids(&t, Some(512), &[0, 511], &[511]).is_ok());
+    let r = ids(&t, Some(512), &[3, 512, 9999], &[]).unwrap_err();
     assert_eq!((r.reason, r.retry_after), (RejectReason::Invalid, None));
     assert!(
         r.message
@@ -132,15 +138,15 @@ fn ids_at_or_above_the_vocabulary_are_invalid_and_the_first_one_is_named() {
         "{}",
         r.message
     );
-    let r = check_ids(&t, Some(512), &[3], &[7, 600]).unwrap_err();
+    let r = ids(&t, Some(512), &[3], &[7, 600]).unwrap_err();
     assert!(
         r.message.contains("generated token 1 is 600"),
         "{}",
         r.message
     );
     // A vocabulary beyond i32 holds every id.
-    assert!(check_ids(&t, Some(u32::MAX), &[i32::MAX], &[]).is_ok());
-    assert!(check_ids(&t, Some(1 << 31), &[i32::MAX], &[]).is_ok());
+    assert!(ids(&t, Some(u32::MAX), &[i32::MAX], &[]).is_ok());
+    assert!(ids(&t, Some(1 << 31), &[i32::MAX], &[]).is_ok());
 }
 
 #[test]
@@ -194,12 +200,12 @@ fn the_vocabulary_test_agrees_with_a_plain_comparison_at_every_edge() {
 fn the_permanent_checks_come_first() {
     let t = plain();
     // Empty and too long: empty is reported.
-    assert!(check_request(&t, 4, &[], 100)
+    assert!(check_request(&t, 4, None, &[], 100)
         .unwrap_err()
         .message
         .contains("empty"));
     // Negative and too long: negative is reported.
-    let r = check_request(&t, 4, &[-1; 10], 100).unwrap_err();
+    let r = check_request(&t, 4, None, &[-1; 10], 100).unwrap_err();
     assert_eq!(r.reason, RejectReason::Invalid);
 }
 

@@ -233,10 +233,11 @@ impl Scheduler {
             if let Err(r) = admission::check_request(
                 tenant,
                 self.config.max_seq_len,
+                vocab,
                 &rec.prompt,
                 rec.max_tokens,
             )
-            .and_then(|()| admission::check_ids(tenant, vocab, &rec.prompt, &rec.generated))
+            .and_then(|()| admission::check_vocab(tenant, vocab, &rec.generated, "generated token"))
             {
                 out.push((rec.id, r.reason.as_str(), r.message));
             }
