@@ -192,6 +192,25 @@ fn the_vocabulary_test_agrees_with_a_plain_comparison_at_every_edge() {
                     );
                 }
             }
+            // The prompt check reads the ids once for both tests: a negative
+            // id is reported first, then the first one outside the vocabulary.
+            if list.is_empty() {
+                continue;
+            }
+            let got = check_request(&t, usize::MAX, Some(vocab), &list, 1);
+            let msg = got.as_ref().err().map(|r| r.message.clone());
+            let want = match (list.iter().position(|&x| x < 0), first_oov) {
+                (Some(at), _) => Some(format!("prompt token {at} is negative")),
+                (None, Some(at)) => Some(format!("prompt token {at} is {}, outside", list[at])),
+                (None, None) => None,
+            };
+            match want {
+                None => assert!(got.is_ok(), "{vocab} {list:?}: {msg:?}"),
+                Some(w) => assert!(
+                    msg.as_deref().is_some_and(|m| m.starts_with(&w)),
+                    "{vocab} {list:?}: {msg:?}, wanted {w}"
+                ),
+            }
         }
     }
 }
