@@ -86,16 +86,17 @@ fn reject(
 /// x86-64, where a signed max needs SSE4.1. Positions are looked for only
 /// when a test fails.
 fn scan_ids(ids: &[i32], vocab: Option<u32>) -> (bool, bool) {
-    let v = vocab.map(|v| i32::try_from(v).unwrap_or(i32::MAX));
-    let huge = vocab.is_some_and(|v| v > i32::MAX as u32); // holds every int32 >= 0
-    let (below, any) = ids.iter().fold((-1i32, 0i32), |(a, o), &t| {
-        (a & t.wrapping_sub(v.unwrap_or(0)), o | t)
-    });
+    let Some(v) = vocab.and_then(|v| i32::try_from(v).ok()) else {
+        // No vocabulary, or one of 2^31 ids or more (every int32 >= 0 is in).
+        return (ids.iter().fold(0i32, |o, &t| o | t) < 0, true);
+    };
+    let (below, any) = ids
+        .iter()
+        .fold((-1i32, 0i32), |(a, o), &t| (a & t.wrapping_sub(v), o | t));
     let negative = any < 0;
     // With negatives present the AND proves nothing: the caller refuses them
     // first, or `first_outside` looks.
-    let inside = vocab.is_none() || huge || (below < 0 && !negative);
-    (negative, inside)
+    (negative, below < 0 && !negative)
 }
 
 /// The first id of `ids` at or above `vocab` as a refusal `invalid` naming
