@@ -10,8 +10,10 @@ A custom study in a few lines (the names below are exported here):
     engine = engine_for(arrivals, model="llama-3-8b", accelerator="h100")
     result = simulate(engine.config, tenants, arrivals, engine.cost)
     attainment(result, parse_slos(["*:ttft=1,itl=0.1"]))
+    find_max_rate(arrivals, tenants, engine, parse_slos(["*:ttft=1"]))
 """
 
+from kvsched.sim.maxrate import MaxRate, MaxRateError, find_max_rate
 from kvsched.sim.setup import Engine, engine_for, file_workload, named_workload
 from kvsched.sim.simulator import Arrival, SimResult, StepCost, simulate
 from kvsched.sim.slo import Attainment, Slo, SloError, attainment, parse_slos
@@ -21,6 +23,8 @@ __all__ = [
     "Arrival",
     "Attainment",
     "Engine",
+    "MaxRate",
+    "MaxRateError",
     "SimResult",
     "Slo",
     "SloError",
@@ -29,6 +33,7 @@ __all__ = [
     "attainment",
     "engine_for",
     "file_workload",
+    "find_max_rate",
     "named_workload",
     "parse_slos",
     "read_requests",
