@@ -142,3 +142,13 @@ def test_kvsched_simulate_find_max_rate(tmp_path, capsys):
     for bad in (["--find-max-rate"], ["--seeds", "2", "--slo", "a:ttft=1"], two):
         assert main(["simulate", "--trace-path", str(path), "--rate", "2", *bad]) == 2
     assert "searches one scenario" in capsys.readouterr().err
+
+
+def test_retimed_variants_never_repeat_the_workloads_own_draw():
+    records = [{"prompt_tokens": 5, "output_tokens": 2}] * 20
+    for seed in (0, 1, 2):
+        arrivals, _ = file_workload(records, rate=3.0, seed=seed)
+        vary = retimed(3.0, seed=seed)
+        assert vary(arrivals, 0) == arrivals
+        times = [tuple(a.at for a in vary(arrivals, k)) for k in range(4)]
+        assert len(set(times)) == 4, f"seed {seed}: a variant repeats another"

@@ -220,7 +220,8 @@ def _find_max_rate(args: argparse.Namespace, arrivals: Any, tenants: Any, engine
     seeds = 3 if args.seeds is None else args.seeds
     vary: Any = "shift"
     if args.rate is not None:
-        vary = maxrate.retimed(args.rate, 1.0 if args.burstiness is None else args.burstiness)
+        b = 1.0 if args.burstiness is None else args.burstiness
+        vary = maxrate.retimed(args.rate, b, seed=args.seed or 0)
     how = ("fresh arrival draws at the rate" if args.rate is not None else
            "the trace rotated in time by a random offset")  # fmt: skip
     print(f"  searching the arrival-rate multiplier from {start:g}x: scenario {scenario.name}; "

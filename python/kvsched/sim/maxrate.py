@@ -78,15 +78,16 @@ def shifted(arrivals: list[Arrival], seed: int) -> list[Arrival]:
     ]
 
 
-def retimed(rate: float, burstiness: float = 1.0) -> Vary:
+def retimed(rate: float, burstiness: float = 1.0, seed: int = 0) -> Vary:
     """Seed 0: the arrivals as given; seed k: the same requests, in the same
     order, at fresh gamma-gap times (`workloads.arrival_times`, `rate`
-    requests/s, coefficient of variation `burstiness`, seed k)."""
+    requests/s, coefficient of variation `burstiness`, seed `seed` + k: pass
+    the seed the workload was drawn with, so no variant repeats it)."""
 
-    def vary(arrivals: list[Arrival], seed: int) -> list[Arrival]:
-        if seed == 0:
+    def vary(arrivals: list[Arrival], k: int) -> list[Arrival]:
+        if k == 0:
             return list(arrivals)
-        at = workloads.arrival_times(len(arrivals), rate, burstiness=burstiness, seed=seed)
+        at = workloads.arrival_times(len(arrivals), rate, burstiness=burstiness, seed=seed + k)
         return [
             Arrival(float(t), a.tenant, a.prompt, a.max_tokens)
             for t, a in zip(at, arrivals, strict=True)
@@ -212,8 +213,11 @@ def find_max_rate(
         raise ValueError(f"the attainment target is a share in (0, 1], got {target!r}")
     if seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {seeds}")
-    if not (tolerance > 0 and 0 < min_multiplier <= start <= max_multiplier < math.inf):
-        raise ValueError("need tolerance > 0 and 0 < min_multiplier <= start <= max_multiplier")
+    if not (tolerance > 0 and 0 < min_multiplier <= max_multiplier < math.inf):
+        raise ValueError("need tolerance > 0 and 0 < min_multiplier <= max_multiplier < inf")
+    if not (min_multiplier <= start <= max_multiplier):
+        raise ValueError(f"the search starts at {start:g}x, outside {min_multiplier:g}x to "
+                         f"{max_multiplier:g}x")  # fmt: skip
     names = sorted({a.tenant for a in arrivals})
     unknown = sorted(set(slos) - set(names) - {ANY})
     if unknown:
