@@ -45,6 +45,10 @@ def test_csv_and_json_lines_read_the_same_requests(tmp_path):
     assert key == [(r.prompt_tokens, r.output_tokens, r.arrival_s, r.tenant) for r in b]
     assert key == [(r.prompt_tokens, r.output_tokens, r.arrival_s, r.tenant) for r in c]
     assert [r.line for r in a] == [3, 4, 2]  # where each was read
+    # A spreadsheet's byte-order mark is not part of the first column's name.
+    bom = tmp_path / "bom.csv"
+    bom.write_bytes("prompt_tokens,output_tokens\n7,5\n".encode("utf-8-sig"))
+    assert read_requests(str(bom))[0].prompt_tokens == 7
     # No tenant column: one tenant, "default"; no arrival_s: None (a rate is needed).
     plain = read_requests(write(tmp_path / "p.csv", "output_tokens,prompt_tokens\n5,7\n"))
     assert plain[0].tenant == "default" and plain[0].arrival_s is None
@@ -142,6 +146,8 @@ def test_file_workload_from_records_in_memory():
     assert [x.at for x in faster] == pytest.approx([a.at / 2 for a in arrivals])
     with pytest.raises(ValueError, match="no arrival_s"):
         file_workload(records)
+    with pytest.raises(ValueError, match="give rate= too"):
+        file_workload(records, burstiness=2.0)
     with pytest.raises(ValueError, match="'c', not a tenant"):
         file_workload(records, rate=1.0, tiers={"c": 1})
     assert parse_tiers(["a=0", " b = 2"]) == {"a": 0, "b": 2}
@@ -166,6 +172,10 @@ def test_kvsched_simulate_reads_any_trace(tmp_path, capsys):
     assert "--rate applies to a generic trace" in capsys.readouterr().err
     assert main(["simulate", "--trace-path", path, "--rate", "3", "--slo", "c:ttft=1"]) == 2
     assert "'c', not a tenant" in capsys.readouterr().err
+    assert main(["simulate", "--trace", "azure", "--hash-block", "16"]) == 2
+    assert "--hash-block applies to a generic trace" in capsys.readouterr().err
+    assert main(["simulate", "--trace-path", path, "--burstiness", "2"]) == 2
+    assert "give --rate too" in capsys.readouterr().err
     bad = write(tmp_path / "bad.csv", "prompt_tokens,output_tokens\n10,-2\n")
     assert main(["simulate", "--trace-path", bad, "--rate", "3"]) == 2
     assert "line 2, column 'output_tokens'" in capsys.readouterr().err

@@ -114,7 +114,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise ValueError(f"--trace-path replaces azure or mooncake; {trace} is synthetic")
     if not generic:
         for opt, v in (("--rate", args.rate), ("--burstiness", args.burstiness),
-                       ("--seed", args.seed), ("--tier", args.tier)):  # fmt: skip
+                       ("--seed", args.seed), ("--tier", args.tier),
+                       ("--hash-block", args.hash_block)):  # fmt: skip
             if v is not None:
                 raise ValueError(f"{opt} applies to a generic trace (--trace-path FILE "
                                  f"without --trace), not to --trace {trace}")  # fmt: skip
@@ -136,11 +137,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise ValueError(f"--load ({load}) and --time-scale ({args.time_scale}) must be > 0")
     at = 1.0 if args.find_max_rate else load
     if generic:
+        if args.burstiness is not None and args.rate is None:
+            raise ValueError("--burstiness shapes arrivals drawn at --rate: give --rate too")
         burstiness = 1.0 if args.burstiness is None else args.burstiness
         arrivals, tenants = setup.file_workload(
             args.trace_path, rate=args.rate, burstiness=burstiness, seed=args.seed or 0,
             load=at / args.time_scale, limit=args.limit,
-            tiers=setup.parse_tiers(args.tier or []), hash_block=args.hash_block,
+            tiers=setup.parse_tiers(args.tier or []),
+            hash_block=512 if args.hash_block is None else args.hash_block,
         )  # fmt: skip
         label = Path(args.trace_path).name
     else:
@@ -421,7 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tier", action="append", metavar="TENANT=TIER",
                    help="generic trace: a tenant's tier (0 most important; repeatable; "
                    "default 0 for every tenant)")  # fmt: skip
-    s.add_argument("--hash-block", type=int, default=512,
+    s.add_argument("--hash-block", type=int,
                    help="generic trace: tokens per hash_ids block (default 512, as in "
                    "the Mooncake trace)")  # fmt: skip
     s.add_argument("--slo", action="append", metavar="TENANT:ttft=S,itl=S[,gap=S]",

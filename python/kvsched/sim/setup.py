@@ -100,6 +100,8 @@ def file_workload(
     """
     if not (load > 0 and load < float("inf")):  # NaN too
         raise ValueError(f"load must be a multiplier > 0, got {load!r}")
+    if rate is None and burstiness != 1.0:
+        raise ValueError("burstiness shapes arrivals drawn at a rate: give rate= too")
     reqs = read_requests(source, limit=limit, hash_block=hash_block)
     arrivals = workloads.from_trace(reqs, rate=rate, burstiness=burstiness, seed=seed,
                                     time_scale=1.0 / load, hash_block=hash_block)  # fmt: skip

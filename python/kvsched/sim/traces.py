@@ -304,7 +304,7 @@ def _is_jsonl(name: str, first: str) -> bool:
     stem = name[:-3] if name.endswith(".gz") else name
     if stem.endswith((".jsonl", ".json", ".ndjson")):
         return True
-    if stem.endswith((".csv", ".tsv")):
+    if stem.endswith(".csv"):
         return False
     return first.lstrip().startswith("{")
 
@@ -349,7 +349,8 @@ def read_requests(
                 header = next(reader, None)
                 if header is None:
                     raise TraceError(f"{where}: empty file (expected a header row)")
-                header = [h.strip() for h in header]
+                # A spreadsheet's UTF-8 export starts with a byte-order mark.
+                header = [h.strip().lstrip("\ufeff").strip() for h in header]
                 for col in REQUIRED_COLUMNS:
                     if col not in header:
                         raise _fail(where, 1, col, f"missing from the header {header}")
