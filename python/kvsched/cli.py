@@ -418,7 +418,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "file's times)")  # fmt: skip
     s.add_argument("--burstiness", type=float,
                    help="with --rate: coefficient of variation of the gamma gaps between "
-                   "arrivals (1 = Poisson, > 1 burstier; default 1)")  # fmt: skip
+                   "arrivals (x: their standard deviation over their mean; 1 = Poisson, "
+                   "> 1 burstier; default 1)")  # fmt: skip
     s.add_argument("--seed", type=int,
                    help="with --rate: seed of the arrival draws and of the random prompt "
                    "tokens (default 0)")  # fmt: skip
@@ -437,8 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "with an SLO meets its attainment target (--load: where the search "
                    "starts, default 1x)")  # fmt: skip
     s.add_argument("--attainment", type=float,
-                   help="with --find-max-rate: the share of offered requests that must meet "
-                   "the SLO (default 0.99)")  # fmt: skip
+                   help="with --find-max-rate: the fraction of each tenant's offered requests "
+                   "that must meet its SLO (default 0.99)")  # fmt: skip
     s.add_argument(
         "--seeds",
         type=int,
