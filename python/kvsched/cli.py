@@ -158,11 +158,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if not arrivals:
         print("the workload is empty", file=sys.stderr)
         return 2
-    names = [t.name for t in tenants]
-    unknown = sorted(set(slos) - set(names) - {ANY})
+    tenant_names = [t.name for t in tenants]
+    unknown = sorted(set(slos) - set(tenant_names) - {ANY})
     if unknown:
         raise ValueError(f"--slo for {', '.join(map(repr, unknown))}, not a tenant of "
-                         f"{label} (its tenants: {', '.join(names)})")  # fmt: skip
+                         f"{label} (its tenants: {', '.join(tenant_names)})")  # fmt: skip
     engine = setup.engine_for(arrivals, model=args.model, accelerator=args.accelerator,
                               devices=args.devices, context=args.context,
                               max_num_seqs=args.max_num_seqs, step_budget=step_budget,

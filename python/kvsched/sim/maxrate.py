@@ -226,6 +226,7 @@ def find_max_rate(
     judged = [t for t in names if slo_of(t, slos) is not None]
     if not judged:
         raise ValueError("no tenant of the workload has an SLO: nothing to search for")
+    vary_fn: Vary
     if vary == "shift":
         vary_fn, vary_name = shifted, "shift"
     elif vary == "none":
