@@ -88,6 +88,7 @@ def test_a_bad_json_line_names_the_line_and_column(tmp_path):
         good + '{"prompt_tokens": 5, "output_tokens": 3, "tenant": 7}\n': "line 2, column 'tenant'",
         good + "{oops\n": "line 2: not JSON",
         good + "[5, 3]\n": "line 2: expected a JSON object",
+        "\n[" + good + "]\n": "line 2: a JSON array; expected JSON lines",
     }
     for text, where in cases.items():
         with pytest.raises(TraceError, match=where):

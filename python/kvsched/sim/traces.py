@@ -335,6 +335,9 @@ def read_requests(
                         break
                     if not text.strip():
                         continue
+                    if not out and text.lstrip().startswith("["):
+                        raise TraceError(f"{where}: line {i}: a JSON array; expected JSON "
+                                         "lines, one object a line")  # fmt: skip
                     try:
                         raw = json.loads(text)
                     except json.JSONDecodeError as e:
