@@ -177,6 +177,12 @@ def test_kvsched_simulate_reads_any_trace(tmp_path, capsys):
     assert "--hash-block applies to a generic trace" in capsys.readouterr().err
     assert main(["simulate", "--trace-path", path, "--burstiness", "2"]) == 2
     assert "give --rate too" in capsys.readouterr().err
+    # The Azure trace given without --trace azure: read as generic, and told so.
+    assert main(["simulate", "--trace-path", str(DATA / "azure_code_head400.csv")]) == 2
+    assert "Azure trace's format: --trace azure --trace-path" in capsys.readouterr().err
+    mooncake = str(DATA / "mooncake_head600.jsonl")
+    assert main(["simulate", "--trace-path", mooncake, "--limit", "5"]) == 2
+    assert "Mooncake trace's format: --trace mooncake" in capsys.readouterr().err
     bad = write(tmp_path / "bad.csv", "prompt_tokens,output_tokens\n10,-2\n")
     assert main(["simulate", "--trace-path", bad, "--rate", "3"]) == 2
     assert "line 2, column 'output_tokens'" in capsys.readouterr().err

@@ -252,7 +252,8 @@ def _record(raw: Mapping[str, Any], where: str, line: int, hash_block: int) -> T
 
     for col in REQUIRED_COLUMNS:
         if col not in raw:
-            raise _fail(where, line, col, "missing (required: prompt_tokens, output_tokens)")
+            raise _fail(where, line, col, "missing (required: prompt_tokens, output_tokens)"
+                        + _format_hint(raw))  # fmt: skip
     tokens = []
     for col in REQUIRED_COLUMNS:
         n = None if blank(raw[col]) else _int_value(raw[col])
@@ -298,6 +299,16 @@ def _record(raw: Mapping[str, Any], where: str, line: int, hash_block: int) -> T
                 f"prompt_tokens is {n}",
             )  # fmt: skip
     return TraceRequest(tokens[0], tokens[1], arrival, tenant, ids, line)
+
+
+def _format_hint(columns: Iterable[str]) -> str:
+    """A pointer to --trace azure / mooncake when the columns are theirs."""
+    cols = set(columns)
+    if {"ContextTokens", "GeneratedTokens"} <= cols:
+        return " (this is the Azure trace's format: --trace azure --trace-path FILE)"
+    if {"input_length", "output_length"} <= cols:
+        return " (this is the Mooncake trace's format: --trace mooncake --trace-path FILE)"
+    return ""
 
 
 def _is_jsonl(name: str, first: str) -> bool:
@@ -356,7 +367,8 @@ def read_requests(
                 header = [h.strip().lstrip("\ufeff").strip() for h in header]
                 for col in REQUIRED_COLUMNS:
                     if col not in header:
-                        raise _fail(where, 1, col, f"missing from the header {header}")
+                        raise _fail(where, 1, col, f"missing from the header {header}"
+                                    + _format_hint(header))  # fmt: skip
                 for row in reader:
                     if limit is not None and len(out) >= limit:
                         break
