@@ -7,6 +7,10 @@ kvsched capacity --model llama-3-8b --accelerator h100 [--devices N] [--context 
 kvsched simulate --trace azure|mooncake|prefill-vs-decode|burst [--trace-path F]
                  [--limit N] [--load X] [--time-scale X] [--scenarios standard|a,b,...]
                  [--model M --accelerator A --devices N] [--plots DIR]
+                 [--slo TENANT:ttft=S,itl=S ...] [--find-max-rate [--attainment 0.99]
+                  [--seeds N] [--json FILE]]
+kvsched simulate --trace-path FILE.csv|FILE.jsonl [--rate R [--burstiness B] [--seed N]]
+                 [--tier TENANT=TIER ...] ...    any trace (see --help)
 kvsched serve --tenants tenants.toml [--model smollm2|tiny] [--host H] [--port P]
               [--drain-seconds S] [--end-at TIME]
                                     the OpenAI-compatible server (pip install kvsched[serve])
@@ -100,19 +104,65 @@ def cmd_capacity(args: argparse.Namespace) -> int:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from kvsched.sim import scenarios, setup
+    from kvsched.sim.slo import ANY, parse_slos
 
-    load = setup.DEFAULT_LOAD.get(args.trace, 1.0) if args.load is None else args.load
+    # --trace azure|mooncake with --trace-path: that trace's own format from the
+    # file; --trace-path alone: a generic trace (CSV or JSON lines).
+    trace = args.trace or ("file" if args.trace_path else "azure")
+    generic = trace == "file"
+    if args.trace_path and trace not in ("azure", "mooncake", "file"):
+        raise ValueError(f"--trace-path replaces azure or mooncake; {trace} is synthetic")
+    if not generic:
+        for opt, v in (("--rate", args.rate), ("--burstiness", args.burstiness),
+                       ("--seed", args.seed), ("--tier", args.tier),
+                       ("--hash-block", args.hash_block)):  # fmt: skip
+            if v is not None:
+                raise ValueError(f"{opt} applies to a generic trace (--trace-path FILE "
+                                 f"without --trace), not to --trace {trace}")  # fmt: skip
+    if not args.find_max_rate:
+        for opt, v in (("--attainment", args.attainment), ("--seeds", args.seeds),
+                       ("--json", args.json)):  # fmt: skip
+            if v is not None:
+                raise ValueError(f"{opt} applies to --find-max-rate")
+    elif not args.slo:
+        raise ValueError("--find-max-rate needs at least one --slo TENANT:ttft=S,itl=S")
+    elif args.plots:
+        raise ValueError("--plots does not apply to --find-max-rate")
+    slos = parse_slos(args.slo or [])
+    default_load = 1.0 if generic else setup.DEFAULT_LOAD.get(trace, 1.0)
+    # The search's multipliers count from the workload's own rate (1x); --load
+    # is where its bracketing starts.
+    load = default_load if args.load is None else args.load
     if not (load > 0 and args.time_scale > 0):  # NaN too
         raise ValueError(f"--load ({load}) and --time-scale ({args.time_scale}) must be > 0")
-    arrivals, tenants = setup.named_workload(
-        args.trace, load=load, time_scale=args.time_scale, limit=args.limit, path=args.trace_path
-    )
+    at = 1.0 if args.find_max_rate else load
+    if generic:
+        if args.burstiness is not None and args.rate is None:
+            raise ValueError("--burstiness shapes arrivals drawn at --rate: give --rate too")
+        burstiness = 1.0 if args.burstiness is None else args.burstiness
+        arrivals, tenants = setup.file_workload(
+            args.trace_path, rate=args.rate, burstiness=burstiness, seed=args.seed or 0,
+            load=at / args.time_scale, limit=args.limit,
+            tiers=setup.parse_tiers(args.tier or []),
+            hash_block=512 if args.hash_block is None else args.hash_block,
+        )  # fmt: skip
+        label = Path(args.trace_path).name
+    else:
+        arrivals, tenants = setup.named_workload(
+            trace, load=at, time_scale=args.time_scale, limit=args.limit, path=args.trace_path
+        )
+        label = trace
     step_budget = args.max_batched_tokens
     if step_budget is None:
-        step_budget = setup.DEFAULT_STEP_BUDGET.get(args.trace, setup.STEP_BUDGET)
+        step_budget = setup.DEFAULT_STEP_BUDGET.get(trace, setup.STEP_BUDGET)
     if not arrivals:
         print("the workload is empty", file=sys.stderr)
         return 2
+    tenant_names = [t.name for t in tenants]
+    unknown = sorted(set(slos) - set(tenant_names) - {ANY})
+    if unknown:
+        raise ValueError(f"--slo for {', '.join(map(repr, unknown))}, not a tenant of "
+                         f"{label} (its tenants: {', '.join(tenant_names)})")  # fmt: skip
     engine = setup.engine_for(arrivals, model=args.model, accelerator=args.accelerator,
                               devices=args.devices, context=args.context,
                               max_num_seqs=args.max_num_seqs, step_budget=step_budget,
@@ -127,14 +177,24 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             print(f"unknown scenario in {args.scenarios!r}; known: {names}", file=sys.stderr)
             return 2
     pool = f"{base.num_blocks - 1:,} KV blocks of {base.block_size}"
-    print(f"{len(arrivals)} requests ({args.trace}) on {args.devices} x {args.accelerator} "
+    print(f"{len(arrivals)} requests ({label}) on {args.devices} x {args.accelerator} "
           f"serving {args.model}: {pool}; step budget {step_budget:,} tokens, prefill "
           f"chunk {args.chunk:,}")  # fmt: skip
+    if generic:
+        tiers = ", ".join(f"{t.name} (tier {t.tier})" for t in tenants)
+        timing = ("arrival times from the file" if args.rate is None else
+                  f"arrivals drawn at {args.rate:g} req/s, gamma gaps of CV "
+                  f"{burstiness:g}{' (Poisson)' if burstiness == 1 else ''}, seed "
+                  f"{args.seed or 0}")  # fmt: skip
+        print(f"  tenants: {tiers}; {timing}")
+    if args.find_max_rate:
+        start = 1.0 if args.load is None else load
+        return _find_max_rate(args, arrivals, tenants, engine, slos, chosen, label, start)
     why = (" (the default for this trace: at its own rate the pool is seldom under "
            "pressure and the scenarios barely differ; --load 1 for the trace's rate)"
            if args.load is None and load != 1.0 else "")  # fmt: skip
     print(f"  load {load:g}x the workload's arrival rate{why}")
-    if args.trace == "prefill-vs-decode":
+    if trace == "prefill-vs-decode":
         print("  prefill-vs-decode: 20 s; chat 4 req/s (200-token prompts, 200 out, tier 0), "
               "docs 1 req/s (30,000-token prompts, 16 out, tier 1), Poisson, seed 0")  # fmt: skip
     prog, update = _progress()
@@ -145,10 +205,52 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     finally:
         if prog is not None:
             prog.stop()
-    print(scenarios.table(results))
+    print(scenarios.table(results, slos or None))
     if args.plots:
         for p in scenarios.plot(results, args.plots):
             print(f"wrote {p}")
+    return 0
+
+
+def _find_max_rate(args: argparse.Namespace, arrivals: Any, tenants: Any, engine: Any,
+                   slos: Any, chosen: Any, label: str, start: float) -> int:  # fmt: skip
+    """`kvsched simulate --find-max-rate`: the search (sim/maxrate.py), wired."""
+    from kvsched.sim import maxrate
+
+    if len(chosen) != 1 and args.scenarios != "standard":
+        raise ValueError("--find-max-rate searches one scenario: name one in --scenarios")
+    scenario = chosen[0]  # continuous unless --scenarios names one
+    target = 0.99 if args.attainment is None else args.attainment
+    seeds = 3 if args.seeds is None else args.seeds
+    vary: Any = "shift"
+    if args.rate is not None:
+        b = 1.0 if args.burstiness is None else args.burstiness
+        vary = maxrate.retimed(args.rate, b, seed=args.seed or 0)
+    how = ("fresh arrival draws at the rate" if args.rate is not None else
+           "the trace rotated in time by a random offset")  # fmt: skip
+    print(f"  searching the arrival-rate multiplier from {start:g}x: scenario {scenario.name}; "
+          f"every tenant with an SLO serves >= {target:.1%} of its offered requests within "
+          f"it, over {seeds} seed(s) (seed 0 as given, the others {how})")  # fmt: skip
+
+    def show(p: maxrate.Point) -> None:
+        verdict = "met " if p.passed else "miss"
+        shares = ", ".join(f"{t} {s:.2%}" for t, s in p.attainment.items())
+        worst = f"; worst: {p.worst[0]} {p.worst[1]}" if p.worst else ""
+        print(f"  {p.multiplier:8.4g}x {p.requests_per_s:9.4g} req/s  {verdict}  {shares} "
+              f"({p.seeds_run} seed(s)){worst}", flush=True)  # fmt: skip
+
+    result = maxrate.find_max_rate(
+        arrivals, tenants, engine, slos, target=target, seeds=seeds, vary=vary,
+        scenario=scenario, start=start, trace=label,
+        base_rate=args.rate, progress=show,
+    )  # fmt: skip
+    print(result.line())
+    print(f"  at {result.multiplier:.4g}x: {result.output_tokens_per_s:,.1f} output and "
+          f"{result.input_tokens_per_s:,.1f} prompt tokens/s served; {result.runs} runs, "
+          f"{result.wall_s:.1f} s")  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(result.to_json() + "\n")
+        print(f"wrote {args.json}")
     return 0
 
 
@@ -302,10 +404,50 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("simulate", help="replay a workload through the real scheduler")
     s.add_argument("--trace", choices=["azure", "mooncake", "prefill-vs-decode", "burst"],
-                   default="azure", help="workload (default azure)")  # fmt: skip
+                   default=None, help="workload (default azure; with --trace-path and no "
+                   "--trace, the file is a generic trace)")  # fmt: skip
     s.add_argument("--trace-path",
-                   help="the trace file for azure or mooncake, plain or .gz (default: "
-                   "the bundled copy)")  # fmt: skip
+                   help="a trace file, plain or .gz: with --trace azure or mooncake, that "
+                   "trace's format (default: the bundled copy); alone, a generic CSV or JSON "
+                   "lines trace: columns prompt_tokens, output_tokens (integers >= 1), "
+                   "optional arrival_s (seconds), tenant, hash_ids (ids of 512-token "
+                   "prompt blocks: shared ids, shared prefix)")  # fmt: skip
+    s.add_argument("--rate", type=float,
+                   help="generic trace: draw arrivals at this many requests/s (needed when "
+                   "the file has no arrival_s; replaces its times when it has; default: the "
+                   "file's times)")  # fmt: skip
+    s.add_argument("--burstiness", type=float,
+                   help="with --rate: coefficient of variation of the gamma gaps between "
+                   "arrivals (x: their standard deviation over their mean; 1 = Poisson, "
+                   "> 1 burstier; default 1)")  # fmt: skip
+    s.add_argument("--seed", type=int,
+                   help="with --rate: seed of the arrival draws and of the random prompt "
+                   "tokens (default 0)")  # fmt: skip
+    s.add_argument("--tier", action="append", metavar="TENANT=TIER",
+                   help="generic trace: a tenant's tier (0 most important; repeatable; "
+                   "default 0 for every tenant)")  # fmt: skip
+    s.add_argument("--hash-block", type=int,
+                   help="generic trace: tokens per hash_ids block (default 512, as in "
+                   "the Mooncake trace)")  # fmt: skip
+    s.add_argument("--slo", action="append", metavar="TENANT:ttft=S,itl=S[,gap=S]",
+                   help="a tenant's SLO, seconds (repeatable; TENANT * for every tenant not "
+                   "named): adds SLO attainment and goodput columns to the table; needed by "
+                   "--find-max-rate")  # fmt: skip
+    s.add_argument("--find-max-rate", action="store_true",
+                   help="search the highest arrival-rate multiplier at which every tenant "
+                   "with an SLO meets its attainment target (--load: where the search "
+                   "starts, default 1x)")  # fmt: skip
+    s.add_argument("--attainment", type=float,
+                   help="with --find-max-rate: the fraction of each tenant's offered requests "
+                   "that must meet its SLO (default 0.99)")  # fmt: skip
+    s.add_argument(
+        "--seeds",
+        type=int,
+        help="with --find-max-rate: workload variants per point (count; default 3)",
+    )
+    s.add_argument(
+        "--json", metavar="FILE", help="with --find-max-rate: also write the result as JSON to FILE"
+    )
     s.add_argument(
         "--limit", type=int, help="replay the first N requests of the trace (default: all)"
     )

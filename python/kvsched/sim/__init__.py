@@ -1,5 +1,41 @@
 """Replaying request traces through the real scheduler, in virtual time.
 
-`traces` reads the bundled real traces; `prefix_replay` replays
-mooncake_synthetic.jsonl to measure the prefix cache's hit rate.
+`traces` reads the bundled real traces and any trace (`read_requests`: CSV or
+JSON lines); `prefix_replay` replays mooncake_synthetic.jsonl to measure the
+prefix cache's hit rate.
+
+A custom study in a few lines (the names below are exported here):
+
+    arrivals, tenants = file_workload("my.csv", rate=5.0)   # or records in memory
+    engine = engine_for(arrivals, model="llama-3-8b", accelerator="h100")
+    result = simulate(engine.config, tenants, arrivals, engine.cost)
+    attainment(result, parse_slos(["*:ttft=1,itl=0.1"]))
+    find_max_rate(arrivals, tenants, engine, parse_slos(["*:ttft=1"]))
 """
+
+from kvsched.sim.maxrate import MaxRate, MaxRateError, find_max_rate
+from kvsched.sim.setup import Engine, engine_for, file_workload, named_workload
+from kvsched.sim.simulator import Arrival, SimResult, StepCost, simulate
+from kvsched.sim.slo import Attainment, Slo, SloError, attainment, parse_slos
+from kvsched.sim.traces import TraceError, read_requests
+
+__all__ = [
+    "Arrival",
+    "Attainment",
+    "Engine",
+    "MaxRate",
+    "MaxRateError",
+    "SimResult",
+    "Slo",
+    "SloError",
+    "StepCost",
+    "TraceError",
+    "attainment",
+    "engine_for",
+    "file_workload",
+    "find_max_rate",
+    "named_workload",
+    "parse_slos",
+    "read_requests",
+    "simulate",
+]

@@ -3,12 +3,13 @@ scheduling choice changed at a time."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import kvsched
 from kvsched.sim.simulator import Arrival, SimResult, StepCost, simulate
+from kvsched.sim.slo import CAUSES, Slo, attainment
 
 
 @dataclass(frozen=True)
@@ -63,24 +64,42 @@ def _itl(row: dict[str, Any]) -> str:
     return "/".join(f"{row[k] * 1e3:.1f}" for k in keys)
 
 
-def table(results: list[SimResult]) -> str:
+def table(results: list[SimResult], slos: Mapping[str, Slo] | None = None) -> str:
     """Per scenario and tenant: TTFT and inter-token p50/p99, rejections, tokens/s;
     `capped` (short): requests the ladder's max_tokens cap cut short, apart from
     `done`, and the output tokens they did not get. Per scenario: the pool's
-    used and promised shares (mean and peak) and the preemptions."""
+    used and promised shares (mean and peak) and the preemptions.
+
+    With `slos` (`slo.parse_slos`), per tenant with an SLO: `SLO met`, the share
+    of its offered requests served within it (a refusal is a miss), `goodput`,
+    those requests per second of the run, and the misses by cause."""
+    slo_head = f"{'SLO met':>9}{'goodput r/s':>13}" if slos else ""
     head = (f"{'scenario':<12}{'tenant':<12}{'offered':>8}{'done':>6}{'capped (short)':>16}"
             f"  {'TTFT p50/p99 (s)':>18}  {'ITL p50/p99/p99.9/max (ms)':>28}{'tok/s':>9}"
-            "  rejected")  # fmt: skip
+            f"{slo_head}  rejected")  # fmt: skip
+    if slos:
+        head += "; SLO misses"
     lines = [head, "-" * len(head)]
     for r in results:
+        att = attainment(r, slos) if slos else {}
         for t, row in r.summary().items():
             capped = f"{row['capped']} ({row['tokens_short']})" if row["capped"] else "-"
-            lines.append(
+            line = (
                 f"{r.name:<12}{t:<12}{row['requests']:>8}{row['finished']:>6}{capped:>16}  "
                 f"{row['ttft_p50']:>8.3f}/{row['ttft_p99']:<9.3f}  "
                 f"{_itl(row):>28}"
-                f"{row['tokens_per_s']:>9.1f}  {row['rejected'] or '-'}"
+                f"{row['tokens_per_s']:>9.1f}"
             )
+            if slos:
+                a = att.get(t)
+                line += f"{'-':>9}{'-':>13}" if a is None else (
+                    f"{a.share:>9.1%}{a.goodput_rps:>13.3f}")  # fmt: skip
+            line += f"  {row['rejected'] or '-'}"
+            if slos:
+                a = att.get(t)
+                missed = {c: a.misses[c] for c in CAUSES if a.misses[c]} if a else {}
+                line += f"; {'no SLO' if a is None else missed or '-'}"
+            lines.append(line)
         sh = r.pool_shares()
         lines.append(
             f"{'':<12}{'(all)':<12} throughput {r.throughput():.1f} tok/s, pool pages "
@@ -92,6 +111,13 @@ def table(results: list[SimResult]) -> str:
         "pool pages: used = holding KV; promised = committed to admitted requests "
         "(reserve-mode admission refuses on promised, hence pool_full at a low used share)"
     )
+    if slos:
+        targets = ", ".join(f"{t}: {s}" for t, s in slos.items())
+        lines.append(
+            f"SLOs ({targets}; seconds; itl = mean per output token, gap = longest pause): "
+            "SLO met = share of offered requests served within them, refusals counted as "
+            "misses; goodput = those requests per second of the run"
+        )
     return "\n".join(lines)
 
 

@@ -4,19 +4,27 @@ tenants) and the engine it runs on (the scheduler's base configuration, sized
 by the capacity model, and the step-cost model).
 
     arrivals, tenants = named_workload("azure", load=2.0)
-    base, cost = engine_for(arrivals, model="llama-3-8b", accelerator="h100")
-    result = simulate(base, tenants, arrivals, cost)
+    engine = engine_for(arrivals, model="llama-3-8b", accelerator="h100")
+    result = simulate(engine.config, tenants, arrivals, engine.cost)
+
+Any trace, a file or records in memory (`traces.read_requests` gives the
+format), the same way:
+
+    arrivals, tenants = file_workload("my.csv", rate=5.0)
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import kvsched
 from kvsched.capacity import capacity
 from kvsched.sim import workloads
 from kvsched.sim.simulator import Arrival, StepCost
-from kvsched.sim.traces import read_azure, read_mooncake
+from kvsched.sim.traces import HASH_BLOCK, read_azure, read_mooncake, read_requests
 
 # The arrival-rate multiplier `kvsched simulate` uses unless --load is given. On the Azure
 # trace at its own rate (2.6 req/s) one H100's pool is seldom short and six of
@@ -61,6 +69,67 @@ def named_workload(
         arrivals = workloads.scale_time(workloads.burst(seconds=40), scale)
         tenants = [kvsched.TenantConfig("gold", tier=0), kvsched.TenantConfig("bulk", tier=1)]
     return arrivals, tenants
+
+
+def file_workload(
+    source: str | Path | Iterable[Mapping[str, Any]],
+    *,
+    rate: float | None = None,
+    burstiness: float = 1.0,
+    seed: int = 0,
+    load: float = 1.0,
+    limit: int | None = None,
+    tiers: Mapping[str, int] | None = None,
+    hash_block: int = HASH_BLOCK,
+) -> tuple[list[Arrival], list[kvsched.TenantConfig]]:
+    """The arrivals and tenants of any trace: a CSV or JSON-lines file, or
+    records in memory (dicts), with `prompt_tokens`, `output_tokens` and
+    optionally `arrival_s`, `tenant`, `hash_ids` (see `traces.read_requests`).
+
+    Arrival times are the trace's own, or drawn at `rate` requests/s (needed
+    when the trace has none; when given, it replaces the trace's own):
+    gamma gaps of coefficient of variation `burstiness` (1: Poisson), `seed`.
+    `load` multiplies the arrival rate. Tenants are the trace's `tenant` names
+    in order of first appearance ("default" when the column is absent), each at
+    tier `tiers[name]` (0, the most important, unless given); a tier naming no
+    tenant of the trace is an error (a typo would otherwise pass unnoticed).
+
+        arrivals, tenants = file_workload("my.csv", rate=5.0)
+        arrivals, tenants = file_workload([{"prompt_tokens": 900, "output_tokens": 120}] * 50,
+                                          rate=2.0, burstiness=3.0)
+    """
+    if not (load > 0 and load < float("inf")):  # NaN too
+        raise ValueError(f"load must be a multiplier > 0, got {load!r}")
+    if rate is None and burstiness != 1.0:
+        raise ValueError("burstiness shapes arrivals drawn at a rate: give rate= too")
+    reqs = read_requests(source, limit=limit, hash_block=hash_block)
+    arrivals = workloads.from_trace(reqs, rate=rate, burstiness=burstiness, seed=seed,
+                                    time_scale=1.0 / load, hash_block=hash_block)  # fmt: skip
+    names = list(dict.fromkeys(r.tenant for r in reqs))
+    tiers = dict(tiers or {})
+    unknown = sorted(set(tiers) - set(names))
+    if unknown:
+        raise ValueError(f"tier given for {', '.join(map(repr, unknown))}, not a tenant of the "
+                         f"trace (its tenants: {', '.join(names)})")  # fmt: skip
+    return arrivals, [kvsched.TenantConfig(n, tier=tiers.get(n, 0)) for n in names]
+
+
+def parse_tiers(specs: Iterable[str]) -> dict[str, int]:
+    """`NAME=TIER` specs (the CLI's `--tier`) -> {name: tier}."""
+    out: dict[str, int] = {}
+    for spec in specs:
+        name, eq, tier = spec.partition("=")
+        name = name.strip()
+        try:
+            level = int(tier)
+        except ValueError:
+            level = -1
+        if not eq or not name or level < 0:
+            raise ValueError(f"tier {spec!r}: expected NAME=TIER, TIER an integer >= 0")
+        if name in out:
+            raise ValueError(f"two tiers for tenant {name!r}")
+        out[name] = level
+    return out
 
 
 @dataclass(frozen=True)

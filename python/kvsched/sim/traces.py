@@ -13,16 +13,19 @@ differ somewhere in their 512 (a pseudo-random stream per id).
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import io
+import itertools
 import json
+import math
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import numpy as np
 
@@ -96,12 +99,7 @@ def read_mooncake(
 
 def mooncake_prompt(req: MooncakeRequest) -> np.ndarray:
     """int32 token ids for a request: block i holds hash id i's tokens."""
-    ids = np.asarray(req.hash_ids, dtype=np.uint64)[:, None]
-    j = np.arange(MOONCAKE_BLOCK, dtype=np.uint64)[None, :]
-    # A multiplicative mix of (id, offset), folded into the vocabulary.
-    x = (ids * np.uint64(MOONCAKE_BLOCK) + j + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
-    tokens = ((x >> np.uint64(33)) % np.uint64(VOCAB)).astype(np.int32)
-    return tokens.reshape(-1)[: req.input_length]
+    return hashed_prompt(req.hash_ids, req.input_length)
 
 
 def mooncake_ceiling(reqs: list[MooncakeRequest]) -> tuple[float, float]:
@@ -183,3 +181,233 @@ def read_azure(
     out = [AzureRequest((t - t0).total_seconds(), c, g) for t, c, g in rows]
     out.sort(key=lambda r: r.arrival)
     return out
+
+
+# -- any trace ------------------------------------------------------------------
+# A generic request trace, CSV (a header row) or JSON lines (one object a line):
+#   prompt_tokens   int >= 1   required
+#   output_tokens   int >= 1   required (the request's max_tokens)
+#   arrival_s       float >= 0 optional: seconds, in any order (the reader sorts,
+#                              stably, and shifts the first to 0); all rows or none
+#   tenant          str        optional (default "default"; 1 to 128 bytes)
+#   hash_ids        list[int]  optional: the prompt's blocks of HASH_BLOCK (512)
+#                              tokens, named as in the Mooncake trace (equal ids,
+#                              equal tokens); in CSV "[1, 2, 3]" or "1 2 3"
+# Other columns are ignored. A bad value is a TraceError naming the file, line
+# and column.
+
+GENERIC_COLUMNS = ("prompt_tokens", "output_tokens", "arrival_s", "tenant", "hash_ids")
+REQUIRED_COLUMNS = ("prompt_tokens", "output_tokens")
+HASH_BLOCK = MOONCAKE_BLOCK
+DEFAULT_TENANT = "default"
+IN_MEMORY = "records"
+
+
+class TraceError(ValueError):
+    """A trace file written wrong: the message names the file, the line and the
+    column, and what was expected there."""
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """One request of a generic trace."""
+
+    prompt_tokens: int
+    output_tokens: int
+    arrival_s: float | None = None
+    tenant: str = DEFAULT_TENANT
+    hash_ids: tuple[int, ...] | None = None
+    line: int = 0
+    """Where it was read (1-based line of the file; the index + 1 in memory)."""
+
+
+def _fail(where: str, line: int, column: str, msg: str) -> TraceError:
+    unit = "record" if where == IN_MEMORY else "line"  # records in memory: their index + 1
+    return TraceError(f"{where}: {unit} {line}, column {column!r}: {msg}")
+
+
+def _int_value(v: Any) -> int | None:
+    """v as an int when it is one (12, "12", 12.0, "12.0"), else None."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return v
+    if isinstance(v, str):
+        v = v.strip()
+        try:
+            return int(v)
+        except ValueError:
+            try:
+                v = float(v)
+            except ValueError:
+                return None
+    if isinstance(v, float) and math.isfinite(v) and v.is_integer():
+        return int(v)
+    return None
+
+
+def _record(raw: Mapping[str, Any], where: str, line: int, hash_block: int) -> TraceRequest:
+    def blank(v: Any) -> bool:
+        return v is None or (isinstance(v, str) and not v.strip())
+
+    for col in REQUIRED_COLUMNS:
+        if col not in raw:
+            raise _fail(where, line, col, "missing (required: prompt_tokens, output_tokens)"
+                        + _format_hint(raw))  # fmt: skip
+    tokens = []
+    for col in REQUIRED_COLUMNS:
+        n = None if blank(raw[col]) else _int_value(raw[col])
+        if n is None or n < 1:
+            raise _fail(where, line, col, f"expected an integer >= 1, got {raw[col]!r}")
+        tokens.append(n)
+    arrival = None
+    if not blank(raw.get("arrival_s")):
+        v = raw["arrival_s"]
+        try:
+            arrival = float(v.strip() if isinstance(v, str) else v)
+        except (TypeError, ValueError):
+            arrival = None
+        if isinstance(v, bool) or arrival is None or not (math.isfinite(arrival) and arrival >= 0):
+            raise _fail(where, line, "arrival_s", f"expected seconds >= 0, got {v!r}")
+    tenant = DEFAULT_TENANT
+    if not blank(raw.get("tenant")):
+        tenant = raw["tenant"]
+        if not isinstance(tenant, str):
+            raise _fail(where, line, "tenant", f"expected a name, got {tenant!r}")
+        tenant = tenant.strip()
+        if len(tenant.encode()) > 128:
+            raise _fail(where, line, "tenant", "a tenant name is 1 to 128 bytes")
+    ids = None
+    v = raw.get("hash_ids")
+    if isinstance(v, str):
+        parts = v.strip().strip("[]").replace(",", " ").replace(";", " ").split()
+        parsed = [_int_value(p) for p in parts]
+        v = parsed if all(p is not None for p in parsed) else v
+    if not blank(v) and v != []:
+        if not isinstance(v, list) or not all(
+            isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 2**63 for h in v
+        ):
+            raise _fail(where, line, "hash_ids",
+                        f"expected a list of integers from 0 to 2**63-1, got {v!r}")  # fmt: skip
+        ids = tuple(v)
+        n = tokens[0]
+        if not (len(ids) - 1) * hash_block < n <= len(ids) * hash_block:
+            raise _fail(
+                where, line, "hash_ids",
+                f"{len(ids)} ids name blocks of {hash_block} tokens: they hold "
+                f"{(len(ids) - 1) * hash_block + 1} to {len(ids) * hash_block} prompt tokens, "
+                f"prompt_tokens is {n}",
+            )  # fmt: skip
+    return TraceRequest(tokens[0], tokens[1], arrival, tenant, ids, line)
+
+
+def _format_hint(columns: Iterable[str]) -> str:
+    """A pointer to --trace azure / mooncake when the columns are theirs."""
+    cols = set(columns)
+    if {"ContextTokens", "GeneratedTokens"} <= cols:
+        return " (this is the Azure trace's format: --trace azure --trace-path FILE)"
+    if {"input_length", "output_length"} <= cols:
+        return " (this is the Mooncake trace's format: --trace mooncake --trace-path FILE)"
+    return ""
+
+
+def _is_jsonl(name: str, first: str) -> bool:
+    stem = name[:-3] if name.endswith(".gz") else name
+    if stem.endswith((".jsonl", ".json", ".ndjson")):
+        return True
+    if stem.endswith(".csv"):
+        return False
+    return first.lstrip().startswith("{")
+
+
+def read_requests(
+    source: str | Path | Traversable | Iterable[Mapping[str, Any]],
+    *,
+    limit: int | None = None,
+    hash_block: int = HASH_BLOCK,
+) -> list[TraceRequest]:
+    """A generic trace's requests (the first `limit` of the file): a CSV or
+    JSON-lines file (plain or .gz; JSON lines when the name ends in .jsonl,
+    .json or .ndjson, CSV when .csv, otherwise told by the first character), or
+    records in memory (dicts with the same keys). Arrivals are sorted (stably)
+    and shifted so the first is at 0 s; either every request has arrival_s or
+    none has. Raises TraceError naming the line and column of the first bad value."""
+    if hash_block < 1:
+        raise TraceError(f"hash_block must be >= 1 tokens, got {hash_block}")
+    out: list[TraceRequest] = []
+    if isinstance(source, (str, Path)) or hasattr(source, "joinpath"):
+        where = str(source)
+        with open_trace(source) as f:  # type: ignore[arg-type]
+            first = f.readline()
+            rest = itertools.chain([first], f)
+            if _is_jsonl(Path(where).name, first):
+                for i, text in enumerate(rest, 1):
+                    if limit is not None and len(out) >= limit:
+                        break
+                    if not text.strip():
+                        continue
+                    if not out and text.lstrip().startswith("["):
+                        raise TraceError(f"{where}: line {i}: a JSON array; expected JSON "
+                                         "lines, one object a line")  # fmt: skip
+                    try:
+                        raw = json.loads(text)
+                    except json.JSONDecodeError as e:
+                        raise TraceError(f"{where}: line {i}: not JSON ({e.msg})") from None
+                    if not isinstance(raw, dict):
+                        raise TraceError(f"{where}: line {i}: expected a JSON object")
+                    out.append(_record(raw, where, i, hash_block))
+            else:
+                import csv
+
+                reader = csv.reader(rest)
+                header = next(reader, None)
+                if header is None:
+                    raise TraceError(f"{where}: empty file (expected a header row)")
+                # A spreadsheet's UTF-8 export starts with a byte-order mark.
+                header = [h.strip().lstrip("\ufeff").strip() for h in header]
+                for col in REQUIRED_COLUMNS:
+                    if col not in header:
+                        raise _fail(where, 1, col, f"missing from the header {header}"
+                                    + _format_hint(header))  # fmt: skip
+                for row in reader:
+                    if limit is not None and len(out) >= limit:
+                        break
+                    if not any(c.strip() for c in row):
+                        continue
+                    if len(row) != len(header):
+                        raise TraceError(f"{where}: line {reader.line_num}: {len(row)} fields, "
+                                         f"the header has {len(header)}")  # fmt: skip
+                    out.append(_record(dict(zip(header, row, strict=True)), where, reader.line_num,
+                                       hash_block))  # fmt: skip
+    else:
+        where = IN_MEMORY
+        for i, raw in enumerate(source, 1):
+            if limit is not None and len(out) >= limit:
+                break
+            if not isinstance(raw, Mapping):
+                raise TraceError(f"{where}: record {i}: expected a mapping, got {raw!r}")
+            out.append(_record(raw, where, i, hash_block))
+    if not out:
+        raise TraceError(f"{where}: no requests")
+    timed = [r.arrival_s is not None for r in out]
+    if any(timed) and not all(timed):
+        r = out[timed.index(not timed[0])]
+        raise _fail(where, r.line, "arrival_s",
+                    "given on some requests only: give it on every request or on none")  # fmt: skip
+    if all(timed):
+        t0 = min(r.arrival_s for r in out)  # type: ignore[type-var]
+        out = [dataclasses.replace(r, arrival_s=r.arrival_s - t0) for r in out]  # type: ignore[operator]
+        out.sort(key=lambda r: r.arrival_s)  # type: ignore[arg-type,return-value]
+    return out
+
+
+def hashed_prompt(hash_ids: Iterable[int], n: int, block: int = MOONCAKE_BLOCK) -> np.ndarray:
+    """int32 token ids of an `n`-token prompt whose block i (of `block` tokens)
+    holds hash id i's tokens: the same ids give the same tokens, so requests
+    sharing leading ids share a prefix."""
+    ids = np.asarray(tuple(hash_ids), dtype=np.uint64)[:, None]
+    j = np.arange(block, dtype=np.uint64)[None, :]
+    # A multiplicative mix of (id, offset), folded into the vocabulary.
+    x = (ids * np.uint64(block) + j + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+    tokens = ((x >> np.uint64(33)) % np.uint64(VOCAB)).astype(np.int32)
+    return tokens.reshape(-1)[:n]

@@ -1,14 +1,24 @@
 """Workloads for the simulator: the bundled traces turned into arrivals (with a
-time scale and a rule assigning requests to tenants) and synthetic mixes."""
+time scale and a rule assigning requests to tenants), any trace (`from_trace`,
+with arrival times of its own or drawn at a rate: `arrival_times`) and
+synthetic mixes."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import numpy as np
 
 from kvsched.sim.simulator import Arrival
-from kvsched.sim.traces import AzureRequest, MooncakeRequest, mooncake_prompt
+from kvsched.sim.traces import (
+    HASH_BLOCK,
+    AzureRequest,
+    MooncakeRequest,
+    TraceRequest,
+    hashed_prompt,
+    mooncake_prompt,
+)
 
 VOCAB = 32000
 
@@ -126,4 +136,53 @@ def burst(
         out.append(Arrival(t, "bulk", rng.integers(0, VOCAB, prompt, dtype=np.int32), output))
     out = [a for a in out if a.at < seconds]
     out.sort(key=lambda a: a.at)
+    return out
+
+
+def arrival_times(n: int, rate: float, *, burstiness: float = 1.0, seed: int = 0) -> np.ndarray:
+    """`n` arrival times (seconds, increasing) at `rate` requests/s on average:
+    gamma-distributed gaps whose coefficient of variation is `burstiness`
+    (1: exponential gaps, a Poisson process; > 1 burstier; < 1 more regular).
+    The first request arrives after one gap."""
+    if not (math.isfinite(rate) and rate > 0):
+        raise ValueError(f"rate must be a number of requests/s > 0, got {rate!r}")
+    if not (math.isfinite(burstiness) and burstiness > 0):
+        raise ValueError(f"burstiness must be a coefficient of variation > 0, got {burstiness!r}")
+    shape = 1.0 / burstiness**2  # gamma(k, theta): mean k theta, CV 1 / sqrt(k)
+    gaps = np.random.default_rng(seed).gamma(shape, 1.0 / (rate * shape), n)
+    return np.cumsum(gaps)
+
+
+def from_trace(
+    reqs: list[TraceRequest],
+    *,
+    rate: float | None = None,
+    burstiness: float = 1.0,
+    seed: int = 0,
+    time_scale: float = 1.0,
+    hash_block: int = HASH_BLOCK,
+) -> list[Arrival]:
+    """Arrivals from a generic trace (`traces.read_requests`). Arrival times are
+    the trace's own, or, when `rate` is given, drawn by `arrival_times` (the
+    trace's own are then ignored; a trace without them needs `rate`); then
+    multiplied by `time_scale`. A request with hash ids gets `hashed_prompt`
+    tokens (shared ids, shared prefix), the others random tokens (seeded)."""
+    if not reqs:
+        return []
+    if rate is not None:
+        at = arrival_times(len(reqs), rate, burstiness=burstiness, seed=seed)
+    elif any(r.arrival_s is None for r in reqs):
+        raise ValueError(
+            "the trace has no arrival_s: give an arrival rate (rate=, --rate: requests/s)"
+        )
+    else:
+        at = np.array([r.arrival_s for r in reqs], dtype=float)
+    rng = np.random.default_rng(seed)
+    out = []
+    for t, r in zip(at, reqs, strict=True):
+        if r.hash_ids is not None:
+            prompt = hashed_prompt(r.hash_ids, r.prompt_tokens, hash_block)
+        else:
+            prompt = rng.integers(0, VOCAB, r.prompt_tokens, dtype=np.int32)
+        out.append(Arrival(float(t) * time_scale, r.tenant, prompt, r.output_tokens))
     return out
