@@ -10,6 +10,8 @@ kvsched simulate --trace azure|mooncake|prefill-vs-decode|burst [--trace-path F]
 kvsched sweep reserve|chunk [--values V,V,...] [--trace T] [--load X] [--slo SPEC ...]
               [--model M --accelerator A --devices N] [--plots DIR]
                                     a knob against goodput, p99 and refusals, with knees
+kvsched mix [--loads X,X,...] [--devices 2] [--window S] [--slo SPEC ...]
+                                    two tenants together vs apart vs time-sliced
 kvsched serve --tenants tenants.toml [--model smollm2|tiny] [--host H] [--port P]
               [--drain-seconds S] [--end-at TIME]
                                     the OpenAI-compatible server (pip install kvsched[serve])
@@ -239,6 +241,45 @@ def _knob_value(knob: str, text: str) -> float | None:
         raise ValueError(f"--values: {text!r} is not a share (0..1)") from None
 
 
+def cmd_mix(args: argparse.Namespace) -> int:
+    """A prefill-heavy and a decode-heavy tenant together on one machine, against
+    each alone on half of it and against time slices of the whole."""
+    from kvsched.sim import mix
+
+    workload = mix.MixWorkload(seconds=args.seconds, docs_rate=args.docs_rate,
+                               chat_rate=args.chat_rate, chat_output=args.chat_output,
+                               seed=args.seed)  # fmt: skip
+    try:
+        loads = [float(x) for x in args.loads.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--loads {args.loads!r}: expected numbers like 0.5,1,2") from None
+    if not loads or not all(x > 0 for x in loads):  # NaN too
+        raise ValueError(f"--loads {args.loads!r}: every load must be > 0")
+    which = [w.strip() for w in args.arrangements.split(",") if w.strip()]
+    slos, said = _slos(args.slo, mix.DEFAULT_SLOS)
+    print(f"mix: {workload.describe()}; both tenants tier 0")
+    print(f"  together: {args.devices} x {args.accelerator} serving {args.model}, one engine; "
+          f"apart: {args.devices // 2} x {args.accelerator} per tenant (half the devices: two "
+          f"engines, each its own weights, pool and steps); sliced: the whole machine "
+          f"alternating in {args.window:g} s windows (free switches, whole pool each: "
+          f"optimistic)")  # fmt: skip
+    print(f"  per device: {args.max_num_seqs} sequences, a {args.max_batched_tokens:,}-token "
+          f"step budget; prefill chunk {args.chunk:,}")  # fmt: skip
+    print(f"  SLO: {said}; attainment target {args.attainment:.0%}")
+    sc = mix.scan(workload, loads, slos, target=args.attainment, model=args.model,
+                  accelerator=args.accelerator, devices=args.devices, window=args.window,
+                  max_num_seqs=args.max_num_seqs, step_budget=args.max_batched_tokens,
+                  chunk=args.chunk, which=which)  # fmt: skip
+    for load in sc.loads:
+        print(mix.table(sc.runs[load], load))
+    print("met: share of offered requests within the SLO (refusals are misses); tokens/s: "
+          "prompt + output of served requests per second of the run; ITL99 over requests' "
+          "mean time per token; maxgap: the longest pause any served request saw")  # fmt: skip
+    for line in mix.summary(sc):
+        print(line)
+    return 0
+
+
 def cmd_fetch_model(args: argparse.Namespace) -> int:
     from kvsched import model_files
 
@@ -317,6 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The `kvsched` command line: every option carries help text with its unit
     and default (tests/test_capacity.py walks it)."""
     from kvsched.capacity import ACCELERATORS, MODELS
+    from kvsched.sim.mix import DEFAULT_LOADS as MIX_LOADS
     from kvsched.sim.setup import DEFAULT_LOAD
 
     ap = argparse.ArgumentParser(prog="kvsched", description="kvsched: capacity and simulation")
@@ -477,6 +519,56 @@ def build_parser() -> argparse.ArgumentParser:
     )
     w.add_argument("--plots", help="write <knob>_sweep.png to this folder")
     w.set_defaults(func=cmd_sweep)
+
+    x = sub.add_parser("mix", help="a prefill-heavy and a decode-heavy tenant: together, "
+                       "apart on half the machine, or time-sliced")  # fmt: skip
+    x.add_argument("--loads", default=",".join(f"{v:g}" for v in MIX_LOADS),
+                   help="comma-separated arrival-rate multipliers, scanned in order (x; "
+                   f"default {','.join(f'{v:g}' for v in MIX_LOADS)})")  # fmt: skip
+    x.add_argument("--seconds", type=float, default=60.0,
+                   help="arrivals over this many seconds (default 60)")  # fmt: skip
+    x.add_argument(
+        "--docs-rate",
+        type=float,
+        default=0.5,
+        help="docs (30,000-token prompts, 16 out) requests/s at load 1 (default 0.5)",
+    )
+    x.add_argument("--chat-rate", type=float, default=6.0,
+                   help="chat (200-token prompts) requests/s at load 1 (default 6)")  # fmt: skip
+    x.add_argument("--chat-output", type=int, default=1000,
+                   help="chat's answer length, tokens (default 1000)")  # fmt: skip
+    x.add_argument("--seed", type=int, default=0, help="arrival seed (default 0)")
+    x.add_argument(
+        "--arrangements",
+        default="together,apart,sliced",
+        help="comma-separated: together, apart, sliced (default all three)",
+    )
+    x.add_argument("--window", type=float, default=1.0,
+                   help="time slice of each tenant when sliced, seconds (default 1)")  # fmt: skip
+    x.add_argument("--slo", action="append",
+                   help="TENANT:ttft=SECONDS,itl=SECONDS,gap=SECONDS, repeatable (default "
+                   "chat:ttft=1,itl=0.1,gap=0.2 and docs:ttft=10)")  # fmt: skip
+    x.add_argument("--attainment", type=float, default=0.95,
+                   help="share of each tenant's requests that must meet its SLO (0..1; "
+                   "default 0.95)")  # fmt: skip
+    x.add_argument("--model", default="llama-3-8b", choices=sorted(MODELS),
+                   help="model preset (default llama-3-8b)")  # fmt: skip
+    x.add_argument("--accelerator", default="h100", choices=sorted(ACCELERATORS),
+                   help="accelerator preset (default h100)")  # fmt: skip
+    x.add_argument("--devices", type=int, default=2,
+                   help="accelerators of the whole machine, even: half each apart (count; "
+                   "default 2)")  # fmt: skip
+    x.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=128,
+        help="sequences running at once, per device (count; default 128)",
+    )
+    x.add_argument("--max-batched-tokens", type=int, default=2048,
+                   help="step budget per device, tokens (default 2048)")  # fmt: skip
+    x.add_argument("--chunk", type=int, default=2048,
+                   help="long-prefill chunk, tokens (default 2048)")  # fmt: skip
+    x.set_defaults(func=cmd_mix)
 
     f = sub.add_parser("fetch-model", help="fetch SmolLM2-135M-Instruct's GGUF into the cache")
     f.set_defaults(func=cmd_fetch_model)
