@@ -88,3 +88,9 @@ def test_the_mix_command_prints_each_load_and_the_gain(capsys):
     assert "--loads" in capsys.readouterr().err
     assert main(["mix", "--devices", "3", "--seconds", "4", "--loads", "1"]) == 2
     assert "even" in capsys.readouterr().err
+
+
+def test_the_gain_is_only_claimed_between_arrangements_that_ran():
+    sc = mix.scan(TINY, [1.0], SLOS, which=["sliced"], window=0.5)
+    lines = mix.summary(sc)
+    assert not any("together" in line or "mixing" in line for line in lines)

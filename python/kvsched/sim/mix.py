@@ -363,6 +363,6 @@ def summary(sc: Scan) -> list[str]:
                 else ""
             )
             lines.append(f"  mixing vs {other}: {t / o:.2f}x the load ({t:g} / {o:g}){top}")
-    if t is None:
+    if t is None and "together" in names:
         lines.append("  together misses at the grid's lowest load: no gain measured there")
     return lines
