@@ -312,6 +312,9 @@ def plot_figure(sw: Sweep) -> Any:
             if k is not None:
                 ax.plot([k.x], [k.y], "o", ms=10, mfc="none", color=line.get_color())
                 ax.axvline(k.x, ls=":", lw=0.8, color=line.get_color())
+        # From 0: every metric is >= 0, and a 1% wiggle must not fill the panel.
+        top = max((y for n in names for y in curves[n] if math.isfinite(y)), default=0.0)
+        ax.set_ylim(0, 1.1 * top if top > 0 else 1.0)
         ax.set_ylabel(ylabel, fontsize=8)
         ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     axes[-1].set_xticks(xs, [sw.label(p.value) for p in sw.points], rotation=45)
