@@ -64,14 +64,19 @@ def _whole():
     return eng.config, TINY.tenants(), arrivals, eng.cost
 
 
-def test_bad_arrangements_are_refused_with_the_reason():
+def test_bad_arrangements_are_refused_with_the_reason(monkeypatch):
     arrivals = TINY.arrivals(1.0)
+    sims = []
+    monkeypatch.setattr(mix, "simulate", lambda *a, **k: sims.append(a) or 1 / 0)
     with pytest.raises(ValueError, match="even"):
         mix.arrange(arrivals, TINY.tenants(), SLOS, devices=3)
     with pytest.raises(ValueError, match="unknown arrangement"):
         mix.arrange(arrivals, TINY.tenants(), SLOS, which=["shared"])
     with pytest.raises(ValueError, match="window"):
         mix.sliced(*_whole(), 0.0)
+    with pytest.raises(ValueError, match="window"):
+        mix.arrange(arrivals, TINY.tenants(), SLOS, window=float("nan"))
+    assert sims == []  # every refusal came before anything ran
     with pytest.raises(ValueError, match="two tenants"):
         mix.arrange([a for a in arrivals if a.tenant == "chat"], TINY.tenants(), SLOS)
     with pytest.raises(ValueError, match="load"):

@@ -118,6 +118,9 @@ def test_chunk_sweep_unchunked_is_the_scenario_and_chunks_over_the_budget_are_fl
             sweeps.configs(eng.config, "chunk", bad)
     with pytest.raises(ValueError, match="overhead_reserve"):
         sweeps.configs(eng.config, "reserve", [1.0])
+    for bad in ([512, 256], [256, 256], [None, 256], [None, None]):  # the x axis
+        with pytest.raises(ValueError, match="ascending and distinct"):
+            sweeps.configs(eng.config, "chunk", bad)
     with pytest.raises(ValueError, match="unknown knob"):
         sweeps.configs(eng.config, "budget", [1])
 

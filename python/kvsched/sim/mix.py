@@ -185,7 +185,7 @@ def arrange(
     max_num_seqs: int = 128,
     step_budget: int = STEP_BUDGET,
     chunk: int = 2048,
-    which: Iterable[str] = ARRANGEMENTS,
+    which: Sequence[str] = ARRANGEMENTS,
 ) -> list[Arrangement]:
     """The same arrivals in each arrangement (ARRANGEMENTS, in that order).
     `max_num_seqs` and `step_budget` are per device (an engine of n devices
@@ -194,6 +194,8 @@ def arrange(
         raise ValueError(
             f"the machine must split in two halves: devices must be even, got {devices}"
         )
+    if "sliced" in which and not (window > 0):  # NaN too; before anything runs
+        raise ValueError(f"the window must be > 0 seconds, got {window!r}")
     which = list(which)
     unknown = [w for w in which if w not in ARRANGEMENTS]
     if unknown:

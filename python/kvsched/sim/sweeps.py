@@ -188,9 +188,20 @@ Config = tuple[float | None, kvsched.SchedulerConfig, str]
 def configs(
     base: kvsched.SchedulerConfig, knob: str, values: Iterable[float | None]
 ) -> list[Config]:
-    """(value, configuration, note) per knob value, every other knob of `base` kept."""
+    """(value, configuration, note) per knob value, every other knob of `base`
+    kept. Values must be given ascending (unchunked last), each once: they are
+    the curve's x axis, checked before anything runs."""
     if knob not in KNOBS:
         raise ValueError(f"unknown knob {knob!r}; known: {', '.join(KNOBS)}")
+    values = list(values)
+    finite = [v for v in values if v is not None]
+    if (
+        finite != sorted(set(finite))
+        or values[: len(finite)] != finite
+        or len(values) > len(finite) + 1
+    ):
+        raise ValueError(f"{knob} values must be ascending and distinct (unchunked last): "
+                         f"{values}")  # fmt: skip
     out = []
     for v in values:
         note = ""
