@@ -30,7 +30,7 @@ def test_every_arrangement_accounts_for_every_request():
         assert arr.result.step_errors == 0
         served_tokens = sum(r.output_len for r in recs)
         assert served_tokens == sum(a.max_tokens for a in arrivals)  # all served here
-    together, apart, _ = runs
+    together, replicas, apart, _ = runs
     # The whole machine prefills a 30k prompt in half the time one device takes.
     tt, ta = mix.figures(together)["docs"], mix.figures(apart)["docs"]
     assert tt.ttft_p99 < ta.ttft_p99
@@ -88,7 +88,7 @@ def test_the_mix_command_prints_each_load_and_the_gain(capsys):
                  "--arrangements", "together,apart"]) == 0  # fmt: skip
     out = capsys.readouterr().out
     assert "load 0.5x:" in out and "load 1x:" in out and "half the devices" in out
-    assert "mixing vs apart:" in out and "sliced" not in out.split("load 0.5x:")[1]
+    assert "together vs apart:" in out and "sliced" not in out.split("load 0.5x:")[1]
     assert main(["mix", "--loads", "one"]) == 2
     assert "--loads" in capsys.readouterr().err
     assert main(["mix", "--devices", "3", "--seconds", "4", "--loads", "1"]) == 2
@@ -99,3 +99,17 @@ def test_the_gain_is_only_claimed_between_arrangements_that_ran():
     sc = mix.scan(TINY, [1.0], SLOS, which=["sliced"], window=0.5)
     lines = mix.summary(sc)
     assert not any("together" in line or "mixing" in line for line in lines)
+
+
+def test_the_limit_of_each_arrangement_is_bisected_between_a_pass_and_a_miss():
+    sc = mix.scan(TINY, [1, 4, 8], SLOS, which=["together", "apart"], refine=3)
+    apart, together = sc.limits["apart"], sc.limits["together"]
+    assert apart.load is not None and apart.missed is not None
+    assert apart.load not in sc.loads and apart.missed - apart.load <= 3 / 8 + 1e-9
+    assert mix.meets(apart.run, sc.target) and apart.run.name == "apart"
+    again = mix.arrange(TINY.arrivals(apart.missed), TINY.tenants(), SLOS, which=["apart"])
+    assert not mix.meets(again[0], sc.target)
+    # On this small mix one engine on both devices holds more than two halves.
+    assert together.load > apart.load
+    lines = mix.summary(sc)
+    assert any(line.startswith("  together vs apart:") for line in lines)

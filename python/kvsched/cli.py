@@ -258,11 +258,14 @@ def cmd_mix(args: argparse.Namespace) -> int:
     which = [w.strip() for w in args.arrangements.split(",") if w.strip()]
     slos, said = _slos(args.slo, mix.DEFAULT_SLOS)
     print(f"mix: {workload.describe()}; both tenants tier 0")
-    print(f"  together: {args.devices} x {args.accelerator} serving {args.model}, one engine; "
-          f"apart: {args.devices // 2} x {args.accelerator} per tenant (half the devices: two "
-          f"engines, each its own weights, pool and steps); sliced: the whole machine "
-          f"alternating in {args.window:g} s windows (free switches, whole pool each: "
-          f"optimistic)")  # fmt: skip
+    half = f"{args.devices // 2} x {args.accelerator}"
+    print(f"  together: {args.devices} x {args.accelerator} serving {args.model}, one engine")
+    print(f"  replicas: two engines of {half}, each serving both (mixing without tensor "
+          "parallelism, whose all-reduce the step cost does not charge)")  # fmt: skip
+    print(f"  apart:    {half} per tenant (half the devices: two engines, each its own "
+          "weights, pool and steps)")  # fmt: skip
+    print(f"  sliced:   the whole machine alternating in {args.window:g} s windows (free "
+          "switches, whole pool each: optimistic)")  # fmt: skip
     print(f"  per device: {args.max_num_seqs} sequences, a {args.max_batched_tokens:,}-token "
           f"step budget; prefill chunk {args.chunk:,}")  # fmt: skip
     print(f"  SLO: {said}; attainment target {args.attainment:.0%}")
@@ -521,7 +524,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.set_defaults(func=cmd_sweep)
 
     x = sub.add_parser("mix", help="a prefill-heavy and a decode-heavy tenant: together, "
-                       "apart on half the machine, or time-sliced")  # fmt: skip
+                       "on two mixed replicas, apart, or time-sliced")  # fmt: skip
     x.add_argument("--loads", default=",".join(f"{v:g}" for v in MIX_LOADS),
                    help="comma-separated arrival-rate multipliers, scanned in order (x; "
                    f"default {','.join(f'{v:g}' for v in MIX_LOADS)})")  # fmt: skip
@@ -540,8 +543,8 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--seed", type=int, default=0, help="arrival seed (default 0)")
     x.add_argument(
         "--arrangements",
-        default="together,apart,sliced",
-        help="comma-separated: together, apart, sliced (default all three)",
+        default="together,replicas,apart,sliced",
+        help="comma-separated: together, replicas, apart, sliced (default all four)",
     )
     x.add_argument("--window", type=float, default=1.0,
                    help="time slice of each tenant when sliced, seconds (default 1)")  # fmt: skip
