@@ -10,8 +10,8 @@ kvsched simulate --trace azure|mooncake|prefill-vs-decode|burst [--trace-path F]
 kvsched sweep reserve|chunk [--values V,V,...] [--trace T] [--load X] [--slo SPEC ...]
               [--model M --accelerator A --devices N] [--plots DIR]
                                     a knob against goodput, p99 and refusals, with knees
-kvsched mix [--loads X,X,...] [--devices 2] [--window S] [--slo SPEC ...]
-                                    two tenants together vs apart vs time-sliced
+kvsched mix [--loads X,X,...] [--devices 2] [--window S] [--arrangements A,...] [--slo SPEC ...]
+                                    two tenants together, on mixed replicas, apart, time-sliced
 kvsched serve --tenants tenants.toml [--model smollm2|tiny] [--host H] [--port P]
               [--drain-seconds S] [--end-at TIME]
                                     the OpenAI-compatible server (pip install kvsched[serve])
