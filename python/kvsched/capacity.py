@@ -13,8 +13,9 @@ HBM x (1 - overhead reserve) - weights. Sliding-window layers (Gemma-2's local
 layers) keep at most their window of each sequence's tokens, so sequences at
 a long context are counted with that bound (`kv_bytes_per_sequence`).
 Tensor parallelism is modelled as one device with the devices' summed
-memory: right for memory (weights and KV heads split evenly), optimistic for
-latency (it ignores the all-reduces between devices).
+memory: right for memory (weights and KV heads split evenly). Its latency,
+the all-reduces between devices, is the step-cost model's
+(kvsched.sim.simulator.StepCost), from each preset's interconnect figures.
 
 Cost. Three ways to serve a load of tokens per second: pay-as-you-go per token,
 provisioned throughput units (a fixed rate buys a fixed token throughput), and
@@ -70,6 +71,9 @@ class ModelShape:
     # KV per sequence, whatever its length. 0 layers: every layer is global.
     sliding_window: int | None = None
     sliding_layers: int = 0
+    # Width of the residual stream: what a tensor-parallel all-reduce carries per
+    # token per layer (the step-cost model's collectives). 0: unknown.
+    hidden: int = 0
 
     def kv_bytes_per_sequence(
         self, context: int, dtype_bytes: float = 2, *, kv_dtype: str | None = None,
@@ -110,6 +114,12 @@ class Accelerator:
     hbm_bytes: float
     hbm_bytes_per_s: float
     bf16_flops: float
+    # Tensor parallelism's all-reduces: the bytes/s one device's ring traffic
+    # moves (half the datasheet's bidirectional per-device figure, see
+    # ACCELERATORS) and the fixed cost of one collective (an assumption, not a
+    # datasheet figure). 0: no interconnect known (one device only).
+    interconnect_bytes_per_s: float = 0.0
+    collective_latency_s: float = 0.0
 
 
 WEIGHT_BYTES = {"bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5}
@@ -128,25 +138,35 @@ KV_DTYPES: dict[str, tuple[int, int]] = {
 MODELS: dict[str, ModelShape] = {
     m.name: m
     for m in (
-        ModelShape("llama-3-8b", 32, 8, 128, 8.03e9, 128256),
-        ModelShape("llama-3-70b", 80, 8, 128, 70.6e9, 128256),
-        ModelShape("mistral-7b", 32, 8, 128, 7.25e9, 32768),
-        ModelShape("qwen2.5-7b", 28, 4, 128, 7.62e9, 152064),
+        ModelShape("llama-3-8b", 32, 8, 128, 8.03e9, 128256, hidden=4096),
+        ModelShape("llama-3-70b", 80, 8, 128, 70.6e9, 128256, hidden=8192),
+        ModelShape("mistral-7b", 32, 8, 128, 7.25e9, 32768, hidden=4096),
+        ModelShape("qwen2.5-7b", 28, 4, 128, 7.62e9, 152064, hidden=3584),
         # Gemma-2 alternates local (4,096-token sliding window) and global layers.
-        ModelShape("gemma-2-9b", 42, 8, 256, 9.24e9, 256000, 4096, 21),
-        ModelShape("gemma-2-27b", 46, 16, 128, 27.2e9, 256000, 4096, 23),
-        ModelShape("smollm2-135m", 30, 3, 64, 134.5e6, 49152),  # the main job's model
+        ModelShape("gemma-2-9b", 42, 8, 256, 9.24e9, 256000, 4096, 21, hidden=3584),
+        ModelShape("gemma-2-27b", 46, 16, 128, 27.2e9, 256000, 4096, 23, hidden=4608),
+        # the main job's model
+        ModelShape("smollm2-135m", 30, 3, 64, 134.5e6, 49152, hidden=576),
     )
 }
 
+# Interconnect: half the bidirectional per-device figure of the datasheet, as
+# the bandwidth a ring all-reduce moves per device: Cloud TPU's system
+# architecture tables give the ICI bandwidth per chip, bidirectional, as v5e
+# 400 GBps, v5p 1,200 GBps, v6e 800 GBps (the chip's links together: a ring
+# over one torus axis may get less); NVIDIA's H100 SXM and H200 SXM datasheets
+# give NVLink 900 GB/s per GPU, bidirectional. The 10 us per collective is an
+# assumption (launch and synchronisation of a small all-reduce), not a figure
+# of either datasheet: set your own.
+COLLECTIVE_LATENCY_S = 10e-6
 ACCELERATORS: dict[str, Accelerator] = {
     a.name: a
     for a in (
-        Accelerator("tpu-v5e", 16e9, 819e9, 197e12),
-        Accelerator("tpu-v5p", 95e9, 2765e9, 459e12),
-        Accelerator("tpu-v6e", 32e9, 1640e9, 918e12),
-        Accelerator("h100", 80e9, 3.35e12, 989e12),
-        Accelerator("h200", 141e9, 4.8e12, 989e12),
+        Accelerator("tpu-v5e", 16e9, 819e9, 197e12, 200e9, COLLECTIVE_LATENCY_S),
+        Accelerator("tpu-v5p", 95e9, 2765e9, 459e12, 600e9, COLLECTIVE_LATENCY_S),
+        Accelerator("tpu-v6e", 32e9, 1640e9, 918e12, 400e9, COLLECTIVE_LATENCY_S),
+        Accelerator("h100", 80e9, 3.35e12, 989e12, 450e9, COLLECTIVE_LATENCY_S),
+        Accelerator("h200", 141e9, 4.8e12, 989e12, 450e9, COLLECTIVE_LATENCY_S),
     )
 }
 
