@@ -122,7 +122,7 @@ class Accelerator:
     collective_latency_s: float = 0.0
 
 
-WEIGHT_BYTES = {"bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5}
+WEIGHT_BYTES = {"float32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5}
 
 # KV cache dtypes: (bytes per element, bytes of scale per token per KV head for K
 # and for V). int8 is symmetric absmax with a float32 scale per token and head.

@@ -6,7 +6,10 @@ kvsched capacity --model llama-3-8b --accelerator h100 [--devices N] [--context 
                  [--kv-dtype bf16|int8|float32]
 kvsched simulate --trace azure|mooncake|prefill-vs-decode|burst [--trace-path F]
                  [--limit N] [--load X] [--time-scale X] [--scenarios standard|a,b,...]
-                 [--model M --accelerator A --devices N] [--plots DIR]
+                 [--model M --accelerator A --devices N] [--plots DIR] [--step-cost FILE]
+kvsched calibrate --out FILE [--model tiny|smollm2] [--decode 1,16,64] [--prefill 0,64,192]
+                  [--context 8,48] [--held-out D:P:C,...]
+                                    fit the simulator's step cost to the engine here
 kvsched serve --tenants tenants.toml [--model smollm2|tiny] [--host H] [--port P]
               [--drain-seconds S] [--end-at TIME]
                                     the OpenAI-compatible server (pip install kvsched[serve])
@@ -113,10 +116,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if not arrivals:
         print("the workload is empty", file=sys.stderr)
         return 2
+    cost = setup.StepCost.load(args.step_cost, model=args.model) if args.step_cost else None
     engine = setup.engine_for(arrivals, model=args.model, accelerator=args.accelerator,
                               devices=args.devices, context=args.context,
                               max_num_seqs=args.max_num_seqs, step_budget=step_budget,
-                              chunk=args.chunk)  # fmt: skip
+                              chunk=args.chunk, cost=cost)  # fmt: skip
     base, cost = engine.config, engine.cost
     chosen = scenarios.standard(base)
     if args.scenarios != "standard":
@@ -149,6 +153,64 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.plots:
         for p in scenarios.plot(results, args.plots):
             print(f"wrote {p}")
+    return 0
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"a comma-separated list of integers, not {text!r}"
+        ) from None
+
+
+def _points(text: str) -> list[tuple[int, int, int]]:
+    out = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        parts = item.split(":")
+        try:
+            d, p, c = (int(x) for x in parts)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"points are DECODE:PREFILL:CONTEXT (integers), not {item!r}"
+            ) from None
+        out.append((d, p, c))
+    return out
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Fit the simulator's step cost to the engine on this machine's device."""
+    from kvsched.sim import calibrate as cal
+
+    points = cal.grid(args.decode, args.prefill, args.context)
+    held = [cal.Point(*p) for p in args.held_out]
+    if args.model == "tiny":
+        from kvsched.engine.model import LlamaConfig, init_params
+
+        model = LlamaConfig()
+        params = init_params(model, seed=0)
+        name = None
+    else:
+        from kvsched import model_files
+        from kvsched.engine.loaders.gguf_llama import load_gguf
+
+        gg = load_gguf(model_files.fetch())
+        model, params = gg.config, gg.params
+        name = "smollm2-135m"  # the capacity preset of the same model
+    print(f"calibrating {name or model.name} on {cal.device_name()}: {len(points)} points, "
+          f"{len(held)} held out, {args.passes} passes of {args.reps} timed steps each "
+          "(the first step of each token bucket compiles: minutes on a small CPU)",
+          flush=True)  # fmt: skip
+    c = cal.calibrate(model, params, points, held, backend=args.backend,
+                      kv_dtype=args.kv_dtype, reps=args.reps, warmup=args.warmup,
+                      passes=args.passes, name=name)  # fmt: skip
+    print(c.report())
+    c.cost.save(args.out)
+    print(f"wrote {args.out} (kvsched simulate --model {c.cost.model.name} --step-cost "
+          f"{args.out})")  # fmt: skip
     return 0
 
 
@@ -249,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--precision",
         default="bf16",
-        help="weight precision: bf16, fp16, int8 or int4 (default bf16)",
+        help="weight precision: float32, bf16, fp16, int8 or int4 (default bf16)",
     )
     c.add_argument("--kv-bytes", type=float, help="bytes per KV element (default 2)")
     c.add_argument(
@@ -341,7 +403,76 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chunk", type=int, default=2048,
                    help="long-prefill chunk in tokens (default 2048)")  # fmt: skip
     s.add_argument("--plots", help="write PNG plots to this folder")
+    s.add_argument("--step-cost", metavar="FILE",
+                   help="a step-cost file from kvsched calibrate, for the same --model "
+                   "(default: the preset's peak rates x efficiency)")  # fmt: skip
     s.set_defaults(func=cmd_simulate)
+
+    k = sub.add_parser("calibrate", help="fit the simulator's step cost to the engine here")
+    k.add_argument(
+        "--model",
+        choices=["tiny", "smollm2"],
+        default="tiny",
+        help="the engine's model: a random tiny one, or SmolLM2-135M-Instruct "
+        "(fetched; the smollm2-135m preset) (default tiny)",
+    )
+    k.add_argument(
+        "--backend",
+        choices=["reference", "pallas", "jax"],
+        default="reference",
+        help="attention backend the engine runs (default reference)",
+    )
+    k.add_argument(
+        "--kv-dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="KV cache dtype (default float32)",
+    )
+    k.add_argument(
+        "--decode",
+        type=_int_list,
+        default=[1, 16, 64],
+        help="grid: decoding sequences in a step (counts; default 1,16,64)",
+    )
+    k.add_argument(
+        "--prefill",
+        type=_int_list,
+        default=[0, 64, 192],
+        help="grid: prompt tokens prefilled in a step (tokens; default 0,64,192)",
+    )
+    k.add_argument(
+        "--context",
+        type=_int_list,
+        default=[8, 48],
+        help="grid: tokens of KV each decoding sequence holds (tokens; default 8,48)",
+    )
+    k.add_argument(
+        "--held-out",
+        type=_points,
+        default=_points("32:32:24,8:120:16,48:0:40,0:96:1"),
+        metavar="D:P:C,...",
+        help="points measured but not fitted, for the error on unseen mixes "
+        "(decode:prefill:context; default 32:32:24,8:120:16,48:0:40,0:96:1)",
+    )
+    k.add_argument(
+        "--reps",
+        type=int,
+        default=7,
+        help="timed steps per point and pass, median kept (count; default 7)",
+    )
+    k.add_argument(
+        "--warmup", type=int, default=1, help="untimed steps before them (count; default 1)"
+    )
+    k.add_argument(
+        "--passes",
+        type=int,
+        default=3,
+        help="passes over the grid, the lowest median kept (count; default 3)",
+    )
+    k.add_argument(
+        "--out", required=True, metavar="FILE", help="the step-cost JSON file to write (no default)"
+    )
+    k.set_defaults(func=cmd_calibrate)
 
     f = sub.add_parser("fetch-model", help="fetch SmolLM2-135M-Instruct's GGUF into the cache")
     f.set_defaults(func=cmd_fetch_model)
