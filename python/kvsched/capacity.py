@@ -397,3 +397,81 @@ def portfolio(
     ]
     order = {p.name: i for i, p in enumerate(out)}
     return sorted(out, key=lambda p: (round(p.cost, 6), order[p.name]))
+
+
+# -- the simulator's max rate as a replica's throughput ----------------------------------
+
+
+@dataclass(frozen=True)
+class MaxRate:
+    """What `kvsched simulate --find-max-rate --json FILE` found: the highest
+    load at which every tenant met its SLO attainment target, on `devices` x
+    `accelerator` serving `model`."""
+
+    path: str
+    model: str
+    accelerator: str
+    devices: int
+    multiplier: float
+    requests_per_s: float
+    input_tokens_per_s: float
+    output_tokens_per_s: float
+    trace: str
+    attainment_target: float
+    binding: str  # "<tenant> <constraint>"
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Prompt + output tokens/s of one replica (the devices together): the
+        tokens a cost --load counts, as `load_series` does."""
+        return self.input_tokens_per_s + self.output_tokens_per_s
+
+    def describe(self) -> str:
+        return (
+            f"the simulator's max rate ({self.path}: trace {self.trace}, "
+            f"{self.multiplier:g}x = {self.requests_per_s:,.2f} req/s at attainment "
+            f"{self.attainment_target:g}, binding {self.binding})"
+        )
+
+
+def load_max_rate(path: str, *, model: str, accelerator: str, devices: int) -> MaxRate:
+    """Read a max-rate JSON file; refuse (CapacityError) one for another model,
+    accelerator or device count than the one costed, or one with no rate."""
+    import json
+
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise CapacityError(f"{path}: not JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise CapacityError(f"{path}: not a max-rate result (a JSON object expected)")
+    try:
+        binding = data.get("binding") or {}
+        mr = MaxRate(
+            path=str(path), model=str(data["model"]), accelerator=str(data["accelerator"]),
+            devices=int(data["devices"]), multiplier=float(data["multiplier"]),
+            requests_per_s=float(data["requests_per_s"]),
+            input_tokens_per_s=float(data["input_tokens_per_s"]),
+            output_tokens_per_s=float(data["output_tokens_per_s"]),
+            trace=str(data.get("trace", "?")),
+            attainment_target=float(data.get("attainment_target", float("nan"))),
+            binding=f"{binding.get('tenant', '?')} {binding.get('constraint', '?')}",
+        )  # fmt: skip
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CapacityError(f"{path}: not a max-rate result (missing or bad {e})") from None
+    for what, mine, theirs in (("model", model, mr.model),
+                               ("accelerator", accelerator, mr.accelerator),
+                               ("devices", devices, mr.devices)):  # fmt: skip
+        if mine != theirs:
+            raise CapacityError(
+                f"{path} is the max rate of {mr.devices} x {mr.accelerator} serving "
+                f"{mr.model}, not of {devices} x {accelerator} serving {model} ({what} "
+                "differs): simulate this configuration's max rate"
+            )
+    if not (mr.tokens_per_s > 0 and math.isfinite(mr.tokens_per_s)):
+        raise CapacityError(
+            f"{path}: the max rate sustains {mr.tokens_per_s:g} tokens/s (no load met the "
+            "SLOs?): nothing to cost a replica at"
+        )
+    return mr

@@ -3,7 +3,7 @@
 kvsched capacity --model llama-3-8b --accelerator h100 [--devices N] [--context 8192]
                  [--load TOK_PER_S --payg $/Mtok [--device-hour $ --device-tps N
                   --engineering-hour $] [--ptu-hour $ --ptu-tps N]]
-                 [--kv-dtype bf16|int8|float32]
+                 [--kv-dtype bf16|int8|float32] [--max-rate-json FILE (instead of --device-tps)]
 kvsched simulate --trace azure|mooncake|prefill-vs-decode|burst [--trace-path F]
                  [--limit N] [--load X] [--time-scale X] [--scenarios standard|a,b,...]
                  [--model M --accelerator A --devices N] [--plots DIR] [--step-cost FILE]
@@ -72,6 +72,21 @@ def cmd_capacity(args: argparse.Namespace) -> int:
             print("cost: --payg (per million tokens) is needed with --load", file=sys.stderr)
             return 2
         device_hour, device_tps = args.device_hour, args.device_tps
+        max_rate = None
+        if args.max_rate_json is not None:
+            if args.device_tps is not None:
+                print("cost: --max-rate-json or --device-tps, not both", file=sys.stderr)
+                return 2
+            if device_hour is None:
+                print("cost: --max-rate-json costs self-hosting: --device-hour is needed",
+                      file=sys.stderr)  # fmt: skip
+                return 2
+            max_rate = cap.load_max_rate(
+                args.max_rate_json, model=args.model, accelerator=args.accelerator,
+                devices=args.devices,
+            )  # fmt: skip
+            # A self-hosted unit is then the simulated replica: its devices together.
+            device_hour, device_tps = device_hour * c.devices, max_rate.tokens_per_s
         left_out = None
         if device_hour is not None and args.engineering_hour is None:
             # The options that need no engineering cost are still worth printing.
@@ -92,7 +107,12 @@ def cmd_capacity(args: argparse.Namespace) -> int:
         if "provisioned" in names:
             print(f"  provisioned units: throughput units of --ptu-tps {args.ptu_tps:g} "
                   "tokens/s each")  # fmt: skip
-        if "self_hosted" in names:
+        if "self_hosted" in names and max_rate is not None:
+            print(f"  self_hosted units: replicas of {c.devices} x {args.accelerator} "
+                  f"({c.devices} x --device-hour), {max_rate.tokens_per_s:,.0f} tokens/s "
+                  f"each (prompt {max_rate.input_tokens_per_s:,.0f} + output "
+                  f"{max_rate.output_tokens_per_s:,.0f}), from {max_rate.describe()}")  # fmt: skip
+        elif "self_hosted" in names:
             print(f"  self_hosted units: accelerators ({args.accelerator}) of --device-tps "
                   f"{args.device_tps:g} tokens/s each, as given (not derived from the "
                   f"capacity above)")  # fmt: skip
@@ -357,6 +377,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--device-tps", type=float,
                    help="tokens/s one self-hosted accelerator sustains, as you measured it: "
                    "the self_hosted units are load / this (default: not costed)")  # fmt: skip
+    c.add_argument("--max-rate-json", metavar="FILE",
+                   help="instead of --device-tps: the JSON `kvsched simulate --find-max-rate "
+                   "--json FILE` wrote for this --model, --accelerator and --devices; a unit "
+                   "is then that replica, sustaining its prompt + output tokens/s under the "
+                   "SLOs (default: not used)")  # fmt: skip
     c.add_argument("--engineering-hour", type=float,
                    help="self-hosting's people, $ per hour; no default (without it "
                    "self-hosting is left out of the cost table)")  # fmt: skip
