@@ -7,7 +7,7 @@ kvsched capacity --model llama-3-8b --accelerator h100 [--devices N] [--context 
 kvsched simulate --trace azure|mooncake|prefill-vs-decode|burst [--trace-path F]
                  [--limit N] [--load X] [--time-scale X] [--scenarios standard|a,b,...]
                  [--model M --accelerator A --devices N] [--plots DIR] [--step-cost FILE]
-kvsched calibrate --out FILE [--model tiny|smollm2] [--decode 1,16,64] [--prefill 0,64,192]
+kvsched calibrate --out FILE [--model tiny|smollm2] [--decode 1,16,64] [--prefill 0,32,96]
                   [--context 8,48] [--held-out D:P:C,...]
                                     fit the simulator's step cost to the engine here
 kvsched serve --tenants tenants.toml [--model smollm2|tiny] [--host H] [--port P]
@@ -229,8 +229,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                       passes=args.passes, name=name)  # fmt: skip
     print(c.report())
     c.cost.save(args.out)
-    print(f"wrote {args.out} (kvsched simulate --model {c.cost.model.name} --step-cost "
-          f"{args.out})")  # fmt: skip
+    from kvsched.capacity import MODELS
+
+    fitted = c.cost.model.name
+    use = f"kvsched simulate --model {fitted} --step-cost {args.out}"
+    if fitted not in MODELS:
+        use = f"StepCost.load in a study of {fitted}; kvsched simulate's presets refuse it"
+    print(f"wrote {args.out} ({use})")
     return 0
 
 
@@ -326,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--devices",
         type=int,
         default=1,
-        help="accelerators, tensor parallel as one big device (count; default 1)",
+        help="accelerators, tensor parallel, memory summed as one big device (count; default 1)",
     )
     c.add_argument(
         "--precision",
@@ -462,8 +467,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument(
         "--prefill",
         type=_int_list,
-        default=[0, 64, 192],
-        help="grid: prompt tokens prefilled in a step (tokens; default 0,64,192)",
+        default=[0, 32, 96],
+        help="grid: prompt tokens prefilled in a step (tokens; default 0,32,96)",
     )
     k.add_argument(
         "--context",
@@ -474,10 +479,10 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument(
         "--held-out",
         type=_points,
-        default=_points("32:32:24,8:120:16,48:0:40,0:96:1"),
+        default=_points("32:32:24,8:88:16,48:0:40,0:64:1"),
         metavar="D:P:C,...",
         help="points measured but not fitted, for the error on unseen mixes "
-        "(decode:prefill:context; default 32:32:24,8:120:16,48:0:40,0:96:1)",
+        "(decode:prefill:context; default 32:32:24,8:88:16,48:0:40,0:64:1)",
     )
     k.add_argument(
         "--reps",
