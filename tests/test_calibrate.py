@@ -41,11 +41,11 @@ def test_the_fit_recovers_known_rates():
 
 
 def test_bad_points_are_refused():
-    from kvsched.sim.calibrate import CalibrationError, Measured, Point, _check_points, fit
+    from kvsched.sim.calibrate import CalibrationError, Measured, Point, check_points, fit
 
     for bad in (Point(0, 0, 1), Point(-1, 4, 8), Point(2, 0, 0)):
         with pytest.raises(CalibrationError):
-            _check_points([bad])
+            check_points([bad])
     with pytest.raises(CalibrationError, match="at least 3"):
         fit([Measured(Point(1, 0, 1), 1, 1, 0.01)] * 2, MODELS["llama-3-8b"], weight_bytes=1,
             kv_dtype_bytes=2)  # fmt: skip
@@ -133,3 +133,17 @@ def test_calibration_on_cpu_predicts_held_out_steps(tmp_path):
         assert back.seconds(m.tokens, round(m.kv_read)) == pytest.approx(m.predicted)
     with pytest.raises(StepCostError, match="calibrated for 'tiny-llama'"):
         StepCost.load(path, model="llama-3-8b")
+
+
+def test_calibrate_cli_refuses_bad_grids(tmp_path, capsys):
+    pytest.importorskip("jax")
+    out = str(tmp_path / "c.json")
+    for bad in (["--decode", "1,x"], ["--held-out", "1:2"], ["--held-out", "a:b:c"]):
+        with pytest.raises(SystemExit) as e:
+            main(["calibrate", "--out", out, *bad])
+        assert e.value.code == 2
+        assert "integers" in capsys.readouterr().err
+    # A point no engine step can be: refused before anything runs, nothing written.
+    assert main(["calibrate", "--out", out, "--decode", "-1"]) == 2
+    assert "decode and prefill must be >= 0" in capsys.readouterr().err
+    assert not (tmp_path / "c.json").exists()

@@ -207,6 +207,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     points = cal.grid(args.decode, args.prefill, args.context)
     held = [cal.Point(*p) for p in args.held_out]
+    cal.check_points(points + held)  # before the model loads
     if args.model == "tiny":
         from kvsched.engine.model import LlamaConfig, init_params
 

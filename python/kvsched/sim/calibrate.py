@@ -114,7 +114,7 @@ def grid(decode: Sequence[int], prefill: Sequence[int], context: Sequence[int]) 
     return out
 
 
-def _check_points(points: Sequence[Point]) -> None:
+def check_points(points: Sequence[Point]) -> None:
     for p in points:
         if p.decode < 0 or p.prefill < 0 or p.context < 1 or p.tokens == 0:
             raise CalibrationError(
@@ -151,7 +151,7 @@ class Bench:
     ) -> None:
         from kvsched.engine.runner import Engine
 
-        _check_points(points)
+        check_points(points)
         if not points:
             raise CalibrationError("no points to measure")
         bs = block_size
@@ -262,14 +262,19 @@ def _nonneg_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Least squares with every coefficient >= 0 (few unknowns: each subset of
     the columns is tried, the best feasible solution kept)."""
     n = a.shape[1]
+    # Columns scaled to 1 first: FLOPs (~1e12) beside a constant (~1e3) would
+    # otherwise cost the solver most of its precision.
+    scale = np.abs(a).max(axis=0)
+    scale[scale == 0] = 1.0
+    a_n = a / scale
     best, best_loss = np.zeros(n), float(np.sum(b**2))
     for mask in range(1, 1 << n):
         cols = [j for j in range(n) if mask >> j & 1]
-        x, *_ = np.linalg.lstsq(a[:, cols], b, rcond=None)
+        x, *_ = np.linalg.lstsq(a_n[:, cols], b, rcond=None)
         if (x < 0).any():
             continue
         full = np.zeros(n)
-        full[cols] = x
+        full[cols] = x / scale[cols]
         loss = float(np.sum((a @ full - b) ** 2))
         if loss < best_loss:
             best, best_loss = full, loss
