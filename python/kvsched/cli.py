@@ -227,7 +227,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
           flush=True)  # fmt: skip
     c = cal.calibrate(model, params, points, held, backend=args.backend,
                       kv_dtype=args.kv_dtype, reps=args.reps, warmup=args.warmup,
-                      passes=args.passes, name=name)  # fmt: skip
+                      passes=args.passes, clock=args.clock, name=name)  # fmt: skip
     print(c.report())
     c.cost.save(args.out)
     from kvsched.capacity import MODELS
@@ -499,6 +499,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=3,
         help="passes over the grid, the lowest median kept (count; default 3)",
+    )
+    k.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="wall: a step's latency (a machine to itself); cpu: the process's CPU "
+        "seconds over the step, which other work on a shared machine does not "
+        "inflate (default wall)",
     )
     k.add_argument(
         "--out", required=True, metavar="FILE", help="the step-cost JSON file to write (no default)"

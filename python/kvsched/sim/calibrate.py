@@ -68,6 +68,9 @@ if TYPE_CHECKING:
     from kvsched.engine.runner import Engine
 
 
+CLOCKS = ("wall", "cpu")
+
+
 class CalibrationError(ValueError):
     """A grid the engine cannot run as asked, or too few points to fit."""
 
@@ -188,9 +191,15 @@ class Bench:
     def _prompt(self, n: int) -> np.ndarray:
         return self.rng.integers(0, self.vocab, n, dtype=np.int32)
 
-    def measure(self, point: Point, *, reps: int = 5, warmup: int = 1) -> Measured:
+    def measure(
+        self, point: Point, *, reps: int = 5, warmup: int = 1, clock: str = "wall"
+    ) -> Measured:
         """Time `reps` steps of `point` (after `warmup` untimed ones) through the
-        engine; the median is the point's time."""
+        engine; the median is the point's time. `clock`: "wall" (the step's
+        latency) or "cpu" (the process's CPU time over the step: see
+        `calibrate`)."""
+        if clock not in CLOCKS:
+            raise CalibrationError(f"clock must be one of {', '.join(CLOCKS)}, not {clock!r}")
         if reps < 1 or warmup < 0 or reps + warmup > self.steps_per_point:
             raise CalibrationError(
                 f"reps ({reps}) >= 1 and warmup ({warmup}) >= 0, at most "
@@ -218,7 +227,9 @@ class Bench:
                     chunks.append(min(left, self.chunk))
                     left -= chunks[-1]
                 prefills = [s.submit(t, self._prompt(n), 1, now=now) for n in chunks]
+                cpu = time.process_time()
                 res = self.engine.step(now=now)
+                cpu = time.process_time() - cpu
                 for rid in prefills:
                     s.cancel(rid, now=now)
                 if res is None or res.plan is None or res.plan.num_tokens != point.tokens:
@@ -228,7 +239,7 @@ class Bench:
                         "engine is too small for the point?)"
                     )
                 if i >= warmup:
-                    samples.append(res.seconds)
+                    samples.append(res.seconds if clock == "wall" else cpu)
                     kv.append(float(np.asarray(res.plan.kv_lens)[: len(res.plan)].sum()))
         finally:
             for rid in decoders:
@@ -400,15 +411,27 @@ def calibrate(
     reps: int = 7,
     warmup: int = 1,
     passes: int = 3,
+    clock: str = "wall",
     name: str | None = None,
     progress: Callable[[int, int, Point], None] | None = None,
 ) -> Calibration:
     """Measure `points` and `held_out` on the engine (`passes` times over the
     whole grid, `reps` timed steps each), fit the step cost on `points` alone,
     and predict both. `name` names the model in the file (default: the
-    config's), e.g. the capacity preset it corresponds to."""
+    config's), e.g. the capacity preset it corresponds to.
+
+    `clock="wall"` times a step's latency: what the simulator charges, right on
+    a machine the calibration has to itself. `clock="cpu"` times the CPU
+    seconds the process spent on the step instead: the same figure on an idle
+    machine where XLA runs the step on one thread (more where it runs several),
+    and one that other work on a shared machine does not inflate (on this
+    project's shared 2-core machine at a load of ~7, wall medians came out 2-4x
+    above the quieter machine's and uneven from pass to pass, CPU medians
+    steady and 0-25% above them)."""
     if passes < 1:
         raise CalibrationError(f"passes must be >= 1, got {passes}")
+    if clock not in CLOCKS:
+        raise CalibrationError(f"clock must be one of {', '.join(CLOCKS)}, not {clock!r}")
     t0 = time.perf_counter()
     shape = model_shape(model, params)
     if name is not None:
@@ -423,7 +446,7 @@ def calibrate(
         for i, p in enumerate(every):
             if progress is not None:
                 progress(k * len(every) + i, passes * len(every), p)
-            runs[i].append(bench.measure(p, reps=reps, warmup=warmup))
+            runs[i].append(bench.measure(p, reps=reps, warmup=warmup, clock=clock))
     # Each pass's median; the lowest kept (a busy machine only adds time), with
     # every pass's samples.
     measured = []
@@ -455,6 +478,7 @@ def calibrate(
         "reps": reps,
         "warmup": warmup,
         "passes": passes,
+        "clock": clock,
         "fit": "least squares on relative error of overhead + max(compute, memory)",
         "identified": f.identified,
         "fit_error": cal.fit_error,
