@@ -42,10 +42,21 @@ not see). `kvsched simulate --step-cost FILE` refuses a file calibrated on
 another model than the one simulated: the fitted rates are the engine's on
 that model, not a property of the device alone.
 
+Timing is wall-clock (a step's latency) or, with clock="cpu", the process's
+CPU seconds over the step, which other work on a shared machine inflates far
+less (see `calibrate`).
+
 On CPU with the `reference` backend, the attention gathers each token row's
 whole page row (max_seq_len tokens, a static shape), so a step's time follows
-its tokens and the engine's max_seq_len, hardly the context: expect the fit to
-find every point compute-bound there.
+its tokens, its number of sequences and the engine's max_seq_len (the grid's
+longest context plus the timed steps, kept small) more than the context:
+there the fitted byte rate stands for what decode-heavy steps cost beyond
+their tokens (more sequences, more page rows gathered) rather than for a
+memory bandwidth. The gathered rows (tokens x max_seq_len) can outgrow the
+CPU's caches, and the time then stops being linear in tokens: on this
+project's machine, at max_seq_len 272 a 128-token step took 7x a 64-token one
+(at max_seq_len 64, 1.4x). The CLI's default grid keeps contexts under 64 and
+steps under 160 tokens.
 """
 
 from __future__ import annotations
