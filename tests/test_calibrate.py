@@ -95,6 +95,9 @@ def test_simulate_uses_the_file_and_refuses_another_models(tmp_path, capsys):
     assert main([*args, "--model", "mistral-7b", "--step-cost", str(path)]) == 2
     err = capsys.readouterr().err
     assert "calibrated for 'llama-3-8b', not 'mistral-7b'" in err
+    # Measured on one device: not charged as if it were two (no all-reduces in it).
+    assert main([*args, "--devices", "2", "--step-cost", str(path)]) == 2
+    assert "for 1 device(s), not 2" in capsys.readouterr().err
 
 
 # -- the engine on CPU ------------------------------------------------------------------

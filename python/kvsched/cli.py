@@ -136,7 +136,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if not arrivals:
         print("the workload is empty", file=sys.stderr)
         return 2
-    cost = setup.StepCost.load(args.step_cost, model=args.model) if args.step_cost else None
+    cost = (setup.StepCost.load(args.step_cost, model=args.model, devices=args.devices)
+            if args.step_cost else None)  # fmt: skip
     engine = setup.engine_for(arrivals, model=args.model, accelerator=args.accelerator,
                               devices=args.devices, context=args.context,
                               max_num_seqs=args.max_num_seqs, step_budget=step_budget,

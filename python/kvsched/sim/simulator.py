@@ -145,10 +145,13 @@ class StepCost:
         }
 
     @classmethod
-    def from_json(cls, data: Any, *, model: str | None = None) -> StepCost:
+    def from_json(
+        cls, data: Any, *, model: str | None = None, devices: int | None = None
+    ) -> StepCost:
         """A StepCost from `to_json`'s dict. With `model`, a cost of another
         model is refused (StepCostError): fitted rates describe the engine on
-        the model it ran, not another one's shape."""
+        the model it ran, not another one's shape; with `devices`, one of
+        another device count (its rates and all-reduces are those devices')."""
         if not isinstance(data, dict) or data.get("format") != STEP_COST_FORMAT:
             raise StepCostError(f"not a step-cost file (format {STEP_COST_FORMAT!r} expected)")
         try:
@@ -167,20 +170,28 @@ class StepCost:
                 f"fitted rates are the engine's on {shape.name}; calibrate on {model} "
                 "(or simulate that model)"
             )
+        if devices is not None and kw["devices"] != devices:
+            raise StepCostError(
+                f"this step cost is for {kw['devices']} device(s), not {devices}: "
+                f"its rates are those of {kw['devices']}; calibrate on {devices}"
+            )
         return cls(shape, acc, calibration=data.get("calibration"), **kw)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str], *, model: str | None = None) -> StepCost:
-        """Read a step-cost file (`save`, `kvsched calibrate --out`)."""
+    def load(
+        cls, path: str | os.PathLike[str], *, model: str | None = None, devices: int | None = None
+    ) -> StepCost:
+        """Read a step-cost file (`save`, `kvsched calibrate --out`), refusing
+        one of another model or device count (`from_json`)."""
         try:
             data = json.loads(Path(path).read_text())
         except json.JSONDecodeError as e:
             raise StepCostError(f"{path}: not JSON ({e})") from None
         try:
-            return cls.from_json(data, model=model)
+            return cls.from_json(data, model=model, devices=devices)
         except StepCostError as e:
             raise StepCostError(f"{path}: {e}") from None
 
