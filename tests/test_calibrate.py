@@ -80,6 +80,20 @@ def test_the_file_round_trips_and_is_refused_for_another_model(tmp_path):
         StepCost.from_json(data)
 
 
+def test_a_calibrated_cost_charges_the_bucket_padding():
+    """The calibration engine pads a step to a multiple of 16 tokens and computes
+    all of it: a cost with token_quantum=16 charges 33 tokens as 48; the
+    presets (quantum 1) charge what was scheduled."""
+    cost = StepCost.preset("smollm2-135m", "h100", flop_rate=1e11, byte_rate=1e12,
+                           token_quantum=16)  # fmt: skip
+    assert cost.seconds(33, 100) == cost.seconds(48, 100) > cost.seconds(32, 100)
+    assert StepCost.from_json(cost.to_json()).token_quantum == 16
+    preset = StepCost.preset("smollm2-135m", "h100", flop_rate=1e11, byte_rate=1e12)
+    assert preset.seconds(33, 100) < preset.seconds(48, 100)
+    with pytest.raises(StepCostError, match="token_quantum"):
+        StepCost.preset("smollm2-135m", "h100", token_quantum=0)
+
+
 def test_simulate_uses_the_file_and_refuses_another_models(tmp_path, capsys):
     args = ["simulate", "--trace", "azure", "--limit", "40", "--scenarios", "continuous"]
     assert main(args) == 0

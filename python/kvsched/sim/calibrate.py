@@ -16,9 +16,11 @@ the scheduler alone (plan and commit, the model not run): their KV pages hold
 zeros rather than real keys and values, which changes no shape and so no
 step's time; then every timed step runs through `Engine.step`, the same path
 as serving. The engine's token buckets are every `block_size` tokens up to the
-largest point, so a step pads at most block_size - 1 tokens: the simulator
-charges the scheduled tokens, not a bucket (a production engine's power-of-two
-buckets pad up to 2x, which the fitted model does not see).
+largest point, so a step pads at most block_size - 1 tokens, and the fitted
+cost charges that padding (`StepCost.token_quantum`): the engine computes the
+whole bucket (a 33-token step of SmolLM2 on CPU costs what a 48-token one
+does). A production engine's power-of-two buckets pad up to 2x, which this
+does not model.
 
 The fit: the simulator's model, step = overhead + max(compute, memory) with
 compute = tokens x 2 x params / flop_rate and memory = (weight bytes + KV bytes
@@ -271,9 +273,12 @@ class Fit:
     identified: dict[str, bool]  # which of the rates some point bound
 
 
-def _features(measured: Sequence[Measured], shape: ModelShape, weight_bytes: float,
-              kv_dtype_bytes: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
-    flops = np.array([m.tokens * shape.flops_per_token() for m in measured])
+def _features(
+    measured: Sequence[Measured], shape: ModelShape, weight_bytes: float, kv_dtype_bytes: float,
+    quantum: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    flops = np.array([-(-m.tokens // quantum) * quantum * shape.flops_per_token()
+                      for m in measured])  # fmt: skip
     mem = np.array([weight_bytes + m.kv_read * shape.kv_bytes_per_token(kv_dtype_bytes)
                     for m in measured])  # fmt: skip
     t = np.array([m.seconds for m in measured])
@@ -309,13 +314,14 @@ def fit(
     *,
     weight_bytes: float,
     kv_dtype_bytes: float,
+    token_quantum: int = 1,
 ) -> Fit:
     """Overhead, FLOP rate and byte rate of step = overhead + max(flops /
     flop_rate, bytes / byte_rate), least squares on the relative error (see the
     module's doc)."""
     if len(measured) < 3:
         raise CalibrationError(f"{len(measured)} points: at least 3 are needed to fit 3 figures")
-    flops, mem, t = _features(measured, shape, weight_bytes, kv_dtype_bytes)
+    flops, mem, t = _features(measured, shape, weight_bytes, kv_dtype_bytes, token_quantum)
     w = 1.0 / t
     order = np.argsort(flops / mem)  # compute-bound points are those of the highest ratios
     best: tuple[float, np.ndarray] | None = None
@@ -466,13 +472,15 @@ def calibrate(
         best.samples = [x for m in r for x in m.samples]
         measured.append(best)
     fitted, held = measured[: len(points)], measured[len(points) :]
-    f = fit(fitted, shape, weight_bytes=weight_bytes, kv_dtype_bytes=kv_bytes)
+    quantum = bench.engine.scheduler.config.block_size  # the bucket spacing
+    f = fit(fitted, shape, weight_bytes=weight_bytes, kv_dtype_bytes=kv_bytes,
+            token_quantum=quantum)  # fmt: skip
     device = device_name()
     precision = "bf16" if model.dtype == "bfloat16" else "float32"
     acc = Accelerator(device, 0.0, f.byte_rate, f.flop_rate)
     cost = StepCost(shape, acc, precision=precision, kv_dtype_bytes=kv_bytes, mfu=1.0,
                     bandwidth_efficiency=1.0, overhead_s=f.overhead_s, flop_rate=f.flop_rate,
-                    byte_rate=f.byte_rate)  # fmt: skip
+                    byte_rate=f.byte_rate, token_quantum=quantum)  # fmt: skip
     for m in measured:
         m.predicted = cost.seconds(m.tokens, round(m.kv_read))
     cal = Calibration(cost, fitted, held, time.perf_counter() - t0)

@@ -61,6 +61,10 @@ class StepCost:
     # bandwidth_efficiency.
     flop_rate: float | None = None
     byte_rate: float | None = None
+    # The engine runs a step padded up to a multiple of this many tokens (its
+    # token buckets' spacing; 1: no padding charged). A calibrated cost sets
+    # the calibration engine's (kvsched calibrate: every block_size tokens).
+    token_quantum: int = 1
     # What a calibrated cost was measured on (model, device, kernel backend, fit
     # error); None for a preset.
     calibration: dict[str, Any] | None = field(default=None, compare=False)
@@ -72,6 +76,10 @@ class StepCost:
             v = getattr(self, name)
             if v is not None and not (v > 0 and math.isfinite(v)):
                 raise StepCostError(f"{name} must be a finite number > 0, got {v!r}")
+        if not isinstance(self.token_quantum, int) or self.token_quantum < 1:
+            raise StepCostError(
+                f"token_quantum must be an integer >= 1, got {self.token_quantum!r}"
+            )
         if not (self.overhead_s >= 0 and math.isfinite(self.overhead_s)):
             raise StepCostError(f"overhead_s must be >= 0, got {self.overhead_s!r}")
         if self.devices > 1:
@@ -119,7 +127,10 @@ class StepCost:
 
     def seconds(self, tokens: int, kv_tokens_read: int) -> float:
         """One step: overhead + max(compute, memory) + the all-reduces (not
-        overlapped with the compute: an engine that overlaps them is faster)."""
+        overlapped with the compute: an engine that overlaps them is faster),
+        the tokens padded up to a multiple of `token_quantum`."""
+        q = self.token_quantum
+        tokens = -(-tokens // q) * q
         roof = max(self.compute_seconds(tokens), self.memory_seconds(kv_tokens_read))
         return self.overhead_s + roof + self.allreduce_seconds(tokens)
 
@@ -139,6 +150,7 @@ class StepCost:
             "bandwidth_efficiency": self.bandwidth_efficiency,
             "overhead_s": self.overhead_s,
             "activation_bytes": self.activation_bytes,
+            "token_quantum": self.token_quantum,
             "flop_rate": self.flop_rate,
             "byte_rate": self.byte_rate,
             "calibration": self.calibration,
@@ -160,6 +172,7 @@ class StepCost:
             kw = {k: data[k] for k in ("devices", "precision", "kv_dtype_bytes", "mfu",
                                        "bandwidth_efficiency", "overhead_s",
                                        "activation_bytes", "flop_rate", "byte_rate")}  # fmt: skip
+            kw["token_quantum"] = data.get("token_quantum", 1)
         except (KeyError, TypeError) as e:
             raise StepCostError(f"malformed step-cost file: {e}") from None
         if kw["precision"] not in WEIGHT_BYTES:
