@@ -498,7 +498,8 @@ def calibrate(
         "warmup": warmup,
         "passes": passes,
         "clock": clock,
-        "fit": "least squares on relative error of overhead + max(compute, memory)",
+        "fit": "least squares on relative error of overhead + max(compute, memory), "
+        "tokens padded to token_quantum",
         "identified": f.identified,
         "fit_error": cal.fit_error,
         "held_out_error": cal.held_out_error,
