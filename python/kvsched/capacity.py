@@ -13,8 +13,9 @@ HBM x (1 - overhead reserve) - weights. Sliding-window layers (Gemma-2's local
 layers) keep at most their window of each sequence's tokens, so sequences at
 a long context are counted with that bound (`kv_bytes_per_sequence`).
 Tensor parallelism is modelled as one device with the devices' summed
-memory: right for memory (weights and KV heads split evenly), optimistic for
-latency (it ignores the all-reduces between devices).
+memory: right for memory (weights and KV heads split evenly). Its latency,
+the all-reduces between devices, is the step-cost model's
+(kvsched.sim.simulator.StepCost), from each preset's interconnect figures.
 
 Cost. Three ways to serve a load of tokens per second: pay-as-you-go per token,
 provisioned throughput units (a fixed rate buys a fixed token throughput), and
@@ -70,6 +71,9 @@ class ModelShape:
     # KV per sequence, whatever its length. 0 layers: every layer is global.
     sliding_window: int | None = None
     sliding_layers: int = 0
+    # Width of the residual stream: what a tensor-parallel all-reduce carries per
+    # token per layer (the step-cost model's collectives). 0: unknown.
+    hidden: int = 0
 
     def kv_bytes_per_sequence(
         self, context: int, dtype_bytes: float = 2, *, kv_dtype: str | None = None,
@@ -110,9 +114,15 @@ class Accelerator:
     hbm_bytes: float
     hbm_bytes_per_s: float
     bf16_flops: float
+    # Tensor parallelism's all-reduces: the bytes/s one device's ring traffic
+    # moves (half the datasheet's bidirectional per-device figure, see
+    # ACCELERATORS) and the fixed cost of one collective (an assumption, not a
+    # datasheet figure). 0: no interconnect known (one device only).
+    interconnect_bytes_per_s: float = 0.0
+    collective_latency_s: float = 0.0
 
 
-WEIGHT_BYTES = {"bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5}
+WEIGHT_BYTES = {"float32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5}
 
 # KV cache dtypes: (bytes per element, bytes of scale per token per KV head for K
 # and for V). int8 is symmetric absmax with a float32 scale per token and head.
@@ -128,25 +138,35 @@ KV_DTYPES: dict[str, tuple[int, int]] = {
 MODELS: dict[str, ModelShape] = {
     m.name: m
     for m in (
-        ModelShape("llama-3-8b", 32, 8, 128, 8.03e9, 128256),
-        ModelShape("llama-3-70b", 80, 8, 128, 70.6e9, 128256),
-        ModelShape("mistral-7b", 32, 8, 128, 7.25e9, 32768),
-        ModelShape("qwen2.5-7b", 28, 4, 128, 7.62e9, 152064),
+        ModelShape("llama-3-8b", 32, 8, 128, 8.03e9, 128256, hidden=4096),
+        ModelShape("llama-3-70b", 80, 8, 128, 70.6e9, 128256, hidden=8192),
+        ModelShape("mistral-7b", 32, 8, 128, 7.25e9, 32768, hidden=4096),
+        ModelShape("qwen2.5-7b", 28, 4, 128, 7.62e9, 152064, hidden=3584),
         # Gemma-2 alternates local (4,096-token sliding window) and global layers.
-        ModelShape("gemma-2-9b", 42, 8, 256, 9.24e9, 256000, 4096, 21),
-        ModelShape("gemma-2-27b", 46, 16, 128, 27.2e9, 256000, 4096, 23),
-        ModelShape("smollm2-135m", 30, 3, 64, 134.5e6, 49152),  # the main job's model
+        ModelShape("gemma-2-9b", 42, 8, 256, 9.24e9, 256000, 4096, 21, hidden=3584),
+        ModelShape("gemma-2-27b", 46, 16, 128, 27.2e9, 256000, 4096, 23, hidden=4608),
+        # the main job's model
+        ModelShape("smollm2-135m", 30, 3, 64, 134.5e6, 49152, hidden=576),
     )
 }
 
+# Interconnect: half the bidirectional per-device figure of the datasheet, as
+# the bandwidth a ring all-reduce moves per device: Cloud TPU's system
+# architecture tables give the ICI bandwidth per chip, bidirectional, as v5e
+# 400 GBps, v5p 1,200 GBps, v6e 800 GBps (the chip's links together: a ring
+# over one torus axis may get less); NVIDIA's H100 SXM and H200 SXM datasheets
+# give NVLink 900 GB/s per GPU, bidirectional. The 10 us per collective is an
+# assumption (launch and synchronisation of a small all-reduce), not a figure
+# of either datasheet: set your own.
+COLLECTIVE_LATENCY_S = 10e-6
 ACCELERATORS: dict[str, Accelerator] = {
     a.name: a
     for a in (
-        Accelerator("tpu-v5e", 16e9, 819e9, 197e12),
-        Accelerator("tpu-v5p", 95e9, 2765e9, 459e12),
-        Accelerator("tpu-v6e", 32e9, 1640e9, 918e12),
-        Accelerator("h100", 80e9, 3.35e12, 989e12),
-        Accelerator("h200", 141e9, 4.8e12, 989e12),
+        Accelerator("tpu-v5e", 16e9, 819e9, 197e12, 200e9, COLLECTIVE_LATENCY_S),
+        Accelerator("tpu-v5p", 95e9, 2765e9, 459e12, 600e9, COLLECTIVE_LATENCY_S),
+        Accelerator("tpu-v6e", 32e9, 1640e9, 918e12, 400e9, COLLECTIVE_LATENCY_S),
+        Accelerator("h100", 80e9, 3.35e12, 989e12, 450e9, COLLECTIVE_LATENCY_S),
+        Accelerator("h200", 141e9, 4.8e12, 989e12, 450e9, COLLECTIVE_LATENCY_S),
     )
 }
 
@@ -377,3 +397,81 @@ def portfolio(
     ]
     order = {p.name: i for i, p in enumerate(out)}
     return sorted(out, key=lambda p: (round(p.cost, 6), order[p.name]))
+
+
+# -- the simulator's max rate as a replica's throughput ----------------------------------
+
+
+@dataclass(frozen=True)
+class MaxRate:
+    """What `kvsched simulate --find-max-rate --json FILE` found: the highest
+    load at which every tenant met its SLO attainment target, on `devices` x
+    `accelerator` serving `model`."""
+
+    path: str
+    model: str
+    accelerator: str
+    devices: int
+    multiplier: float
+    requests_per_s: float
+    input_tokens_per_s: float
+    output_tokens_per_s: float
+    trace: str
+    attainment_target: float
+    binding: str  # "<tenant> <constraint>"
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Prompt + output tokens/s of one replica (the devices together): the
+        tokens a cost --load counts, as `load_series` does."""
+        return self.input_tokens_per_s + self.output_tokens_per_s
+
+    def describe(self) -> str:
+        return (
+            f"the simulator's max rate ({self.path}: trace {self.trace}, "
+            f"{self.multiplier:g}x = {self.requests_per_s:,.2f} req/s at attainment "
+            f"{self.attainment_target:g}, binding {self.binding})"
+        )
+
+
+def load_max_rate(path: str, *, model: str, accelerator: str, devices: int) -> MaxRate:
+    """Read a max-rate JSON file; refuse (CapacityError) one for another model,
+    accelerator or device count than the one costed, or one with no rate."""
+    import json
+
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise CapacityError(f"{path}: not JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise CapacityError(f"{path}: not a max-rate result (a JSON object expected)")
+    try:
+        binding = data.get("binding") or {}
+        mr = MaxRate(
+            path=str(path), model=str(data["model"]), accelerator=str(data["accelerator"]),
+            devices=int(data["devices"]), multiplier=float(data["multiplier"]),
+            requests_per_s=float(data["requests_per_s"]),
+            input_tokens_per_s=float(data["input_tokens_per_s"]),
+            output_tokens_per_s=float(data["output_tokens_per_s"]),
+            trace=str(data.get("trace", "?")),
+            attainment_target=float(data.get("attainment_target", float("nan"))),
+            binding=f"{binding.get('tenant', '?')} {binding.get('constraint', '?')}",
+        )  # fmt: skip
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CapacityError(f"{path}: not a max-rate result (missing or bad {e})") from None
+    for what, mine, theirs in (("model", model, mr.model),
+                               ("accelerator", accelerator, mr.accelerator),
+                               ("devices", devices, mr.devices)):  # fmt: skip
+        if mine != theirs:
+            raise CapacityError(
+                f"{path} is the max rate of {mr.devices} x {mr.accelerator} serving "
+                f"{mr.model}, not of {devices} x {accelerator} serving {model} ({what} "
+                "differs): simulate this configuration's max rate"
+            )
+    if not (mr.tokens_per_s > 0 and math.isfinite(mr.tokens_per_s)):
+        raise CapacityError(
+            f"{path}: the max rate sustains {mr.tokens_per_s:g} tokens/s (no load met the "
+            "SLOs?): nothing to cost a replica at"
+        )
+    return mr

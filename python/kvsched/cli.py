@@ -3,10 +3,10 @@
 kvsched capacity --model llama-3-8b --accelerator h100 [--devices N] [--context 8192]
                  [--load TOK_PER_S --payg $/Mtok [--device-hour $ --device-tps N
                   --engineering-hour $] [--ptu-hour $ --ptu-tps N]]
-                 [--kv-dtype bf16|int8|float32]
+                 [--kv-dtype bf16|int8|float32] [--max-rate-json FILE (instead of --device-tps)]
 kvsched simulate --trace azure|mooncake|prefill-vs-decode|burst [--trace-path F]
                  [--limit N] [--load X] [--time-scale X] [--scenarios standard|a,b,...]
-                 [--model M --accelerator A --devices N] [--plots DIR]
+                 [--model M --accelerator A --devices N] [--plots DIR] [--step-cost FILE]
                  [--slo TENANT:ttft=S,itl=S ...] [--find-max-rate [--attainment 0.99]
                   [--seeds N] [--json FILE]]
 kvsched simulate --trace-path FILE.csv|FILE.jsonl [--rate R [--burstiness B] [--seed N]]
@@ -16,6 +16,9 @@ kvsched sweep reserve|chunk [--values V,V,...] [--trace T] [--load X] [--slo SPE
                                     a knob against goodput, p99 and refusals, with knees
 kvsched mix [--loads X,X,...] [--devices 2] [--window S] [--arrangements A,...] [--slo SPEC ...]
                                     two tenants together, on mixed replicas, apart, time-sliced
+kvsched calibrate --out FILE [--model tiny|smollm2] [--decode 1,16,64] [--prefill 0,32,96]
+                  [--context 8,48] [--held-out D:P:C,...]
+                                    fit the simulator's step cost to the engine here
 kvsched serve --tenants tenants.toml [--model smollm2|tiny] [--host H] [--port P]
               [--drain-seconds S] [--end-at TIME]
                                     the OpenAI-compatible server (pip install kvsched[serve])
@@ -78,6 +81,21 @@ def cmd_capacity(args: argparse.Namespace) -> int:
             print("cost: --payg (per million tokens) is needed with --load", file=sys.stderr)
             return 2
         device_hour, device_tps = args.device_hour, args.device_tps
+        max_rate = None
+        if args.max_rate_json is not None:
+            if args.device_tps is not None:
+                print("cost: --max-rate-json or --device-tps, not both", file=sys.stderr)
+                return 2
+            if device_hour is None:
+                print("cost: --max-rate-json costs self-hosting: --device-hour is needed",
+                      file=sys.stderr)  # fmt: skip
+                return 2
+            max_rate = cap.load_max_rate(
+                args.max_rate_json, model=args.model, accelerator=args.accelerator,
+                devices=args.devices,
+            )  # fmt: skip
+            # A self-hosted unit is then the simulated replica: its devices together.
+            device_hour, device_tps = device_hour * c.devices, max_rate.tokens_per_s
         left_out = None
         if device_hour is not None and args.engineering_hour is None:
             # The options that need no engineering cost are still worth printing.
@@ -98,7 +116,12 @@ def cmd_capacity(args: argparse.Namespace) -> int:
         if "provisioned" in names:
             print(f"  provisioned units: throughput units of --ptu-tps {args.ptu_tps:g} "
                   "tokens/s each")  # fmt: skip
-        if "self_hosted" in names:
+        if "self_hosted" in names and max_rate is not None:
+            print(f"  self_hosted units: replicas of {c.devices} x {args.accelerator} "
+                  f"({c.devices} x --device-hour), {max_rate.tokens_per_s:,.0f} tokens/s "
+                  f"each (prompt {max_rate.input_tokens_per_s:,.0f} + output "
+                  f"{max_rate.output_tokens_per_s:,.0f}), from {max_rate.describe()}")  # fmt: skip
+        elif "self_hosted" in names:
             print(f"  self_hosted units: accelerators ({args.accelerator}) of --device-tps "
                   f"{args.device_tps:g} tokens/s each, as given (not derived from the "
                   f"capacity above)")  # fmt: skip
@@ -168,10 +191,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if unknown:
         raise ValueError(f"--slo for {', '.join(map(repr, unknown))}, not a tenant of "
                          f"{label} (its tenants: {', '.join(tenant_names)})")  # fmt: skip
+    cost = (setup.StepCost.load(args.step_cost, model=args.model, devices=args.devices)
+            if args.step_cost else None)  # fmt: skip
     engine = setup.engine_for(arrivals, model=args.model, accelerator=args.accelerator,
                               devices=args.devices, context=args.context,
                               max_num_seqs=args.max_num_seqs, step_budget=step_budget,
-                              chunk=args.chunk)  # fmt: skip
+                              chunk=args.chunk, cost=cost)  # fmt: skip
     base, cost = engine.config, engine.cost
     chosen = scenarios.standard(base)
     if args.scenarios != "standard":
@@ -385,6 +410,70 @@ def cmd_mix(args: argparse.Namespace) -> int:
     return 0
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"a comma-separated list of integers, not {text!r}"
+        ) from None
+
+
+def _points(text: str) -> list[tuple[int, int, int]]:
+    out = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        parts = item.split(":")
+        try:
+            d, p, c = (int(x) for x in parts)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"points are DECODE:PREFILL:CONTEXT (integers), not {item!r}"
+            ) from None
+        out.append((d, p, c))
+    return out
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Fit the simulator's step cost to the engine on this machine's device."""
+    from kvsched.sim import calibrate as cal
+
+    points = cal.grid(args.decode, args.prefill, args.context)
+    held = [cal.Point(*p) for p in args.held_out]
+    cal.check_points(points + held)  # before the model loads
+    if args.model == "tiny":
+        from kvsched.engine.model import LlamaConfig, init_params
+
+        model = LlamaConfig()
+        params = init_params(model, seed=0)
+        name = None
+    else:
+        from kvsched import model_files
+        from kvsched.engine.loaders.gguf_llama import load_gguf
+
+        gg = load_gguf(model_files.fetch())
+        model, params = gg.config, gg.params
+        name = "smollm2-135m"  # the capacity preset of the same model
+    print(f"calibrating {name or model.name} on {cal.device_name()}: {len(points)} points, "
+          f"{len(held)} held out, {args.passes} passes of {args.reps} timed steps each "
+          "(the first step of each token bucket compiles: minutes on a small CPU)",
+          flush=True)  # fmt: skip
+    c = cal.calibrate(model, params, points, held, backend=args.backend,
+                      kv_dtype=args.kv_dtype, reps=args.reps, warmup=args.warmup,
+                      passes=args.passes, clock=args.clock, name=name)  # fmt: skip
+    print(c.report())
+    c.cost.save(args.out)
+    from kvsched.capacity import MODELS
+
+    fitted = c.cost.model.name
+    use = f"kvsched simulate --model {fitted} --step-cost {args.out}"
+    if fitted not in MODELS:
+        use = f"StepCost.load in a study of {fitted}; kvsched simulate's presets refuse it"
+    print(f"wrote {args.out} ({use})")
+    return 0
+
+
 def cmd_fetch_model(args: argparse.Namespace) -> int:
     from kvsched import model_files
 
@@ -478,12 +567,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--devices",
         type=int,
         default=1,
-        help="accelerators, tensor parallel as one big device (count; default 1)",
+        help="accelerators, tensor parallel, memory summed as one big device (count; default 1)",
     )
     c.add_argument(
         "--precision",
         default="bf16",
-        help="weight precision: bf16, fp16, int8 or int4 (default bf16)",
+        help="weight precision: float32, bf16, fp16, int8 or int4 (default bf16)",
     )
     c.add_argument("--kv-bytes", type=float, help="bytes per KV element (default 2)")
     c.add_argument(
@@ -529,6 +618,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--device-tps", type=float,
                    help="tokens/s one self-hosted accelerator sustains, as you measured it: "
                    "the self_hosted units are load / this (default: not costed)")  # fmt: skip
+    c.add_argument("--max-rate-json", metavar="FILE",
+                   help="instead of --device-tps: the JSON `kvsched simulate --find-max-rate "
+                   "--json FILE` wrote for this --model, --accelerator and --devices; a unit "
+                   "is then that replica, sustaining its prompt + output tokens/s under the "
+                   "SLOs (default: not used)")  # fmt: skip
     c.add_argument("--engineering-hour", type=float,
                    help="self-hosting's people, $ per hour; no default (without it "
                    "self-hosting is left out of the cost table)")  # fmt: skip
@@ -615,6 +709,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chunk", type=int, default=2048,
                    help="long-prefill chunk in tokens (default 2048)")  # fmt: skip
     s.add_argument("--plots", help="write PNG plots to this folder")
+    s.add_argument("--step-cost", metavar="FILE",
+                   help="a step-cost file from kvsched calibrate, for the same --model "
+                   "(default: the preset's peak rates x efficiency)")  # fmt: skip
     s.set_defaults(func=cmd_simulate)
 
     w = sub.add_parser("sweep", help="one knob swept at a stated load: table, knees, curves")
@@ -714,6 +811,80 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--chunk", type=int, default=2048,
                    help="long-prefill chunk, tokens (default 2048)")  # fmt: skip
     x.set_defaults(func=cmd_mix)
+
+    k = sub.add_parser("calibrate", help="fit the simulator's step cost to the engine here")
+    k.add_argument(
+        "--model",
+        choices=["tiny", "smollm2"],
+        default="tiny",
+        help="the engine's model: a random tiny one, or SmolLM2-135M-Instruct "
+        "(fetched; the smollm2-135m preset) (default tiny)",
+    )
+    k.add_argument(
+        "--backend",
+        choices=["reference", "pallas", "jax"],
+        default="reference",
+        help="attention backend the engine runs (default reference)",
+    )
+    k.add_argument(
+        "--kv-dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="KV cache dtype (default float32)",
+    )
+    k.add_argument(
+        "--decode",
+        type=_int_list,
+        default=[1, 16, 64],
+        help="grid: decoding sequences in a step (counts; default 1,16,64)",
+    )
+    k.add_argument(
+        "--prefill",
+        type=_int_list,
+        default=[0, 32, 96],
+        help="grid: prompt tokens prefilled in a step (tokens; default 0,32,96)",
+    )
+    k.add_argument(
+        "--context",
+        type=_int_list,
+        default=[8, 48],
+        help="grid: tokens of KV each decoding sequence holds (tokens; default 8,48)",
+    )
+    k.add_argument(
+        "--held-out",
+        type=_points,
+        default=_points("32:32:24,8:88:16,48:0:40,0:64:1"),
+        metavar="D:P:C,...",
+        help="points measured but not fitted, for the error on unseen mixes "
+        "(decode:prefill:context; default 32:32:24,8:88:16,48:0:40,0:64:1)",
+    )
+    k.add_argument(
+        "--reps",
+        type=int,
+        default=7,
+        help="timed steps per point and pass, median kept (count; default 7)",
+    )
+    k.add_argument(
+        "--warmup", type=int, default=1, help="untimed steps before them (count; default 1)"
+    )
+    k.add_argument(
+        "--passes",
+        type=int,
+        default=3,
+        help="passes over the grid, the lowest median kept (count; default 3)",
+    )
+    k.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="wall: a step's latency (a machine to itself); cpu: the process's CPU "
+        "seconds over the step, which other work on a shared machine does not "
+        "inflate (default wall)",
+    )
+    k.add_argument(
+        "--out", required=True, metavar="FILE", help="the step-cost JSON file to write (no default)"
+    )
+    k.set_defaults(func=cmd_calibrate)
 
     f = sub.add_parser("fetch-model", help="fetch SmolLM2-135M-Instruct's GGUF into the cache")
     f.set_defaults(func=cmd_fetch_model)

@@ -8,8 +8,12 @@ step plus a roofline, max(compute, memory):
 - memory  = (weight bytes + KV bytes read) / (devices x HBM bytes/s x efficiency)
 where the KV read is every scheduled sequence's kv_len x KV bytes per token.
 Prefill-heavy steps come out compute-bound, decode steps bound by reading
-weights and KV. Tensor parallelism counts as one device of the summed figures
-(optimistic for latency: no all-reduce is charged).
+weights and KV. Tensor parallelism over n devices splits compute and memory n
+ways and adds its all-reduces, not overlapped: 2 per layer of tokens x hidden x
+2 bytes, a ring moving 2(n-1)/n of that per device over the preset's
+interconnect, plus a fixed latency per collective. `kvsched calibrate`
+replaces the peak x efficiency rates and the overhead by ones measured on the
+engine (`StepCost.load`).
 
 Scenarios differ only in the scheduler's configuration, except static batching,
 modelled as the same engine without slot reuse: a batch starts only when the
@@ -18,15 +22,27 @@ previous one has completely finished, so the difference is attributable.
 
 from __future__ import annotations
 
+import json
+import math
+import os
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 import kvsched
 from kvsched.capacity import ACCELERATORS, MODELS, WEIGHT_BYTES, Accelerator, ModelShape
+
+
+class StepCostError(ValueError):
+    """A step-cost file that cannot be used: unreadable, malformed, or
+    calibrated for another model than the one simulated."""
+
+
+STEP_COST_FORMAT = "kvsched-step-cost/1"
 
 
 @dataclass(frozen=True)
@@ -39,20 +55,158 @@ class StepCost:
     mfu: float = 0.5  # share of peak FLOP/s a real step reaches
     bandwidth_efficiency: float = 0.8  # share of peak HBM bandwidth
     overhead_s: float = 0.002  # launch, sampling, host work per step
+    activation_bytes: float = 2.0  # bytes per element of what an all-reduce carries (bf16)
+    # Measured rates (`kvsched calibrate`): the FLOP/s and bytes/s all devices
+    # together reach on a step; None: devices x the preset's peak x mfu, or x
+    # bandwidth_efficiency.
+    flop_rate: float | None = None
+    byte_rate: float | None = None
+    # The engine runs a step padded up to a multiple of this many tokens (its
+    # token buckets' spacing; 1: no padding charged). A calibrated cost sets
+    # the calibration engine's (kvsched calibrate: every block_size tokens).
+    token_quantum: int = 1
+    # What a calibrated cost was measured on (model, device, kernel backend, fit
+    # error); None for a preset.
+    calibration: dict[str, Any] | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.devices, int) or self.devices < 1:
+            raise StepCostError(f"devices must be an integer >= 1, got {self.devices!r}")
+        for name in ("flop_rate", "byte_rate"):
+            v = getattr(self, name)
+            if v is not None and not (v > 0 and math.isfinite(v)):
+                raise StepCostError(f"{name} must be a finite number > 0, got {v!r}")
+        if not isinstance(self.token_quantum, int) or self.token_quantum < 1:
+            raise StepCostError(
+                f"token_quantum must be an integer >= 1, got {self.token_quantum!r}"
+            )
+        if not (self.overhead_s >= 0 and math.isfinite(self.overhead_s)):
+            raise StepCostError(f"overhead_s must be >= 0, got {self.overhead_s!r}")
+        if self.devices > 1:
+            if self.model.hidden <= 0:
+                raise StepCostError(
+                    f"{self.model.name}: tensor parallelism over {self.devices} devices needs "
+                    "the model's hidden size (ModelShape.hidden) for its all-reduces"
+                )
+            if self.accelerator.interconnect_bytes_per_s <= 0:
+                raise StepCostError(
+                    f"{self.accelerator.name}: tensor parallelism over {self.devices} devices "
+                    "needs the interconnect bandwidth (Accelerator.interconnect_bytes_per_s)"
+                )
 
     @classmethod
     def preset(cls, model: str = "llama-3-8b", accelerator: str = "h100", **kw: Any) -> StepCost:
         return cls(MODELS[model], ACCELERATORS[accelerator], **kw)
 
-    def seconds(self, tokens: int, kv_tokens_read: int) -> float:
-        flops = tokens * self.model.flops_per_token()
-        compute = flops / (self.devices * self.accelerator.bf16_flops * self.mfu)
+    def compute_seconds(self, tokens: int) -> float:
+        rate = self.flop_rate or self.devices * self.accelerator.bf16_flops * self.mfu
+        return tokens * self.model.flops_per_token() / rate
+
+    def memory_seconds(self, kv_tokens_read: int) -> float:
         weights = self.model.params * WEIGHT_BYTES[self.precision]
         kv = kv_tokens_read * self.model.kv_bytes_per_token(self.kv_dtype_bytes)
-        memory = (weights + kv) / (
+        rate = self.byte_rate or (
             self.devices * self.accelerator.hbm_bytes_per_s * self.bandwidth_efficiency
         )
-        return self.overhead_s + max(compute, memory)
+        return (weights + kv) / rate
+
+    def allreduce_seconds(self, tokens: int) -> float:
+        """Tensor parallelism's collectives in one step: a Megatron-style split
+        all-reduces the activations twice per layer (after attention, after the
+        MLP), tokens x hidden x activation_bytes each; a ring all-reduce sends
+        2(n-1)/n of that per device over the interconnect, plus a fixed latency
+        per collective. 0 on one device."""
+        n = self.devices
+        if n == 1:
+            return 0.0
+        size = tokens * self.model.hidden * self.activation_bytes
+        one = self.accelerator.collective_latency_s + (
+            2 * (n - 1) / n * size / self.accelerator.interconnect_bytes_per_s
+        )
+        return 2 * self.model.layers * one
+
+    def seconds(self, tokens: int, kv_tokens_read: int) -> float:
+        """One step: overhead + max(compute, memory) + the all-reduces (not
+        overlapped with the compute: an engine that overlaps them is faster),
+        the tokens padded up to a multiple of `token_quantum`."""
+        q = self.token_quantum
+        tokens = -(-tokens // q) * q
+        roof = max(self.compute_seconds(tokens), self.memory_seconds(kv_tokens_read))
+        return self.overhead_s + roof + self.allreduce_seconds(tokens)
+
+    # -- the step-cost file (`kvsched calibrate` writes it, `--step-cost` reads it) ----
+
+    def to_json(self) -> dict[str, Any]:
+        """The whole model as plain JSON: shapes, rates and what it was calibrated
+        on; `StepCost.from_json` reads it back."""
+        return {
+            "format": STEP_COST_FORMAT,
+            "model": asdict(self.model),
+            "accelerator": asdict(self.accelerator),
+            "devices": self.devices,
+            "precision": self.precision,
+            "kv_dtype_bytes": self.kv_dtype_bytes,
+            "mfu": self.mfu,
+            "bandwidth_efficiency": self.bandwidth_efficiency,
+            "overhead_s": self.overhead_s,
+            "activation_bytes": self.activation_bytes,
+            "token_quantum": self.token_quantum,
+            "flop_rate": self.flop_rate,
+            "byte_rate": self.byte_rate,
+            "calibration": self.calibration,
+        }
+
+    @classmethod
+    def from_json(
+        cls, data: Any, *, model: str | None = None, devices: int | None = None
+    ) -> StepCost:
+        """A StepCost from `to_json`'s dict. With `model`, a cost of another
+        model is refused (StepCostError): fitted rates describe the engine on
+        the model it ran, not another one's shape; with `devices`, one of
+        another device count (its rates and all-reduces are those devices')."""
+        if not isinstance(data, dict) or data.get("format") != STEP_COST_FORMAT:
+            raise StepCostError(f"not a step-cost file (format {STEP_COST_FORMAT!r} expected)")
+        try:
+            shape = ModelShape(**data["model"])
+            acc = Accelerator(**data["accelerator"])
+            kw = {k: data[k] for k in ("devices", "precision", "kv_dtype_bytes", "mfu",
+                                       "bandwidth_efficiency", "overhead_s",
+                                       "activation_bytes", "flop_rate", "byte_rate")}  # fmt: skip
+            kw["token_quantum"] = data.get("token_quantum", 1)
+        except (KeyError, TypeError) as e:
+            raise StepCostError(f"malformed step-cost file: {e}") from None
+        if kw["precision"] not in WEIGHT_BYTES:
+            raise StepCostError(f"precision must be one of {sorted(WEIGHT_BYTES)}")
+        if model is not None and shape.name != model:
+            raise StepCostError(
+                f"this step cost was calibrated for {shape.name!r}, not {model!r}: its "
+                f"fitted rates are the engine's on {shape.name}; calibrate on {model} "
+                "(or simulate that model)"
+            )
+        if devices is not None and kw["devices"] != devices:
+            raise StepCostError(
+                f"this step cost is for {kw['devices']} device(s), not {devices}: "
+                f"its rates are those of {kw['devices']}; calibrate on {devices}"
+            )
+        return cls(shape, acc, calibration=data.get("calibration"), **kw)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+    @classmethod
+    def load(
+        cls, path: str | os.PathLike[str], *, model: str | None = None, devices: int | None = None
+    ) -> StepCost:
+        """Read a step-cost file (`save`, `kvsched calibrate --out`), refusing
+        one of another model or device count (`from_json`)."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as e:
+            raise StepCostError(f"{path}: not JSON ({e})") from None
+        try:
+            return cls.from_json(data, model=model, devices=devices)
+        except StepCostError as e:
+            raise StepCostError(f"{path}: {e}") from None
 
 
 @dataclass(frozen=True)
