@@ -818,6 +818,9 @@ class StepPlan:
     @property
     def num_decode(self) -> int:
         """Decode sequences (they come first)."""
+    @property
+    def kv_tokens(self) -> int:
+        """KV tokens the step reads: kv_lens summed over the plan's sequences."""
     def __len__(self) -> int: ...
 
 @final

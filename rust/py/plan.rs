@@ -257,6 +257,23 @@ impl PlanSet {
             .ok_or_else(|| KvError::Internal(format!("bucket {} unknown", out.bucket)))?;
         let [tv, pv, sv] = &a.token_views[b];
         let ids: Vec<i64> = out.request_ids.iter().map(|&id| id as i64).collect();
+        // Summed here while the buffers hold this plan: a cost model needs
+        // only the total, and a numpy reduction over a few values costs a
+        // caller more than a step's planning does.
+        let kv_tokens: i64 = {
+            let kv = a.kv_lens.bind(py).try_readonly().map_err(|e| {
+                KvError::Internal(format!("the plan's kv_lens cannot be read: {e}"))
+            })?;
+            let all = kv.as_slice().map_err(not_contiguous)?;
+            let real = all.get(..out.num_seqs).ok_or_else(|| {
+                KvError::Internal(format!(
+                    "{} sequences in a plan of {} rows",
+                    out.num_seqs,
+                    all.len()
+                ))
+            })?;
+            real.iter().map(|&x| i64::from(x)).sum()
+        };
         Ok(PyStepPlan {
             token_ids: tv.clone_ref(py),
             positions: pv.clone_ref(py),
@@ -274,6 +291,7 @@ impl PlanSet {
             num_tokens: out.num_tokens,
             bucket: out.bucket,
             num_decode: out.num_decode,
+            kv_tokens,
             n: out.num_seqs,
         })
     }
@@ -331,6 +349,9 @@ pub struct PyStepPlan {
     /// Decode sequences (they come first).
     #[pyo3(get)]
     num_decode: usize,
+    /// KV tokens the step reads: kv_lens summed over the plan's sequences.
+    #[pyo3(get)]
+    kv_tokens: i64,
     n: usize,
 }
 
