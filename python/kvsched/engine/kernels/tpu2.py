@@ -22,6 +22,11 @@ what changes is how KV reaches the MXU:
 - Query block size chosen from the static shape (`default_block_q`): a
   decode-heavy bucket (tokens <= 2 x sequence slots) gets block_q x group = 8
   rows (one sublane tile: the GQA group is the matmul's M), others 128 tokens.
+- Page sizes: any (the kernel is written per page); 64 and 128 tokens, the
+  sizes recommended on TPU (fewer, larger DMAs), are tested in the
+  interpreter and lowered. `default_pages_per_block` keeps a block at 512
+  tokens on the decode path and 256 otherwise whatever the page size (32, 8
+  or 4 pages on the decode path at 16, 64, 128: 2 MiB at Llama-3-8B's heads).
 - Operands in the cache's dtype (bf16 stays bf16; an f32 cache stays f32) with
   f32 accumulation (`preferred_element_type`): no f32 upcast of K/V before the
   MXU. q is scaled in f32, then cast to the cache's dtype; the probabilities
@@ -31,7 +36,7 @@ Not done yet (stated, not hidden): the prefetch chain restarts per grid step;
 the softmax state (m, l, acc) is a loop carry, not VMEM scratch; each KV
 head's K and V are loaded by ref indexing of the block buffer (a strided ref
 load per head, as version 1), the [ppb, bs, D] value reshaped to
-[ppb * bs, D]; page sizes and head dims as in version 1.
+[ppb * bs, D]; head dims as in version 1.
 """
 
 from __future__ import annotations
