@@ -208,6 +208,41 @@ def test_tpu_v2_matches_the_reference_at_tpu_page_sizes(block_size, block_q, dty
     assert runs == 2, "two mixed plans (at 64: with a sequence longer than a page)"
 
 
+@pytest.mark.parametrize("depth", [1, 3])
+def test_tpu_v2_prefetch_chain_crosses_grid_steps(depth):
+    """The prefetch chain runs across grid steps: with block_q 1 most grid steps
+    hold one or two KV blocks, fewer than `depth`, so the next step's first
+    blocks (and, at depth 3, blocks two steps' worth ahead of the wait) are
+    started in this step's prologue or loop; trailing padding steps read
+    nothing. Against the reference: decodes, a 3-token chunk, an empty slot."""
+    from kvsched.engine import AttentionInputs
+    from kvsched.engine.kernels.tpu2 import ragged_paged_attention_v2
+
+    rng = np.random.default_rng(1)
+    hq, hkv, d, bs, p, s, pps = 4, 2, 16, 4, 24, 5, 4
+    q_lens = [1, 3, 1, 1, 0]
+    kv = np.asarray([5, 9, 1, 16, 0], np.int32)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    t = 8  # 6 tokens, 2 padding rows
+    positions = np.zeros(t, np.int32)
+    for i, ql in enumerate(q_lens):
+        positions[cu[i] : cu[i + 1]] = np.arange(kv[i] - ql, kv[i])
+    pages = rng.permutation(np.arange(p))[: s * pps].reshape(s, pps).astype(np.int32)
+    inputs = AttentionInputs(
+        positions=jnp.asarray(positions), cu_q_lens=jnp.asarray(cu), kv_lens=jnp.asarray(kv),
+        page_indices=jnp.asarray(pages), num_seqs=jnp.asarray([4], np.int32),
+    )  # fmt: skip
+    cache = jnp.asarray(rng.standard_normal((p, bs, 2 * hkv, d)), jnp.float32)
+    q = np.asarray(rng.standard_normal((t, hq, d)), np.float32)
+    q[6:] = 0.0
+    q = jnp.asarray(q)
+    got = ragged_paged_attention_v2(q, cache, inputs, scale=0.25, block_q=1, pages_per_block=1,
+                                    prefetch_depth=depth)  # fmt: skip
+    want = reference_attention(q, cache, inputs, scale=0.25)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+    assert not np.asarray(got)[6:].any()
+
+
 def test_tpu_v2_decode_path_matches_jaxs_tpu_decode_kernel():
     """An independent implementation: JAX's own TPU paged_attention (decode only)
     in interpret mode, on a decode batch with the shape's default block_q (2
