@@ -257,6 +257,14 @@ def _kernel(
     # next step's first. (fj, fi) walks this step's pairs (it ends at pair
     # depth - 1; advancing past the end is harmless: reads are clamped and only
     # pairs below `total` are fetched); (xj, xi) is the next step's next pair.
+    def step_next(ahead: jax.Array, xj: jax.Array, xi: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The next step's pair after (xj, xi) if one was just fetched (a cond:
+        its scalar search runs only then)."""
+        out: tuple[jax.Array, jax.Array] = lax.cond(
+            ahead, lambda: nxt.advance(xj, xi), lambda: (xj, xi)
+        )
+        return out
+
     fj, fi = cur.j0, jnp.int32(0)
     xj, xi = nxt.j0, jnp.int32(0)
     for f in range(depth):
@@ -273,8 +281,7 @@ def _kernel(
         def _(xj: jax.Array = xj, xi: jax.Array = xi, f: int = f) -> None:
             fetch(nxt, xj, xi, slot_of(f))
 
-        axj, axi = nxt.advance(xj, xi)
-        xj, xi = jnp.where(ahead, axj, xj), jnp.where(ahead, axi, xi)
+        xj, xi = step_next(ahead, xj, xi)
 
     def body(t: jax.Array, carry: _Carry) -> _Carry:
         j, i, fj, fi, xj, xi = carry
@@ -296,8 +303,7 @@ def _kernel(
 
         fj = jnp.where(f < total, nfj, fj)
         fi = jnp.where(f < total, nfi, fi)
-        axj, axi = nxt.advance(xj, xi)
-        xj, xi = jnp.where(ahead, axj, xj), jnp.where(ahead, axi, xi)
+        xj, xi = step_next(ahead, xj, xi)
         nj, ni = cur.advance(j, i)
         wait(slot)
         q_lo, q_hi = cu_ref[j], cu_ref[j + 1]
