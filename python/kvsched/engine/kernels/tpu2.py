@@ -36,20 +36,19 @@ what changes is how KV reaches the MXU:
   f32 accumulation (`preferred_element_type`): no f32 upcast of K/V before the
   MXU. q is scaled in f32, then cast to the cache's dtype; the probabilities
   are cast to V's dtype for the PV product.
-
 - The online softmax's state (m, l, acc: [Hkv, rows, 1 | 1 | QW] f32) is VMEM
   scratch, reset at each grid step and read and written per KV head inside
-  the block loop, not a loop carry: at the prefill path's 128 rows, Llama-3-8B
-  heads, acc alone is 8 x 128 x 128 x 4 = 512 KiB, 128 times one 4 KiB
-  vector register and far more than the register file holds, so as a carry
-  Mosaic would spill it anyway (the anchors keep this state in scratch).
-  Not measured: no TPU here. The cost model does not
-  model registers or VMEM traffic, so its predictions do not change.
+  the block loop, not a loop carry: on the prefill path at Llama-3-8B's heads
+  (128 tokens x group 4 = 512 rows, 8 KV heads, D 128), acc alone is
+  8 x 512 x 128 x 4 bytes = 2 MiB, 512 vector registers of 4 KiB, far more
+  than the register file holds, so as a carry Mosaic would spill it anyway
+  (the anchors keep this state in scratch). Not measured: no TPU here. The
+  cost model models neither registers nor VMEM traffic: its predictions do
+  not change.
 
-Not done yet (stated, not hidden): each KV
-head's K and V are loaded by ref indexing of the block buffer (a strided ref
-load per head, as version 1), the [ppb, bs, D] value reshaped to
-[ppb * bs, D]; head dims as in version 1.
+Not done yet (stated, not hidden): each KV head's K and V are loaded by ref
+indexing of the block buffer (a strided ref load per head, as version 1), the
+[ppb, bs, D] value reshaped to [ppb * bs, D]; head dims as in version 1.
 """
 
 from __future__ import annotations
