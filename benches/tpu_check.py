@@ -5,6 +5,7 @@ model's prediction. Run this first on any TPU lent to the project.
 
     python benches/tpu_check.py            # on a TPU host (v5e, v6e)
     python benches/tpu_check.py --small    # tiny shapes, Pallas' interpreter on CPU
+    python benches/tpu_check.py --page-size 128   # pages of 64 / 128 (default 16)
 
 1. Correctness: mixed plans (prefill chunks and decodes) from a real kvsched
    Scheduler, bf16 KV and queries, Llama-3-8B heads (32 query, 8 KV, dim 128);
@@ -64,6 +65,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--block-q", type=int, default=8, help="our kernel's query block rows")
+    ap.add_argument("--page-size", type=int, choices=(16, 64, 128), default=16,
+                    help="KV page size in tokens (64 and 128: recommended on TPU)")  # fmt: skip
     ap.add_argument("--model-device", default=None,
                     help="cost-model device (tpu-v5e, tpu-v6e); default: the TPU found, "
                          "else tpu-v5e")  # fmt: skip
@@ -90,9 +93,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"--model-device must be one of {sorted(cost.DEVICES)}")
     dev = cost.DEVICES[dev_name]
     if args.small:
-        hq, hkv, d, bs, seqs, ctx, reps, batch = 4, 2, 128, 16, 4, 64, 1, 1
+        hq, hkv, d, bs, seqs, ctx, reps, batch = 4, 2, 128, args.page_size, 4, 64, 1, 1
     else:
-        hq, hkv, d, bs = 32, 8, 128, 16
+        hq, hkv, d, bs = 32, 8, 128, args.page_size
         seqs, ctx, reps, batch = args.seqs, args.context, args.reps, 10
     scale = d**-0.5
     where = "" if on_tpu else "; CPU interpreter: times check the script, not the kernel"

@@ -178,6 +178,71 @@ def test_tpu_v2_matches_the_reference_on_mixed_plans(hq, hkv, block_size, block_
     assert mixed, "a plan mixing decodes and prefill chunks"
 
 
+@pytest.mark.parametrize(
+    ("block_size", "block_q", "dtype", "tol", "min_kv"),
+    [(64, None, jnp.float32, 2e-5, 64), (128, 8, jnp.bfloat16, 3e-2, 0)],
+)
+def test_tpu_v2_matches_the_reference_at_tpu_page_sizes(block_size, block_q, dtype, tol, min_kv):
+    """Pages of 64 and 128 tokens (the sizes recommended on TPU) at the default
+    pages_per_block (`default_pages_per_block` adapts: 2 pages of 64 per block
+    here, one of 128), on small mixed plans: at 64, plans with a sequence past
+    one page (a chunk whose causal bound crosses the page boundary, a decode
+    whose block re-reads its first page); at 128, a page holds a whole sequence
+    and its slots past kv_len are masked, over several grid steps (block_q 8).
+    Two interpreter calls per size: each costs seconds."""
+    from kvsched.engine.kernels.tpu2 import ragged_paged_attention_v2
+
+    runs = 0
+    for q, cache, inputs, plan, _ in plans(block_size=block_size, num_blocks=12, dtype=dtype,
+                                           steps=8, prompts=(3, 70, 9, 30)):  # fmt: skip
+        kv = np.asarray(inputs.kv_lens)[: len(plan)]
+        if runs == 2 or not 0 < plan.num_decode < len(plan) or kv.max() <= min_kv:
+            continue
+        got = ragged_paged_attention_v2(q, cache, inputs, scale=0.25, block_q=block_q)
+        got = np.asarray(got)
+        want = np.asarray(reference_attention(q, cache, inputs, scale=0.25))
+        np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64),
+                                   atol=tol, rtol=tol)  # fmt: skip
+        assert not got[plan.num_tokens :].any(), "padding rows are zero"
+        runs += 1
+    assert runs == 2, "two mixed plans (at 64: with a sequence longer than a page)"
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_tpu_v2_prefetch_chain_crosses_grid_steps(depth):
+    """The prefetch chain runs across grid steps: with block_q 1 most grid steps
+    hold one or two KV blocks, fewer than `depth`, so the next step's first
+    blocks (and, at depth 3, blocks two steps' worth ahead of the wait) are
+    started in this step's prologue or loop; trailing padding steps read
+    nothing. Against the reference: decodes, a 3-token chunk, an empty slot."""
+    from kvsched.engine import AttentionInputs
+    from kvsched.engine.kernels.tpu2 import ragged_paged_attention_v2
+
+    rng = np.random.default_rng(1)
+    hq, hkv, d, bs, p, s, pps = 4, 2, 16, 4, 24, 5, 4
+    q_lens = [1, 3, 1, 1, 0]
+    kv = np.asarray([5, 9, 1, 16, 0], np.int32)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    t = 8  # 6 tokens, 2 padding rows
+    positions = np.zeros(t, np.int32)
+    for i, ql in enumerate(q_lens):
+        positions[cu[i] : cu[i + 1]] = np.arange(kv[i] - ql, kv[i])
+    pages = rng.permutation(np.arange(p))[: s * pps].reshape(s, pps).astype(np.int32)
+    inputs = AttentionInputs(
+        positions=jnp.asarray(positions), cu_q_lens=jnp.asarray(cu), kv_lens=jnp.asarray(kv),
+        page_indices=jnp.asarray(pages), num_seqs=jnp.asarray([4], np.int32),
+    )  # fmt: skip
+    cache = jnp.asarray(rng.standard_normal((p, bs, 2 * hkv, d)), jnp.float32)
+    q = np.asarray(rng.standard_normal((t, hq, d)), np.float32)
+    q[6:] = 0.0
+    q = jnp.asarray(q)
+    got = ragged_paged_attention_v2(q, cache, inputs, scale=0.25, block_q=1, pages_per_block=1,
+                                    prefetch_depth=depth)  # fmt: skip
+    want = reference_attention(q, cache, inputs, scale=0.25)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+    assert not np.asarray(got)[6:].any()
+
+
 def test_tpu_v2_decode_path_matches_jaxs_tpu_decode_kernel():
     """An independent implementation: JAX's own TPU paged_attention (decode only)
     in interpret mode, on a decode batch with the shape's default block_q (2
@@ -270,12 +335,19 @@ def test_tpu_v2_picks_the_decode_path_from_the_shape():
     assert default_block_q(20, 4, 4) == 24
     assert default_pages_per_block(16, 128) == 16 and default_pages_per_block(64, 2) == 2
     assert default_pages_per_block(16, 128, decode=True) == 32
+    # Pages of 64 and 128 (TPU): the same 512 / 256 tokens per block, fewer pages.
+    assert default_pages_per_block(64, 32, decode=True) == 8
+    assert default_pages_per_block(128, 16, decode=True) == 4
+    assert default_pages_per_block(128, 16) == 2 and default_pages_per_block(128, 1) == 1
 
 
-@pytest.mark.parametrize(("d", "packed"), [(128, False), (64, True)])
-def test_tpu_v2_lowers_to_mosaic_for_tpu(d, packed):
+@pytest.mark.parametrize(("d", "packed", "bs", "ppb"),
+                         [(128, False, 16, 4), (64, True, 16, 4), (128, False, 64, None),
+                          (128, False, 128, None), (64, True, 128, None)])  # fmt: skip
+def test_tpu_v2_lowers_to_mosaic_for_tpu(d, packed, bs, ppb):
     """Lowering only (the Mosaic compiler runs on a TPU host): bf16, split at
-    head_dim 128 and packed at 64."""
+    head_dim 128 and packed at 64; pages of 16, 64 and 128 tokens (the last two
+    with the default pages per block)."""
     import functools
 
     import jax
@@ -283,12 +355,13 @@ def test_tpu_v2_lowers_to_mosaic_for_tpu(d, packed):
 
     from kvsched.engine.kernels.tpu2 import _call
 
-    t, hq, p, bs, hkv, s, pps = 64, 8, 64, 16, 2, 8, 16
+    t, hq, p, hkv, s = 64, 8, 64, 2, 8
+    pps = 256 // bs
     cache = (p, bs, hkv, 2 * d) if packed else (p, bs, 2 * hkv, d)
     shapes = [((t, hq, d), jnp.bfloat16), (cache, jnp.bfloat16), ((s,), jnp.int32),
               ((s, pps), jnp.int32), ((s + 1,), jnp.int32), ((1,), jnp.int32)]  # fmt: skip
     args = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in shapes]
-    f = jax.jit(functools.partial(_call, scale=0.1, block_q=16, pages_per_block=4,
+    f = jax.jit(functools.partial(_call, scale=0.1, block_q=16, pages_per_block=ppb,
                                   interpret=False))  # fmt: skip
     text = export.export(f, platforms=["tpu"])(*args).mlir_module()
     assert "tpu_custom_call" in text and "kvsched_ragged_paged_attention_v2" in text

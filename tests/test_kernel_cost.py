@@ -70,10 +70,14 @@ def test_causal_bound_by_hand():
 def test_tpu_v2_counts_by_hand():
     """block_q 2, blocks of 2 pages: block 0 (rows 0, 1) reads the decode (kv 5:
     2 pages) and the chunk's first row (position 4: bound 5, 2 pages); block 1
-    (rows 2, 3) the chunk up to 7 (2 pages). One wait per block, a chain per
-    grid step, no scan of every sequence."""
+    (rows 2, 3) the chunk up to 7 (2 pages). One wait per block, one chain for
+    the call (block 1's first block is started during block 0; before the
+    cross-step prefetch, a chain per grid step), no scan of every sequence."""
     c = C.count(MIXED, SMALL, C.ours_tpu_v2(block_q=2, pages_per_block=2))
     assert (c.grid_steps, c.pairs, c.seq_visits) == (2, 3, 3)
+    assert (c.kv_blocks, c.dma_starts, c.dma_waits, c.chains) == (3, 6, 3, 1)
+    assert c.kv_bytes_moved == 6 * 128
+    c = C.count(MIXED, SMALL, C.ours_tpu_v2(block_q=2, pages_per_block=2, across_steps=False))
     assert (c.kv_blocks, c.dma_starts, c.dma_waits, c.chains) == (3, 6, 3, 2)
     assert c.kv_bytes_moved == 6 * 128
     # Blocks are always full: 3 pages of a 2-page block re-read the first page.
@@ -242,7 +246,8 @@ def test_decode_bounds_hold_for_the_target_and_jax_not_for_todays_kernel():
 def test_decode_and_prefill_for_tpu_v2():
     """Version 2 at its defaults for the decode case (block_q 2: M = 8, 32 pages
     per block, two in flight): the KV read once, in 1024 blocks of 2 MiB, one
-    wait each, within issue 15's bounds; 128 grid steps, one cold chain each. A
+    wait each, within issue 15's bounds; 128 grid steps and one chain for the
+    call (a cold chain per grid step before the cross-step prefetch). A
     512-token chunk at 2k in blocks of 128 rows (16 pages per block) reads up
     to each block's causal bound (104, 112, 120, 128 pages, rounded up to whole
     blocks of 16)."""
@@ -252,7 +257,10 @@ def test_decode_and_prefill_for_tpu_v2():
     v = C.count(DECODE, C.LLAMA3_8B, C.ours_tpu_v2(bq, ppb))
     assert ideal_bounds(v, ppb) == (True, True)
     assert (v.kv_blocks, v.dma_starts, v.dma_waits) == (PAGES // ppb, PAGES, PAGES // ppb)
-    assert (v.grid_steps, v.chains, v.seq_visits) == (128, 128, 256)
+    assert (v.grid_steps, v.chains, v.seq_visits) == (128, 1, 256)
+    before = C.count(DECODE, C.LLAMA3_8B, C.ours_tpu_v2(bq, ppb, across_steps=False))
+    assert (before.grid_steps, before.chains, before.seq_visits) == (128, 128, 256)
+    assert before.kv_bytes_moved == v.kv_bytes_moved and before.dma_starts == v.dma_starts
     assert v.mxu_flops == 2 * v.useful_flops  # M = 8 rows, 4 of them real
     plan = C.Plan.prefill_chunk(512, 2048)
     ppb = C.tpu_v2_pages_per_block(16, 128)
@@ -267,6 +275,40 @@ def test_decode_and_prefill_for_tpu_v2():
         before = C.predict(plan, C.LLAMA3_8B, C.ours_tpu(), dev)
         after = C.predict(plan, C.LLAMA3_8B, C.ours_tpu_v2(128, ppb), dev)
         assert after.step_s * 50 < before.step_s
+
+
+def test_tpu_v2_decode_at_tpu_page_sizes():
+    """The decode case (256 x 2k, Llama-3-8B heads) on v5e with pages of 16, 64
+    and 128 tokens at version 2's default pages per block (32, 8, 4: 512 tokens,
+    2 MiB per block at every size): the same 1024 blocks and waits and the same
+    bytes; only the page DMAs drop (32768, 8192, 4096). The predicted HBM share
+    does not change with the page size: the step is bandwidth bound (2.63 ms of
+    HBM time) and the scalar unit's DMA issue work, its own bound under the
+    stated 20 ns per DMA start or wait (0.68 ms at pages of 16, 0.19 at 64, 0.10
+    at 128), stays below it. Larger pages buy headroom against that assumed
+    constant, not a different prediction."""
+    import dataclasses
+
+    shares = []
+    for ps, ppb in ((16, 32), (64, 8), (128, 4)):
+        shapes = dataclasses.replace(C.LLAMA3_8B, page_size=ps)
+        pages = 256 * 2048 // ps
+        bq = C.tpu_v2_block_q(256, 256, shapes.group)
+        assert C.tpu_v2_pages_per_block(ps, 2048 // ps, decode=True) == ppb
+        p = C.predict(DECODE, shapes, C.ours_tpu_v2(bq, ppb), "tpu-v5e")
+        c = p.counts
+        assert (c.dma_starts, c.dma_waits, c.kv_blocks) == (pages, 1024, 1024)
+        assert c.kv_bytes_moved == c.kv_bytes_needed and set(c.block_sizes) == {2 << 20}
+        assert p.bound == "hbm" and p.t_scalar < p.t_hbm
+        shares.append(p.hbm_fraction)
+        # Before the cross-step prefetch: 128 grid steps, each with a cold first
+        # fetch; after, only the first. 127 exposed DMA latencies saved.
+        v2_before = C.ours_tpu_v2(bq, ppb, across_steps=False)
+        before = C.predict(DECODE, shapes, v2_before, "tpu-v5e")
+        lat = C.DEVICES["tpu-v5e"].dma_latency_s
+        assert before.step_s - p.step_s == pytest.approx(127 * lat)
+        assert before.hbm_fraction < p.hbm_fraction
+    assert shares[0] == pytest.approx(shares[1]) == pytest.approx(shares[2])
 
 
 def test_decode_predictions_order_the_kernels():
@@ -401,10 +443,13 @@ def test_todays_tpu_kernel_description_matches_its_mosaic_program():
 
 def test_tpu_v2_description_matches_its_mosaic_program():
     """Version 2 lowered for TPU: in each loop that waits, one wait for a whole
-    block of pages_per_block pages and pages_per_block page DMAs (the next
-    block `prefetch_depth` ahead); bf16 QK and PV with M = block_q x group and N
-    (QK) = the block's keys; the first two blocks of a grid step started outside
-    the loops (a chain per step)."""
+    block of pages_per_block pages and two exclusive sites of pages_per_block
+    page DMAs each (the block `prefetch_depth` ahead in this grid step, or past
+    its last block the next grid step's first: the chain crosses grid steps;
+    how many run is the interpreter test's count); bf16 QK and PV with M =
+    block_q x group and N (QK) = the block's keys; outside the loops, the first
+    `prefetch_depth` blocks of the chain (this step's own on step 0, else the
+    next step's when this one has fewer), the same two sites per block."""
     pytest.importorskip("jax")
     from kvsched.engine.kernels.tpu2 import _call
 
@@ -420,7 +465,7 @@ def test_tpu_v2_description_matches_its_mosaic_program():
     assert bodies and not desc.wait_per_page
     for ops in bodies.values():
         kinds = [o.op for o in ops]
-        assert kinds.count("wait_dma") == 1 and kinds.count("enqueue_dma") == ppb
+        assert kinds.count("wait_dma") == 1 and kinds.count("enqueue_dma") == 2 * ppb
         for o in ops:
             if o.op == "wait_dma":
                 assert C.memref_bytes(o.shapes[0], o.dtypes[0]) == ppb * shapes.page_bytes
@@ -433,7 +478,9 @@ def test_tpu_v2_description_matches_its_mosaic_program():
             assert o.shapes[2][0] == block_q * shapes.group
         assert {o.shapes[2][1] for o in mm[::2]} == {ppb * BS}  # QK: [M, keys of the block]
     cold = [o for o in m.ops if o.op == "enqueue_dma" and o.depth == 0]
-    assert len(cold) == desc.prefetch_depth * ppb == 2 * ppb and desc.chain_per_step
+    assert len(cold) == 2 * desc.prefetch_depth * ppb == 4 * ppb
+    assert desc.prefetch_across and not desc.chain_per_step
+    assert C.count(plan, shapes, desc).chains == 1
 
 
 def test_jax_kernel_description_matches_its_mosaic_program():
@@ -503,15 +550,17 @@ def dma_log(monkeypatch):
         from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
     except ImportError as e:  # pragma: no cover
         pytest.skip(f"no Pallas TPU interpreter module here: {e}")
-    log: dict[str, list[int]] = {"starts": [], "waits": []}
+    log: dict[str, list[int]] = {"starts": [], "waits": [], "order": []}
     start, wait = ipc.dma_start, ipc.dma_wait
 
     def counted_start(*a, **k):
         log["starts"].append(1)
+        log["order"].append(0)
         return start(*a, **k)
 
     def counted_wait(token, device_id, local_core_id, sem_id, size, **k):
         log["waits"].append(int(size))
+        log["order"].append(1)
         return wait(token, device_id, local_core_id, sem_id, size, **k)
 
     monkeypatch.setattr(ipc, "dma_start", counted_start)
@@ -572,10 +621,24 @@ def test_the_counts_are_what_the_kernel_does_in_the_interpreter(dma_log):
     assert seen == 3 and mixed, "three plans that read KV, one of them mixed"
 
 
+def started_before_each_wait(order: list[int], pages_per_block: int) -> list[int]:
+    """From the interpreter's sequence of DMA starts (0) and waits (1): the KV
+    blocks started (pages_per_block DMAs each) before each wait."""
+    out, starts = [], 0
+    for e in order:
+        if e:
+            out.append(starts // pages_per_block)
+        else:
+            starts += 1
+    return out
+
+
 def test_tpu_v2_counts_are_what_it_does_in_the_interpreter(dma_log):
     """Version 2 in the interpreter: on the hand-counted plan, then on real mixed
     plans at the shape's default block_q and at block_q 8, the DMAs it starts,
-    its waits (one per block) and the bytes they wait for are the model's."""
+    its waits (one per block) and the bytes they wait for are the model's, and
+    the blocks started before each wait are those of one chain over the whole
+    grid (depth 2: the block waited and the two after it, across grid steps)."""
     import jax.numpy as jnp
     import numpy as np
     from engine_helpers import plans
@@ -596,6 +659,9 @@ def test_tpu_v2_counts_are_what_it_does_in_the_interpreter(dma_log):
     want = C.count(MIXED, SMALL, C.ours_tpu_v2(block_q=2, pages_per_block=2))
     assert (len(dma_log["starts"]), len(dma_log["waits"])) == (want.dma_starts, want.dma_waits)
     assert dma_log["waits"] == [2 * 128] * 3 and want.kv_bytes_moved == 6 * 128
+    # One chain across both grid steps: grid step 1's block was started before
+    # step 0 waited on its first (a chain per step would have started 2 blocks).
+    assert started_before_each_wait(dma_log["order"], 2) == [3, 3, 3] and want.chains == 1
 
     shapes = C.Shapes(q_heads=4, kv_heads=2, head_dim=16, page_size=4)
     seen = mixed = 0
@@ -607,6 +673,7 @@ def test_tpu_v2_counts_are_what_it_does_in_the_interpreter(dma_log):
         for bq in (None, 8):
             dma_log["starts"].clear()
             dma_log["waits"].clear()
+            dma_log["order"].clear()
             out = ragged_paged_attention_v2(q, cache, inputs, scale=0.25, block_q=bq,
                                             pages_per_block=3)  # fmt: skip
             out.block_until_ready()
@@ -615,6 +682,10 @@ def test_tpu_v2_counts_are_what_it_does_in_the_interpreter(dma_log):
             assert (len(dma_log["starts"]), len(dma_log["waits"])) == (c.dma_starts, c.dma_waits)
             assert sum(dma_log["waits"]) == c.kv_bytes_moved
             assert set(dma_log["waits"]) <= {min(3, pps) * shapes.page_bytes}
+            # Blocks in flight at each wait, across grid steps: the chain's.
+            n = c.kv_blocks
+            want_chain = [min(k + 3, n) for k in range(n)]  # depth 2, + the block waited
+            assert started_before_each_wait(dma_log["order"], min(3, pps)) == want_chain
             seen += c.dma_starts > 0
     assert seen >= 6 and mixed, "plans that read KV, one of them mixed"
 

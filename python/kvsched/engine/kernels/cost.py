@@ -30,8 +30,9 @@ Timing (a model, with stated constants; see `DEVICES`):
   max((L + b / BW) / d, its matmul time); with d = 0 (each load waited before
   its use: num_stages=1 on GPU) L + b / BW_program + compute, serialised.
 - chains: a prefetch chain starts with an exposed fetch; today's TPU kernel
-  restarts its chain for every (query block, sequence) pair, JAX's kernel
-  prefetches across sequences and grid steps (one chain per call).
+  restarts its chain for every (query block, sequence) pair, JAX's kernel and
+  kernels/tpu2.py prefetch across sequences and grid steps (one chain per
+  call; tpu2's chain restarted per grid step before, `across_steps=False`).
 - scalar: the scalar unit starts and waits on every DMA (`dma_issue_s` each)
   and runs the loops over sequences (`scalar_iter_s` per iteration); it works
   while the DMA engines and the MXU do, so it is a bound of its own.
@@ -219,7 +220,8 @@ class KernelDesc:
     # over kv_splits programs, whose partial results a reduce step combines.
     kv_splits: int = 1
     # The prefetch chain crosses sequences within a grid step but restarts at
-    # each grid step that reads KV (kernels/tpu2.py): one chain per such step.
+    # each grid step that reads KV (kernels/tpu2.py before it prefetched across
+    # grid steps): one chain per such step.
     chain_per_step: bool = False
 
     @property
@@ -378,7 +380,8 @@ def jax_tpu(
     )  # fmt: skip
 
 
-def ours_tpu_v2(block_q: int = 2, pages_per_block: int = 32, depth: int = 2) -> KernelDesc:
+def ours_tpu_v2(block_q: int = 2, pages_per_block: int = 32, depth: int = 2,
+                across_steps: bool = True) -> KernelDesc:  # fmt: skip
     """kernels/tpu2.py (version 2, issue 15 section 2, first subset): grid over
     query blocks of `block_q` rows (its default_block_q: block_q x group = 8 for
     decode-heavy buckets, 128 tokens otherwise); each block finds the sequences
@@ -386,15 +389,20 @@ def ours_tpu_v2(block_q: int = 2, pages_per_block: int = 32, depth: int = 2) -> 
     pages only up to its last row's causal bound, in blocks of `pages_per_block`
     page DMAs (every block moves the full count: pages past the span re-read the
     sequence's first page) waited once per block; the next `depth` blocks are in
-    flight across the block's sequences, the chain restarting (`depth` cold
-    fetches, one exposed) at each grid step. QK and
-    PV with the cache's dtype as operands (bf16) and f32 accumulation; M =
-    block_q x group rows per KV head, masked per sequence."""
+    flight across the block's sequences and across grid steps (the grid runs in
+    order; a step's first blocks are started by the step before), one chain per
+    call: only grid step 0 starts cold. QK and PV with the cache's dtype as
+    operands (bf16) and f32 accumulation; M = block_q x group rows per KV head,
+    masked per sequence. `across_steps=False` describes the kernel before it
+    prefetched across grid steps (the chain restarting, one exposed fetch, at
+    each grid step that reads KV): the "before" of the README's figures."""
+    after = "" if across_steps else ", chain per grid step"
     return KernelDesc(
-        f"kvsched pallas v2 (TPU), {pages_per_block} pages x {block_q} queries", "tpu",
+        f"kvsched pallas v2 (TPU), {pages_per_block} pages x {block_q} queries{after}", "tpu",
         block_q=block_q, pages_per_block=pages_per_block, prefetch_depth=depth,
-        prefetch_across=False, causal_bound=True, fixed_blocks=True, scan_all_seqs=False,
-        rows="block", operands="bf16", wait_per_page=False, chain_per_step=True,
+        prefetch_across=across_steps, causal_bound=True, fixed_blocks=True,
+        scan_all_seqs=False, rows="block", operands="bf16", wait_per_page=False,
+        chain_per_step=not across_steps,
     )  # fmt: skip
 
 

@@ -10,10 +10,15 @@ what changes is how KV reaches the MXU:
   sequence's first page again (a valid page id) and are masked, so the wait
   size is static.
 - The next `prefetch_depth` blocks (2 by default) are in flight while one is
-  computed, across sequences within a grid step: a query block's (sequence, KV
-  block) pairs form one flat loop, and the pair `prefetch_depth` ahead is
-  fetched into a free slot of depth + 1. (Not across grid steps: each query
-  block starts with cold fetches; see `cost.ours_tpu_v2`.)
+  computed, across sequences and across grid steps: a query block's (sequence,
+  KV block) pairs form one flat loop, the pair `prefetch_depth` ahead is
+  fetched into a free slot of depth + 1, and past the block's last pair the
+  next grid step's first pairs are (that step's j range and causal bounds
+  found by the same binary search). The grid is sequential ("arbitrary"
+  dimension semantics); a step's first min(depth, its blocks) were started by
+  the step before, so only grid step 0 starts cold. The slot of a step's first
+  block is carried in SMEM scratch (the flat block count so far, mod slots).
+  Padding steps read nothing and start the next step's blocks, if any.
 - A query block visits only the sequences that meet it: the first and the end
   are found by binary search over cu_q_lens (O(log S) scalar steps per block),
   not by scanning every sequence.
@@ -22,16 +27,28 @@ what changes is how KV reaches the MXU:
 - Query block size chosen from the static shape (`default_block_q`): a
   decode-heavy bucket (tokens <= 2 x sequence slots) gets block_q x group = 8
   rows (one sublane tile: the GQA group is the matmul's M), others 128 tokens.
+- Page sizes: any (the kernel is written per page); 64 and 128 tokens, the
+  sizes recommended on TPU (fewer, larger DMAs), are tested in the
+  interpreter and lowered. `default_pages_per_block` keeps a block at 512
+  tokens on the decode path and 256 otherwise whatever the page size (32, 8
+  or 4 pages on the decode path at 16, 64, 128: 2 MiB at Llama-3-8B's heads).
 - Operands in the cache's dtype (bf16 stays bf16; an f32 cache stays f32) with
   f32 accumulation (`preferred_element_type`): no f32 upcast of K/V before the
   MXU. q is scaled in f32, then cast to the cache's dtype; the probabilities
   are cast to V's dtype for the PV product.
+- The online softmax's state (m, l, acc: [Hkv, rows, 1 | 1 | QW] f32) is VMEM
+  scratch, reset at each grid step and read and written per KV head inside
+  the block loop, not a loop carry: on the prefill path at Llama-3-8B's heads
+  (128 tokens x group 4 = 512 rows, 8 KV heads, D 128), acc alone is
+  8 x 512 x 128 x 4 bytes = 2 MiB, 512 vector registers of 4 KiB, far more
+  than the register file holds, so as a carry Mosaic would spill it anyway
+  (the anchors keep this state in scratch). Not measured: no TPU here. The
+  cost model models neither registers nor VMEM traffic: its predictions do
+  not change.
 
-Not done yet (stated, not hidden): the prefetch chain restarts per grid step;
-the softmax state (m, l, acc) is a loop carry, not VMEM scratch; each KV
-head's K and V are loaded by ref indexing of the block buffer (a strided ref
-load per head, as version 1), the [ppb, bs, D] value reshaped to
-[ppb * bs, D]; page sizes and head dims as in version 1.
+Not done yet (stated, not hidden): each KV head's K and V are loaded by ref
+indexing of the block buffer (a strided ref load per head, as version 1), the
+[ppb, bs, D] value reshaped to [ppb * bs, D]; head dims as in version 1.
 """
 
 from __future__ import annotations
@@ -52,8 +69,9 @@ from kvsched.engine.kernels.tpu import cache_mode, checked_cache_mode, on_tpu
 if TYPE_CHECKING:
     from jax._src.pallas.mosaic.primitives import AsyncCopyDescriptor
 
-# (sequence, block) computed next, (sequence, block) fetched last, m, l, acc.
-_Carry = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]
+# (sequence, block) computed next, this step's (sequence, block) fetched last,
+# the next step's (sequence, block) to fetch next.
+_Carry = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]
 
 PREFILL_BLOCK_Q = 128  # query rows per block outside the decode path
 SUBLANES = 8
@@ -104,6 +122,10 @@ def _kernel(
     o_ref: jax.Ref,
     kv_buf: jax.Ref,  # [depth + 1, ppb, bs, X, W] VMEM: block slots
     sem: jax.Ref,  # one DMA semaphore per slot
+    m_ref: jax.Ref,  # [Hkv, rows, 1] f32 VMEM: running max per row
+    l_ref: jax.Ref,  # [Hkv, rows, 1] f32 VMEM: running denominator
+    acc_ref: jax.Ref,  # [Hkv, rows, QW] f32 VMEM: running numerator
+    base_ref: jax.Ref,  # [1] i32 SMEM: the slot of this grid step's first block
     *,
     block_q: int,
     kv_heads: int,
@@ -118,7 +140,6 @@ def _kernel(
     ppb, bs = kv_buf.shape[1], kv_buf.shape[2]
     span_keys = ppb * bs
     rows = block_q * group
-    qw = q_ref.shape[2]
     row0 = pl.program_id(0) * block_q
     row_end = row0 + block_q
     nseq = nseq_ref[0]
@@ -143,31 +164,54 @@ def _kernel(
         lo, _ = lax.fori_loop(0, steps, body, (jnp.int32(0), nseq), unroll=True)
         return lo
 
-    j_lo = search(1, row0 + 1)  # first sequence ending after row0
-    j_hi = search(0, row_end)  # first sequence starting at or after the block's end
+    class Step:
+        """The (sequence, KV block) pairs of the query block of rows [r0, r_end):
+        the sequences that meet it (binary search), the pages each one reads (up
+        to its last row in the block: the causal bound), and their count."""
 
-    def seq_pages(j: jax.Array) -> jax.Array:
-        """Pages of sequence j this block reads: up to its last row's causal bound
-        (0 past the last sequence; the index is clamped so SMEM reads stay in
-        bounds, as a `where` evaluates both sides)."""
-        jc = jnp.minimum(j, max_seqs - 1)
-        q_lo, q_hi = cu_ref[jc], cu_ref[jc + 1]
-        last = kv_lens_ref[jc] - (q_hi - jnp.minimum(q_hi, row_end))
-        span = jnp.where((q_hi > q_lo) & (j < max_seqs), last, 0)
-        return lax.div(span + bs - 1, bs)
+        def __init__(self, r0: jax.Array, r_end: jax.Array) -> None:
+            self.r_end = r_end
+            self.j_lo = search(1, r0 + 1)  # first sequence ending after r0
+            self.j_hi = search(0, r_end)  # first sequence starting at or after r_end
+            self.total = lax.fori_loop(
+                self.j_lo, self.j_hi, lambda j, n: n + self.blocks(j), jnp.int32(0)
+            )
+            self.j0 = self.skip_empty(self.j_lo)
 
-    def seq_blocks(j: jax.Array) -> jax.Array:
-        return lax.div(seq_pages(j) + ppb - 1, ppb)
+        def pages(self, j: jax.Array) -> jax.Array:
+            """Pages of sequence j this block reads: up to its last row's causal
+            bound (0 past the last sequence; the index is clamped so SMEM reads
+            stay in bounds, as a `where` evaluates both sides)."""
+            jc = jnp.minimum(j, max_seqs - 1)
+            q_lo, q_hi = cu_ref[jc], cu_ref[jc + 1]
+            last = kv_lens_ref[jc] - (q_hi - jnp.minimum(q_hi, self.r_end))
+            span = jnp.where((q_hi > q_lo) & (j < max_seqs), last, 0)
+            return lax.div(span + bs - 1, bs)
 
-    def skip_empty(j: jax.Array) -> jax.Array:
-        return lax.while_loop(lambda j: (j < j_hi) & (seq_blocks(j) == 0), lambda j: j + 1, j)
+        def blocks(self, j: jax.Array) -> jax.Array:
+            return lax.div(self.pages(j) + ppb - 1, ppb)
 
-    total = lax.fori_loop(j_lo, j_hi, lambda j, n: n + seq_blocks(j), jnp.int32(0))
+        def skip_empty(self, j: jax.Array) -> jax.Array:
+            return lax.while_loop(
+                lambda j: (j < self.j_hi) & (self.blocks(j) == 0), lambda j: j + 1, j
+            )
 
-    def advance(j: jax.Array, i: jax.Array) -> tuple[jax.Array, jax.Array]:
-        more = i + 1 < seq_blocks(j)
-        nj = jnp.where(more, j, skip_empty(j + 1))
-        return nj, jnp.where(more, i + 1, 0)
+        def advance(self, j: jax.Array, i: jax.Array) -> tuple[jax.Array, jax.Array]:
+            more = i + 1 < self.blocks(j)
+            nj = jnp.where(more, j, self.skip_empty(j + 1))
+            return nj, jnp.where(more, i + 1, 0)
+
+    step = pl.program_id(0)
+    cur = Step(row0, row_end)
+    # The next grid step's query block (none after the last): its first blocks
+    # are fetched before this step ends, so it does not start cold.
+    nxt = Step(row_end, row_end + block_q)
+    last_step = step == pl.num_programs(0) - 1
+    total = cur.total
+    n_next = jnp.where(last_step, 0, jnp.minimum(depth, nxt.total))
+    # This step's first min(depth, total) blocks were started by the previous
+    # step (the grid runs in order: "arbitrary" semantics); step 0 starts its own.
+    pre = jnp.where(step > 0, jnp.minimum(depth, total), 0)
 
     def wait(slot: jax.Array) -> None:
         # One wait for the whole block: the semaphore counts the bytes of every
@@ -177,8 +221,8 @@ def _kernel(
         )
         desc.wait()
 
-    def fetch(j: jax.Array, i: jax.Array, slot: jax.Array) -> None:
-        n_pages = seq_pages(j)
+    def fetch(st: Step, j: jax.Array, i: jax.Array, slot: jax.Array) -> None:
+        n_pages = st.pages(j)
         for p in range(ppb):
             page_no = i * ppb + p
             # Past the span: the sequence's first page again (valid; masked).
@@ -188,37 +232,78 @@ def _kernel(
                 cache_hbm.at[layer, page], kv_buf.at[slot, p], sem.at[slot]
             ).start()
 
-    m0 = jnp.full((kv_heads, rows, 1), MASK, jnp.float32)
-    l0 = jnp.zeros((kv_heads, rows, 1), jnp.float32)
-    acc0 = jnp.zeros((kv_heads, rows, qw), jnp.float32)
-    j0 = skip_empty(j_lo)
+    # The online softmax's state lives in VMEM scratch, reset per grid step.
+    m_ref[...] = jnp.full(m_ref.shape, MASK, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
     slots = depth + 1
 
-    # The first `depth` blocks of this grid step, one per slot; (fj, fi) is the
-    # last pair fetched (advancing past the end is harmless: reads are clamped
-    # and only pairs below `total` are fetched).
-    fj, fi = j0, jnp.int32(0)
-    for k in range(depth):
-        if k:
-            fj, fi = advance(fj, fi)
+    # One flat chain over the grid: this step's blocks f = 0 .. total - 1, then
+    # the next step's first n_next as f = total + k; block f sits in slot
+    # (base + f) % slots, base carried across steps in SMEM, and block f + depth
+    # is started while block f is computed.
+    @pl.when(step == 0)
+    def _() -> None:
+        base_ref[0] = 0
 
-        @pl.when(k < total)
-        def _(fj: jax.Array = fj, fi: jax.Array = fi, k: int = k) -> None:  # traced now
-            fetch(fj, fi, jnp.int32(k))
+    base = base_ref[0]
+
+    def slot_of(f: jax.Array | int) -> jax.Array:
+        return lax.rem(base + f, slots)
+
+    # Flat blocks 0 .. depth - 1 not yet in flight: this step's own (step 0
+    # only, as `pre` says) and, when this step has fewer than depth blocks, the
+    # next step's first. (fj, fi) walks this step's pairs (it ends at pair
+    # depth - 1; advancing past the end is harmless: reads are clamped and only
+    # pairs below `total` are fetched); (xj, xi) is the next step's next pair.
+    def step_next(ahead: jax.Array, xj: jax.Array, xi: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The next step's pair after (xj, xi) if one was just fetched (a cond:
+        its scalar search runs only then)."""
+        out: tuple[jax.Array, jax.Array] = lax.cond(
+            ahead, lambda: nxt.advance(xj, xi), lambda: (xj, xi)
+        )
+        return out
+
+    fj, fi = cur.j0, jnp.int32(0)
+    xj, xi = nxt.j0, jnp.int32(0)
+    for f in range(depth):
+        if f:
+            fj, fi = cur.advance(fj, fi)
+
+        @pl.when((pre <= f) & (f < total))
+        def _(fj: jax.Array = fj, fi: jax.Array = fi, f: int = f) -> None:  # traced now
+            fetch(cur, fj, fi, slot_of(f))
+
+        ahead = (f >= total) & (f < total + n_next)
+
+        @pl.when(ahead)
+        def _(xj: jax.Array = xj, xi: jax.Array = xi, f: int = f) -> None:
+            fetch(nxt, xj, xi, slot_of(f))
+
+        xj, xi = step_next(ahead, xj, xi)
 
     def body(t: jax.Array, carry: _Carry) -> _Carry:
-        j, i, fj, fi, m, denom, acc = carry
-        slot = lax.rem(t, slots)
-        nfj, nfi = advance(fj, fi)
+        j, i, fj, fi, xj, xi = carry
+        slot = slot_of(t)
+        f = t + depth
+        nfj, nfi = cur.advance(fj, fi)
 
-        # `depth` blocks ahead: fetched while this one and those between compute.
-        @pl.when(t + depth < total)
+        # `depth` blocks ahead: fetched while this one and those between compute;
+        # past this step's last, the next step's first ones.
+        @pl.when(f < total)
         def _() -> None:
-            fetch(nfj, nfi, lax.rem(t + depth, slots))
+            fetch(cur, nfj, nfi, slot_of(f))
 
-        fj = jnp.where(t + depth < total, nfj, fj)
-        fi = jnp.where(t + depth < total, nfi, fi)
-        nj, ni = advance(j, i)
+        ahead = (f >= total) & (f < total + n_next)
+
+        @pl.when(ahead)
+        def _() -> None:
+            fetch(nxt, xj, xi, slot_of(f))
+
+        fj = jnp.where(f < total, nfj, fj)
+        fi = jnp.where(f < total, nfi, fi)
+        xj, xi = step_next(ahead, xj, xi)
+        nj, ni = cur.advance(j, i)
         wait(slot)
         q_lo, q_hi = cu_ref[j], cu_ref[j + 1]
         kv_len = kv_lens_ref[j]
@@ -228,10 +313,9 @@ def _kernel(
         key = key0 + lax.broadcasted_iota(jnp.int32, (1, span_keys), 1)
         # Keys past the block's causal span are masked by pos and kv_len (the
         # re-read first page sits past them).
-        limit = jnp.minimum(kv_len, seq_pages(j) * bs)
+        limit = jnp.minimum(kv_len, cur.pages(j) * bs)
         ok = in_seq & (key <= pos) & (key < limit)
         live = key0 + lax.broadcasted_iota(jnp.int32, (span_keys, 1), 0) < limit
-        ms, ls, accs = [], [], []
         for h in range(kv_heads):
             k, v = _kv_block(kv_buf, slot, h, mode, head_dim)
             v = jnp.where(live, v, jnp.zeros_like(v))
@@ -240,19 +324,22 @@ def _kernel(
                 qs[h], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
             )
             s = jnp.where(ok, s, MASK)
-            m_new = jnp.maximum(m[h], jnp.max(s, axis=1, keepdims=True))
-            alpha = jnp.exp(m[h] - m_new)
+            m_prev = m_ref[h]
+            m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+            alpha = jnp.exp(m_prev - m_new)
             w = jnp.where(ok, jnp.exp(s - m_new), 0.0)
-            ls.append(alpha * denom[h] + jnp.sum(w, axis=1, keepdims=True))
+            l_ref[h] = alpha * l_ref[h] + jnp.sum(w, axis=1, keepdims=True)
             pv = lax.dot_general(
                 w.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
             )
-            accs.append(alpha * acc[h] + pv)
-            ms.append(m_new)
-        return nj, ni, fj, fi, jnp.stack(ms), jnp.stack(ls), jnp.stack(accs)
+            acc_ref[h] = alpha * acc_ref[h] + pv
+            m_ref[h] = m_new
+        return nj, ni, fj, fi, xj, xi
 
-    init: _Carry = (j0, jnp.int32(0), fj, fi, m0, l0, acc0)
-    *_, denom, acc = lax.fori_loop(0, total, body, init)
+    init: _Carry = (cur.j0, jnp.int32(0), fj, fi, xj, xi)
+    lax.fori_loop(0, total, body, init)
+    base_ref[0] = slot_of(total)
+    denom, acc = l_ref[...], acc_ref[...]
     out = jnp.where(denom == 0, 0.0, acc / jnp.where(denom == 0, 1.0, denom))
     for h in range(kv_heads):
         o_ref[h] = out[h].astype(o_ref.dtype)
@@ -309,12 +396,18 @@ def _call(
         scratch_shapes=[
             pltpu.VMEM((prefetch_depth + 1, ppb, bs, x, w), cache.dtype),
             pltpu.SemaphoreType.DMA((prefetch_depth + 1,)),
+            pltpu.VMEM((hkv, rows, 1), jnp.float32),
+            pltpu.VMEM((hkv, rows, 1), jnp.float32),
+            pltpu.VMEM((hkv, rows, qw), jnp.float32),
+            pltpu.SMEM((1,), jnp.int32),
         ],
     )
     out: jax.Array = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(q3.shape, q.dtype),
+        # Sequential grid: a step's first blocks are started by the step before.
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="kvsched_ragged_paged_attention_v2",
     )(
