@@ -120,6 +120,10 @@ class Accelerator:
     # datasheet figure). 0: no interconnect known (one device only).
     interconnect_bytes_per_s: float = 0.0
     collective_latency_s: float = 0.0
+    # Between hosts (`hosts` > 1): the bytes/s one device's share of the
+    # inter-host traffic moves. None: the same links as within a host (a TPU
+    # slice's ICI spans its hosts); 0: no inter-host figure known.
+    host_link_bytes_per_s: float | None = None
 
 
 WEIGHT_BYTES = {"float32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5}
@@ -157,16 +161,20 @@ MODELS: dict[str, ModelShape] = {
 # over one torus axis may get less); NVIDIA's H100 SXM and H200 SXM datasheets
 # give NVLink 900 GB/s per GPU, bidirectional. The 10 us per collective is an
 # assumption (launch and synchronisation of a small all-reduce), not a figure
-# of either datasheet: set your own.
+# of either datasheet: set your own. Between hosts: a TPU slice's ICI links
+# its hosts' chips as it links one host's (the same figure); NVIDIA's DGX
+# H100/H200 datasheets give eight 400 Gb/s ConnectX-7 ports, one per GPU:
+# 50 GB/s per GPU each way.
 COLLECTIVE_LATENCY_S = 10e-6
+GPU_HOST_LINK = 50e9
 ACCELERATORS: dict[str, Accelerator] = {
     a.name: a
     for a in (
         Accelerator("tpu-v5e", 16e9, 819e9, 197e12, 200e9, COLLECTIVE_LATENCY_S),
         Accelerator("tpu-v5p", 95e9, 2765e9, 459e12, 600e9, COLLECTIVE_LATENCY_S),
         Accelerator("tpu-v6e", 32e9, 1640e9, 918e12, 400e9, COLLECTIVE_LATENCY_S),
-        Accelerator("h100", 80e9, 3.35e12, 989e12, 450e9, COLLECTIVE_LATENCY_S),
-        Accelerator("h200", 141e9, 4.8e12, 989e12, 450e9, COLLECTIVE_LATENCY_S),
+        Accelerator("h100", 80e9, 3.35e12, 989e12, 450e9, COLLECTIVE_LATENCY_S, GPU_HOST_LINK),
+        Accelerator("h200", 141e9, 4.8e12, 989e12, 450e9, COLLECTIVE_LATENCY_S, GPU_HOST_LINK),
     )
 }
 
@@ -193,6 +201,13 @@ class Capacity:
     full_context_seqs: int = 0
     """The same if every layer kept every token (as kvsched's pages do: a page
     holds all layers); equal to max_concurrent_seqs without sliding windows."""
+    hosts: int = 1
+    """Hosts the devices are spread over, `devices` on each: KV and weights
+    split evenly, each host holding 1 / hosts of every sequence's KV."""
+
+    @property
+    def kv_bytes_per_host(self) -> float:
+        return self.usable_kv_bytes / self.hosts
 
     def scheduler_config(self, **overrides: Any) -> kvsched.SchedulerConfig:
         """The kvsched.SchedulerConfig this capacity calls for (the overhead
@@ -223,23 +238,29 @@ def capacity(
     overhead_reserve: float = 0.10,
     block_size: int = 16,
     context: int = 8192,
+    hosts: int = 1,
 ) -> Capacity:
-    """KV capacity of a model on accelerators. The KV cache is `kv_dtype` (a name
-    in KV_DTYPES, int8 with its scales) or `kv_dtype_bytes` per element (no
-    scales); bf16 when neither is given."""
+    """KV capacity of a model on `hosts` x `devices` accelerators (one tensor-
+    parallel replica: weights and KV split over all of them). The KV cache is
+    `kv_dtype` (a name in KV_DTYPES, int8 with its scales) or `kv_dtype_bytes`
+    per element (no scales); bf16 when neither is given."""
     m = MODELS[model] if isinstance(model, str) else model
     a = ACCELERATORS[accelerator] if isinstance(accelerator, str) else accelerator
     if precision not in WEIGHT_BYTES:
         raise CapacityError(f"precision must be one of {sorted(WEIGHT_BYTES)}, got {precision!r}")
-    if devices < 1 or not 0 <= overhead_reserve < 1 or block_size < 1 or context < 1:
-        raise CapacityError("devices, block_size and context must be >= 1, reserve in [0, 1)")
+    if (devices < 1 or hosts < 1 or not 0 <= overhead_reserve < 1 or block_size < 1
+            or context < 1):  # fmt: skip
+        raise CapacityError(
+            "devices, hosts, block_size and context must be >= 1, reserve in [0, 1)"
+        )
     if kv_dtype is not None and kv_dtype_bytes is not None:
         raise CapacityError("give kv_dtype or kv_dtype_bytes, not both")
     weights = m.weight_bytes(precision)
-    usable = devices * a.hbm_bytes * (1 - overhead_reserve) - weights
+    usable = hosts * devices * a.hbm_bytes * (1 - overhead_reserve) - weights
+    where = f"{hosts} hosts x {devices}" if hosts > 1 else f"{devices}"
     if usable <= 0:
         raise CapacityError(
-            f"{m.name} at {precision} ({weights / 1e9:.1f} GB) does not fit {devices} x "
+            f"{m.name} at {precision} ({weights / 1e9:.1f} GB) does not fit {where} x "
             f"{a.name} ({a.hbm_bytes / 1e9:.0f} GB, {overhead_reserve:.0%} reserved)"
         )
     if kv_dtype is None:
@@ -255,7 +276,7 @@ def capacity(
         seq_bytes = m.kv_bytes_per_sequence(context, kv_dtype=kv_dtype, block_size=block_size)
     if blocks < per_seq_blocks:
         raise CapacityError(
-            f"{m.name} on {devices} x {a.name} leaves KV room for {blocks * block_size:,} "
+            f"{m.name} on {where} x {a.name} leaves KV room for {blocks * block_size:,} "
             f"tokens: not one sequence of {context:,}"
         )
     return Capacity(
@@ -275,6 +296,7 @@ def capacity(
             else int(usable // seq_bytes)
         ),
         full_context_seqs=blocks // per_seq_blocks,
+        hosts=hosts,
     )  # fmt: skip
 
 

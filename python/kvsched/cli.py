@@ -58,12 +58,17 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     kv_bytes = None if args.kv_dtype else (2.0 if args.kv_bytes is None else args.kv_bytes)
     c = cap.capacity(args.model, args.accelerator, devices=args.devices, precision=args.precision,
                      kv_dtype_bytes=kv_bytes, kv_dtype=args.kv_dtype, overhead_reserve=args.reserve,
-                     block_size=args.block_size, context=args.context)  # fmt: skip
-    print(f"{c.model} ({args.precision}) on {c.devices} x {c.accelerator}")
+                     block_size=args.block_size, context=args.context,
+                     hosts=args.hosts)  # fmt: skip
+    where = f"{c.hosts} hosts x {c.devices}" if c.hosts > 1 else f"{c.devices}"
+    print(f"{c.model} ({args.precision}) on {where} x {c.accelerator}")
     print(f"  weights          {c.weight_bytes / 1e9:10.1f} GB")
     print(f"  KV per token     {c.kv_bytes_per_token:10,.0f} bytes")
     reserve = f"{args.reserve:.0%} reserve held back"
     print(f"  usable for KV    {c.usable_kv_bytes / 1e9:10.1f} GB ({reserve})")
+    if c.hosts > 1:
+        print(f"  KV per host      {c.kv_bytes_per_host / 1e9:10.1f} GB (the pool split "
+              "evenly over the hosts)")  # fmt: skip
     print(f"  KV blocks        {c.kv_blocks:10,} of {c.block_size} tokens = {c.kv_tokens:,} tokens")
     print(f"  sequences of {c.context:,} tokens at once: {c.max_concurrent_seqs:,}")
     m = cap.MODELS[args.model]
@@ -76,6 +81,8 @@ def cmd_capacity(args: argparse.Namespace) -> int:
         f"  kvsched.SchedulerConfig(num_blocks={cfg.num_blocks}, block_size={cfg.block_size}, "
         f"max_seq_len={cfg.max_seq_len}, max_num_seqs={cfg.max_num_seqs}, overhead_reserve=0.0)"
     )
+    if c.devices * c.hosts > 1:
+        _print_allreduce(args, cfg.max_num_seqs)
     if args.load is not None:
         if args.payg is None:
             print("cost: --payg (per million tokens) is needed with --load", file=sys.stderr)
@@ -95,7 +102,7 @@ def cmd_capacity(args: argparse.Namespace) -> int:
                 devices=args.devices,
             )  # fmt: skip
             # A self-hosted unit is then the simulated replica: its devices together.
-            device_hour, device_tps = device_hour * c.devices, max_rate.tokens_per_s
+            device_hour, device_tps = device_hour * c.devices * c.hosts, max_rate.tokens_per_s
         left_out = None
         if device_hour is not None and args.engineering_hour is None:
             # The options that need no engineering cost are still worth printing.
@@ -128,6 +135,26 @@ def cmd_capacity(args: argparse.Namespace) -> int:
         if left_out:
             print(f"  {left_out}")
     return 0
+
+
+def _print_allreduce(args: argparse.Namespace, decode_seqs: int) -> None:
+    """What tensor parallelism's all-reduces cost a decode step of
+    `decode_seqs` sequences at half the context and a 2,048-token prefill step,
+    in the step-cost model (sim/simulator.py)."""
+    from kvsched.sim.simulator import StepCost
+
+    cost = StepCost.preset(args.model, args.accelerator, devices=args.devices, hosts=args.hosts,
+                           precision=args.precision)  # fmt: skip
+    print("  tensor-parallel all-reduces per step (2 per layer, not overlapped; step-cost model):")
+    for what, tokens, kv in (
+        (f"decode, {decode_seqs} seqs", decode_seqs, decode_seqs * args.context // 2),
+        ("prefill, 2,048 tokens", 2048, 2048),
+    ):
+        ar, step = cost.allreduce_seconds(tokens), cost.seconds(tokens, kv)
+        across = cost.host_bytes(tokens)
+        hosts = f", {across / 1e6:,.1f} MB each host sends the others" if args.hosts > 1 else ""
+        print(f"    {what:<22} {ar * 1e3:8.2f} ms of a {step * 1e3:.2f} ms step "
+              f"({ar / step:.0%}){hosts}")  # fmt: skip
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -191,10 +218,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if unknown:
         raise ValueError(f"--slo for {', '.join(map(repr, unknown))}, not a tenant of "
                          f"{label} (its tenants: {', '.join(tenant_names)})")  # fmt: skip
+    if args.step_cost and args.hosts > 1:
+        raise ValueError("--step-cost is a cost measured on one host: not with --hosts")
     cost = (setup.StepCost.load(args.step_cost, model=args.model, devices=args.devices)
             if args.step_cost else None)  # fmt: skip
     engine = setup.engine_for(arrivals, model=args.model, accelerator=args.accelerator,
-                              devices=args.devices, context=args.context,
+                              devices=args.devices, hosts=args.hosts, context=args.context,
                               max_num_seqs=args.max_num_seqs, step_budget=step_budget,
                               chunk=args.chunk, cost=cost)  # fmt: skip
     base, cost = engine.config, engine.cost
@@ -207,7 +236,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             print(f"unknown scenario in {args.scenarios!r}; known: {names}", file=sys.stderr)
             return 2
     pool = f"{base.num_blocks - 1:,} KV blocks of {base.block_size}"
-    print(f"{len(arrivals)} requests ({label}) on {args.devices} x {args.accelerator} "
+    where = f"{args.hosts} hosts x {args.devices}" if args.hosts > 1 else f"{args.devices}"
+    print(f"{len(arrivals)} requests ({label}) on {where} x {args.accelerator} "
           f"serving {args.model}: {pool}; step budget {step_budget:,} tokens, prefill "
           f"chunk {args.chunk:,}")  # fmt: skip
     if generic:
@@ -567,8 +597,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--devices",
         type=int,
         default=1,
-        help="accelerators, tensor parallel, memory summed as one big device (count; default 1)",
+        help="accelerators, tensor parallel, memory summed as one big device; per host "
+        "with --hosts (count; default 1)",
     )
+    c.add_argument("--hosts", type=int, default=1,
+                   help="hosts of --devices accelerators each, one tensor-parallel replica over "
+                   "all of them: KV per host and the all-reduce traffic between hosts (count; "
+                   "default 1)")  # fmt: skip
     c.add_argument(
         "--precision",
         default="bf16",
@@ -693,7 +728,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--accelerator", default="h100", choices=sorted(ACCELERATORS),
                    help="accelerator preset (default h100)")  # fmt: skip
     s.add_argument("--devices", type=int, default=1,
-                   help="accelerators, tensor parallel (count; default 1)")  # fmt: skip
+                   help="accelerators, tensor parallel; per host with --hosts (count; "
+                   "default 1)")  # fmt: skip
+    s.add_argument("--hosts", type=int, default=1,
+                   help="hosts of --devices accelerators each, one replica over all: the "
+                   "step cost pays the all-reduces between hosts (count; default 1)")  # fmt: skip
     s.add_argument("--context", type=int, default=8192,
                    help="max sequence length in tokens, raised to the workload's longest "
                    "(default 8192)")  # fmt: skip

@@ -147,6 +147,7 @@ def engine_for(
     model: str = "llama-3-8b",
     accelerator: str = "h100",
     devices: int = 1,
+    hosts: int = 1,
     context: int = 8192,
     max_num_seqs: int = 128,
     step_budget: int = STEP_BUDGET,
@@ -156,17 +157,18 @@ def engine_for(
     """Size the pool with the capacity model (`context` is raised to the longest
     request of `arrivals`, rounded up to 16 tokens) and build the base
     configuration `kvsched simulate` uses: continuous batching, chunked prefill,
-    reserve admission, at most 4 x `max_num_seqs` waiting. `cost` replaces the
+    reserve admission, at most 4 x `max_num_seqs` waiting; `hosts` x `devices`
+    accelerators (one tensor-parallel replica). `cost` replaces the
     preset step-cost model (a calibrated one, for instance)."""
     if not arrivals:
         raise ValueError("the workload is empty")
     longest = max(len(a.prompt) + a.max_tokens for a in arrivals)
     context = max(context, -(-longest // 16) * 16)
-    cap = capacity(model, accelerator, devices=devices, context=context)
+    cap = capacity(model, accelerator, devices=devices, hosts=hosts, context=context)
     base = cap.scheduler_config(
         max_num_seqs=max_num_seqs, max_batched_tokens=step_budget,
         long_prefill_chunk=chunk, max_waiting=4 * max_num_seqs,
     )  # fmt: skip
     if cost is None:
-        cost = StepCost.preset(model, accelerator, devices=devices)
+        cost = StepCost.preset(model, accelerator, devices=devices, hosts=hosts)
     return Engine(base, cost)

@@ -11,7 +11,11 @@ Prefill-heavy steps come out compute-bound, decode steps bound by reading
 weights and KV. Tensor parallelism over n devices splits compute and memory n
 ways and adds its all-reduces, not overlapped: 2 per layer of tokens x hidden x
 2 bytes, a ring moving 2(n-1)/n of that per device over the preset's
-interconnect, plus a fixed latency per collective. `kvsched calibrate`
+interconnect, plus a fixed latency per collective. Over several hosts
+(`hosts`, `devices` on each) a TPU slice's ICI spans them (one ring over all
+chips); GPUs all-reduce in three stages, each in the open (no overlap):
+reduce-scatter within a host over NVLink, all-reduce of each GPU's 1/devices
+share across hosts over its NIC, all-gather within the host. `kvsched calibrate`
 replaces the peak x efficiency rates and the overhead by ones measured on the
 engine (`StepCost.load`).
 
@@ -65,6 +69,9 @@ class StepCost:
     # token buckets' spacing; 1: no padding charged). A calibrated cost sets
     # the calibration engine's (kvsched calibrate: every block_size tokens).
     token_quantum: int = 1
+    # Hosts the devices are spread over, `devices` on each (one tensor-parallel
+    # replica over all of them).
+    hosts: int = 1
     # What a calibrated cost was measured on (model, device, kernel backend, fit
     # error); None for a preset.
     calibration: dict[str, Any] | None = field(default=None, compare=False)
@@ -72,6 +79,13 @@ class StepCost:
     def __post_init__(self) -> None:
         if not isinstance(self.devices, int) or self.devices < 1:
             raise StepCostError(f"devices must be an integer >= 1, got {self.devices!r}")
+        if not isinstance(self.hosts, int) or self.hosts < 1:
+            raise StepCostError(f"hosts must be an integer >= 1, got {self.hosts!r}")
+        if self.hosts > 1 and self.accelerator.host_link_bytes_per_s == 0:
+            raise StepCostError(
+                f"{self.accelerator.name}: {self.hosts} hosts need the link between them "
+                "(Accelerator.host_link_bytes_per_s)"
+            )
         for name in ("flop_rate", "byte_rate"):
             v = getattr(self, name)
             if v is not None and not (v > 0 and math.isfinite(v)):
@@ -82,31 +96,36 @@ class StepCost:
             )
         if not (self.overhead_s >= 0 and math.isfinite(self.overhead_s)):
             raise StepCostError(f"overhead_s must be >= 0, got {self.overhead_s!r}")
-        if self.devices > 1:
+        if self.total_devices > 1:
+            n = self.total_devices
             if self.model.hidden <= 0:
                 raise StepCostError(
-                    f"{self.model.name}: tensor parallelism over {self.devices} devices needs "
+                    f"{self.model.name}: tensor parallelism over {n} devices needs "
                     "the model's hidden size (ModelShape.hidden) for its all-reduces"
                 )
             if self.accelerator.interconnect_bytes_per_s <= 0:
                 raise StepCostError(
-                    f"{self.accelerator.name}: tensor parallelism over {self.devices} devices "
+                    f"{self.accelerator.name}: tensor parallelism over {n} devices "
                     "needs the interconnect bandwidth (Accelerator.interconnect_bytes_per_s)"
                 )
+
+    @property
+    def total_devices(self) -> int:
+        return self.devices * self.hosts
 
     @classmethod
     def preset(cls, model: str = "llama-3-8b", accelerator: str = "h100", **kw: Any) -> StepCost:
         return cls(MODELS[model], ACCELERATORS[accelerator], **kw)
 
     def compute_seconds(self, tokens: int) -> float:
-        rate = self.flop_rate or self.devices * self.accelerator.bf16_flops * self.mfu
+        rate = self.flop_rate or self.total_devices * self.accelerator.bf16_flops * self.mfu
         return tokens * self.model.flops_per_token() / rate
 
     def memory_seconds(self, kv_tokens_read: int) -> float:
         weights = self.model.params * WEIGHT_BYTES[self.precision]
         kv = kv_tokens_read * self.model.kv_bytes_per_token(self.kv_dtype_bytes)
         rate = self.byte_rate or (
-            self.devices * self.accelerator.hbm_bytes_per_s * self.bandwidth_efficiency
+            self.total_devices * self.accelerator.hbm_bytes_per_s * self.bandwidth_efficiency
         )
         return (weights + kv) / rate
 
@@ -115,15 +134,41 @@ class StepCost:
         all-reduces the activations twice per layer (after attention, after the
         MLP), tokens x hidden x activation_bytes each; a ring all-reduce sends
         2(n-1)/n of that per device over the interconnect, plus a fixed latency
-        per collective. 0 on one device."""
-        n = self.devices
-        if n == 1:
+        per collective. 0 on one device. Across hosts see `host_seconds`."""
+        if self.total_devices == 1:
             return 0.0
         size = tokens * self.model.hidden * self.activation_bytes
-        one = self.accelerator.collective_latency_s + (
-            2 * (n - 1) / n * size / self.accelerator.interconnect_bytes_per_s
-        )
-        return 2 * self.model.layers * one
+        return 2 * self.model.layers * self.one_allreduce_seconds(size)
+
+    def one_allreduce_seconds(self, size: float) -> float:
+        """One all-reduce of `size` bytes over every device of the replica."""
+        a, d, h = self.accelerator, self.devices, self.hosts
+        if h == 1 or a.host_link_bytes_per_s is None:
+            # One ring (a TPU slice's ICI spans its hosts).
+            n = d * h
+            return a.collective_latency_s + 2 * (n - 1) / n * size / a.interconnect_bytes_per_s
+        # Hierarchical: reduce-scatter and all-gather within a host (together
+        # one intra-host all-reduce's traffic), and between them each device's
+        # 1/d share all-reduced across the hosts over its own link.
+        within = 2 * (d - 1) / d * size / a.interconnect_bytes_per_s
+        across = 2 * (h - 1) / h * (size / d) / a.host_link_bytes_per_s
+        return 2 * a.collective_latency_s + within + across
+
+    def host_bytes(self, tokens: int) -> float:
+        """Bytes each host sends to the others in one step's all-reduces (0 on
+        one host): what crosses the inter-host links."""
+        if self.hosts == 1:
+            return 0.0
+        d, h = self.devices, self.hosts
+        size = tokens * self.model.hidden * self.activation_bytes
+        if self.accelerator.host_link_bytes_per_s is None:
+            # One ring over all d x h chips: of its 2(n-1)/n x size per chip,
+            # the ring crosses into the next host on one link of each host.
+            n = d * h
+            per_host = 2 * (n - 1) / n * size
+        else:
+            per_host = d * 2 * (h - 1) / h * (size / d)
+        return 2 * self.model.layers * per_host
 
     def seconds(self, tokens: int, kv_tokens_read: int) -> float:
         """One step: overhead + max(compute, memory) + the all-reduces (not
@@ -151,6 +196,7 @@ class StepCost:
             "overhead_s": self.overhead_s,
             "activation_bytes": self.activation_bytes,
             "token_quantum": self.token_quantum,
+            "hosts": self.hosts,
             "flop_rate": self.flop_rate,
             "byte_rate": self.byte_rate,
             "calibration": self.calibration,
@@ -173,6 +219,7 @@ class StepCost:
                                        "bandwidth_efficiency", "overhead_s",
                                        "activation_bytes", "flop_rate", "byte_rate")}  # fmt: skip
             kw["token_quantum"] = data.get("token_quantum", 1)
+            kw["hosts"] = data.get("hosts", 1)
         except (KeyError, TypeError) as e:
             raise StepCostError(f"malformed step-cost file: {e}") from None
         if kw["precision"] not in WEIGHT_BYTES:
