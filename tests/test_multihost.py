@@ -22,6 +22,7 @@ pytest.importorskip("jax")
 import kvsched  # noqa: E402
 from kvsched import checkpoint  # noqa: E402
 from kvsched.engine import multihost as mh  # noqa: E402
+from kvsched.engine.sampling import SamplingParams  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "multihost_check.py"
 
@@ -91,6 +92,71 @@ def test_message_round_trip_and_bounded_shapes():
     assert {mh.tail_bucket(n) for n in range(1, 65_537, 97)} == {2**k for k in range(10, 17)}
     with pytest.raises(kvsched.InternalError, match="bad magic"):
         mh.decode_message(bytes(64))
+
+
+# -- one process: process 0's inputs, refused or applied ---------------------------------
+
+
+def one_process(**kw) -> mh.MultiHost:
+    cfg = kvsched.SchedulerConfig(num_blocks=512, block_size=4, max_num_seqs=4,
+                                  max_batched_tokens=32, max_seq_len=64, max_waiting=64,
+                                  overhead_reserve=0.0)  # fmt: skip
+    m = mh.MultiHost(mh.SchedulerRunner(kvsched.Scheduler(cfg)), **kw)
+    m.add_tenant(kvsched.TenantConfig("t"))
+    return m
+
+
+def test_bad_inputs_are_refused_typed_and_change_nothing():
+    for bad in ({"digest_every": 0}, {"max_message_bytes": 100}, {"timeout_s": 0}):
+        with pytest.raises(kvsched.InvalidConfig):
+            one_process(**bad)
+    m = one_process(max_message_bytes=2048)
+    sched = m.runner.scheduler
+    for prompt in (np.zeros((2, 3), np.int32), np.array([1.5, 2.0]), np.array([2**40])):
+        with pytest.raises(kvsched.InvalidRequest):
+            m.submit("t", prompt)
+    with pytest.raises(kvsched.InvalidRequest, match="max_message_bytes"):
+        m.submit("t", np.arange(600, dtype=np.int32))  # more than one message carries
+    assert sched.live_requests == 0 and len(m._log) == 1  # the add_tenant only
+    # The log fills: the next input waits for the next step, and nothing was applied.
+    p = SamplingParams(max_tokens=4)
+    prompt = np.arange(1, 60, dtype=np.int32)
+    rids = []
+    with pytest.raises(mh.InputLogFull) as e:
+        for _ in range(10):
+            rids.append(m.submit("t", prompt, p, now=0.0))
+    assert e.value.reason == "pool_full" and isinstance(e.value, kvsched.Rejected)
+    assert 1 <= len(rids) < 10 and sched.live_requests == len(rids)
+    m.step(0.0)
+    rids.append(m.submit("t", prompt, p, now=0.0))
+    assert rids == list(range(1, len(rids) + 1)) and sched.live_requests == len(rids)
+    # A refusal by the scheduler reaches the caller and is logged with its outcome
+    # (every process replays it and must be refused alike).
+    with pytest.raises(kvsched.UnknownTenant):
+        m.submit("nobody", np.arange(1, 5, dtype=np.int32), now=0.0)
+    assert m._log[-1].meta["out"] == ["UnknownTenant", "unknown_tenant"]
+    m.close()
+    assert m.stopped and m.step() is None
+    with pytest.raises(kvsched.InvalidState, match="closed"):
+        m.submit("t", np.arange(1, 5, dtype=np.int32))
+
+
+def test_a_step_runs_every_logged_input_in_order_and_digests_each_step():
+    m = one_process(digest_every=3)
+    p = SamplingParams(max_tokens=8)
+    a = m.submit("t", np.arange(1, 9, dtype=np.int32), p, now=0.0)
+    m.cancel(a, now=0.0)
+    b = m.submit("t", np.arange(1, 9, dtype=np.int32), p, now=0.0)
+    m.update_tenant(kvsched.TenantConfig("t", weight=2.0), now=0.0)
+    kinds = [op.kind for op in m._log]
+    assert kinds == [mh.ADD_TENANT, mh.SUBMIT, mh.CANCEL, mh.SUBMIT, mh.UPDATE_TENANT]
+    res = m.step(0.0)
+    assert res is not None and res.plan.request_ids.tolist() == [b]
+    assert m.timings[-1].ops == 5 and m.timings[-1].message_bytes > mh.INLINE_BYTES
+    m.step(0.1)
+    m.step(0.2)  # the third step: its digest check ran (one process agrees with itself)
+    assert [t.digest_s > 0 for t in m.timings] == [False, False, True]
+    assert m.runner.scheduler.tenant("t").weight == 2.0
 
 
 # -- two processes ------------------------------------------------------------------------

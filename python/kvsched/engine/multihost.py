@@ -29,6 +29,7 @@ import struct
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -320,7 +321,8 @@ class MultiHost:
         self.perturb = perturb  # a test hook: changes this process's copy of each op
         self.step_no = 0
         self.stopped = False
-        self.timings: list[StepTiming] = []
+        self.timings: deque[StepTiming] = deque(maxlen=10_000)  # the latest steps'
+        self.failed: Exception | None = None  # a divergence or a lost peer: no more steps
         self._log: list[Op] = []
         self._log_bytes = 0
         self._lock = threading.RLock()
@@ -354,6 +356,11 @@ class MultiHost:
             raise kvsched.InvalidState("the multi-host engine is closed")
         with self._lock:
             size = len(op.encode()) + 64  # room for the outcome
+            if HEADER.size + size > self.max_message_bytes:
+                raise kvsched.InvalidRequest(
+                    f"this input encodes to {size} bytes, more than one step's message may "
+                    f"carry (max_message_bytes={self.max_message_bytes})"
+                )
             if HEADER.size + self._log_bytes + size > self.max_message_bytes:
                 err = InputLogFull(
                     f"this step's input log is at {self._log_bytes} of "
@@ -490,8 +497,11 @@ class MultiHost:
 
     def _bcast(self, what: str, buf: npt.NDArray[np.uint8]) -> bytes:
         source = self.process == 0
-        got = self._collective(what, lambda: self._mu.broadcast_one_to_all(buf, is_source=source))
-        return np.asarray(got).astype(np.uint8).tobytes()
+        # np.asarray inside: the collective's result is awaited under the watchdog too.
+        got: npt.NDArray[Any] = self._collective(
+            what, lambda: np.asarray(self._mu.broadcast_one_to_all(buf, is_source=source))
+        )
+        return got.astype(np.uint8).tobytes()
 
     def _broadcast(self, now: float, stop: bool) -> tuple[float, list[Op], bool, int, int]:
         """Process 0 sends, every process receives: (now, ops, stop, bytes, body)."""
@@ -522,6 +532,8 @@ class MultiHost:
         broadcasts its inputs and `now` (its clock when None); the others ignore
         `now`. Returns the runner's StepResult (None: nothing ran; after
         process 0's `close`, None and `stopped`)."""
+        if self.failed is not None:
+            raise kvsched.InvalidState(f"the multi-host engine has stopped: {self.failed}")
         if self.stopped:
             return None
         return self._step(now, stop=False)
@@ -533,6 +545,17 @@ class MultiHost:
             self._step(None, stop=True)
 
     def _step(self, now: float | None, stop: bool) -> StepResult | None:
+        # Process 0's inputs from other threads wait for the step to end: one
+        # applied between the plan and the commit would reach the others a step
+        # later than it reached this scheduler.
+        with self._lock:
+            try:
+                return self._step_locked(now, stop)
+            except (HostsDiverged, PeerLost) as e:
+                self.failed = e
+                raise
+
+    def _step_locked(self, now: float | None, stop: bool) -> StepResult | None:
         t0 = time.perf_counter()
         if self.process == 0:
             now = self.clock() if now is None else now
@@ -544,7 +567,8 @@ class MultiHost:
         t2 = time.perf_counter()
         timing = StepTiming(self.step_no, sent, body, len(ops), t1 - t0, t2 - t1)
         self.timings.append(timing)
-        result = None if stop else self.runner.step(now)
+        # The model step holds the mesh's collectives (its all-reduces): watched too.
+        result = None if stop else self._collective("model step", lambda: self.runner.step(now))
         self._record(result)
         self.step_no += 1
         if stop or len(self._rows) >= self.digest_every:
