@@ -10,6 +10,8 @@ Modes:
   the digest check (every 4 steps) must raise HostsDiverged on both.
 - kill / stall: no model; process 1 dies (SIGKILL) / hangs at step 5; process 0
   must exit EXIT_PEER_LOST with a checkpoint.
+- kill-model: match's workload; process 1 dies at step 10 before its model
+  step, so process 0 loses it inside the sharded model's collectives.
 """
 
 import json
@@ -49,7 +51,7 @@ def collect(res, finished: dict) -> None:
                                   "cached": f.cached_tokens}  # fmt: skip
 
 
-def match() -> None:
+def match(kill_at: int | None = None) -> None:
     from kvsched.engine.mesh import make_mesh
     from kvsched.engine.model import LlamaConfig, init_params
     from kvsched.engine.runner import Engine
@@ -62,7 +64,20 @@ def match() -> None:
     )  # fmt: skip
     eng = Engine.create(model, init_params(model, seed=2), cfg, mesh=make_mesh(4))
     eng.warmup(progress=False)
-    m = mh.MultiHost(eng, digest_every=1, timeout_s=60)
+    m = mh.MultiHost(eng, digest_every=1, timeout_s=60,
+                     checkpoint_path=os.path.join(OUT, "checkpoint.jsonl"))  # fmt: skip
+    if kill_at is not None and PID == 1:
+        # Process 1 dies after taking step kill_at's inputs, before its model step:
+        # process 0 is then alone in the model's all-reduces.
+        engine_step, steps = eng.step, [0]
+
+        def dying_step(now=None):
+            steps[0] += 1
+            if steps[0] > kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return engine_step(now)
+
+        eng.step = dying_step
     rng = np.random.default_rng(0)
     shared = rng.integers(1, 256, 16).tolist()
     prompts: dict[int, list[int]] = {}
@@ -101,7 +116,7 @@ def match() -> None:
                 submit("b", rng.integers(1, 256, 12).tolist(), now)
             elif step > 7 and not eng.scheduler.live_requests:
                 m.close()
-        res = m.step(now)
+        res = mh.exit_on_peer_lost(lambda: m.step(now))  # noqa: B023 - called at once
         if m.stopped:
             break
         collect(res, finished)
@@ -182,8 +197,8 @@ def failure(kind: str) -> None:
 
 
 try:
-    {"match": match, "desync": desync, "kill": lambda: failure("kill"),
-     "stall": lambda: failure("stall")}[MODE]()  # fmt: skip
+    {"match": match, "kill-model": lambda: match(kill_at=10), "desync": desync,
+     "kill": lambda: failure("kill"), "stall": lambda: failure("stall")}[MODE]()  # fmt: skip
 except BaseException:
     # Exit at once: the runtime's shutdown barrier would wait for the peer,
     # and the peer would wait in its next collective until its watchdog fires.

@@ -220,3 +220,12 @@ def test_a_lost_peer_ends_host_0_with_an_error_and_a_checkpoint(tmp_path, kind):
     ck = checkpoint.read(tmp_path / "checkpoint.jsonl")
     in_flight = [r for r in ck.records if r["kind"] == "in_flight"]
     assert len(in_flight) == 5 and all(r["generated_ids"] for r in in_flight)
+
+
+def test_a_peer_lost_inside_the_sharded_model_step_ends_host_0_with_a_checkpoint(tmp_path):
+    rcs, logs, seconds = run_pair("kill-model", tmp_path, timeout=150, wait_for=(0,))
+    assert rcs[1] == -signal.SIGKILL, logs[1]
+    assert rcs[0] == mh.EXIT_PEER_LOST, logs[0]
+    assert "step 10: model step failed" in logs[0] and "checkpoint written" in logs[0], logs[0]
+    ck = checkpoint.read(tmp_path / "checkpoint.jsonl")
+    assert any(r["kind"] == "in_flight" and r["generated_ids"] for r in ck.records)
