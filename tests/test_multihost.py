@@ -117,6 +117,8 @@ def test_bad_inputs_are_refused_typed_and_change_nothing():
             m.submit("t", prompt)
     with pytest.raises(kvsched.InvalidRequest, match="max_message_bytes"):
         m.submit("t", np.arange(600, dtype=np.int32))  # more than one message carries
+    with pytest.raises(kvsched.InvalidRequest, match="JSON"):
+        m.reconfigure(max_waiting=object())  # nothing another process could rebuild
     assert sched.live_requests == 0 and len(m._log) == 1  # the add_tenant only
     # The log fills: the next input waits for the next step, and nothing was applied.
     p = SamplingParams(max_tokens=4)

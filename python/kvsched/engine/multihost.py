@@ -355,7 +355,12 @@ class MultiHost:
         if self.stopped:
             raise kvsched.InvalidState("the multi-host engine is closed")
         with self._lock:
-            size = len(op.encode()) + 64  # room for the outcome
+            try:
+                size = len(op.encode()) + 64  # room for the outcome
+            except (TypeError, ValueError) as e:  # json: not a plain value
+                raise kvsched.InvalidRequest(
+                    f"an input process 0 cannot send to the others (JSON values only): {e}"
+                ) from None
             if HEADER.size + size > self.max_message_bytes:
                 raise kvsched.InvalidRequest(
                     f"this input encodes to {size} bytes, more than one step's message may "
