@@ -159,6 +159,14 @@ def test_a_step_runs_every_logged_input_in_order_and_digests_each_step():
     m.step(0.2)  # the third step: its digest check ran (one process agrees with itself)
     assert [t.digest_s > 0 for t in m.timings] == [False, False, True]
     assert m.runner.scheduler.tenant("t").weight == 2.0
+    # A drain is an input too: every process stops admitting at the same step.
+    m.drain(1.0)
+    assert m._log[-1].kind == mh.DRAIN
+    with pytest.raises(kvsched.Rejected) as e:
+        m.submit("t", np.arange(1, 9, dtype=np.int32), p, now=0.3)
+    assert e.value.reason == "draining"
+    while m.runner.scheduler.lifecycle != "drained":
+        m.step(1.0)
 
 
 # -- two processes ------------------------------------------------------------------------

@@ -50,7 +50,7 @@ MIN_TAIL_BYTES = 1024
 FLAG_STOP = 1
 
 # op kinds
-SUBMIT, CANCEL, ADD_TENANT, UPDATE_TENANT, REMOVE_TENANT, RECONFIGURE = 1, 2, 3, 4, 5, 6
+SUBMIT, CANCEL, ADD_TENANT, UPDATE_TENANT, REMOVE_TENANT, RECONFIGURE, DRAIN = range(1, 8)
 _OP = struct.Struct("<BII")  # kind, JSON length, int32 count
 
 # What each step's digest covers, in the order a difference is reported.
@@ -451,6 +451,13 @@ class MultiHost:
         self._admit(Op(RECONFIGURE, {"knobs": knobs}),
                     lambda: self.runner.scheduler.reconfigure(**knobs))  # fmt: skip
 
+    def drain(self, deadline: float) -> None:
+        """Process 0: Scheduler.drain on every process (stop admitting; the step at
+        or after `deadline` hands back what is unfinished, each with its ending).
+        Then `close()`, and `runner.scheduler.checkpoint(path)` on process 0."""
+        self._admit(Op(DRAIN, {"deadline": deadline}),
+                    lambda: self.runner.scheduler.drain(deadline))  # fmt: skip
+
     # -- every process: replaying and stepping ----------------------------------------
 
     def _replay(self, op: Op) -> None:
@@ -478,6 +485,8 @@ class MultiHost:
                 r.scheduler.remove_tenant(m["name"])
             elif op.kind == RECONFIGURE:
                 r.scheduler.reconfigure(**m["knobs"])
+            elif op.kind == DRAIN:
+                r.scheduler.drain(m["deadline"])
             else:
                 raise PeerLost(f"input message: unknown op kind {op.kind}")
         except PeerLost:
