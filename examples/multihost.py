@@ -79,6 +79,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]] | None:
     ap.add_argument("--process-id", type=int)
     ap.add_argument("--processes", type=int)
     ap.add_argument("--coordinator", help="HOST:PORT of process 0's coordination service")
+    ap.add_argument("--model", choices=["tiny", "smollm2"], default="tiny",
+                    help="smollm2: SmolLM2-135M-Instruct (3 KV heads: a device count "
+                    "dividing 3, e.g. --local 3 --devices-per-process 1)")  # fmt: skip
     ap.add_argument("--device", choices=["cpu", "tpu", "gpu"], default="cpu")
     ap.add_argument("--devices-per-process", type=int, default=2, help="CPU only (forced)")
     ap.add_argument("--requests", type=int, default=40)
@@ -124,13 +127,26 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]] | None:
 
     # KV heads, query heads and the MLP split over every global device.
     n_dev = len(jax.devices())
-    model = LlamaConfig(n_heads=2 * n_dev, n_kv_heads=n_dev, head_dim=32, dim=128, ffn_dim=256)
+    gg = None
+    if args.model == "tiny":
+        model = LlamaConfig(n_heads=2 * n_dev, n_kv_heads=n_dev, head_dim=32, dim=128,
+                            ffn_dim=256)  # fmt: skip
+        params = init_params(model, seed=args.seed)
+    else:
+        args.quiet = not p0
+        model, params, gg = ex.build_model(args, say)
+        if model.n_kv_heads % n_dev:
+            sys.exit(f"{model.name}: {model.n_kv_heads} KV heads do not split over {n_dev} "
+                     "devices (use a device count that divides it)")  # fmt: skip
     sched_config = kvsched.SchedulerConfig(
         num_blocks=1025, block_size=16, max_num_seqs=16, max_batched_tokens=256,
         max_seq_len=512, long_prefill_chunk=128, max_waiting=64, ladder="default",
     )  # fmt: skip
-    engine = Engine.create(model, init_params(model, seed=args.seed), sched_config,
-                           mesh=make_mesh())  # fmt: skip
+    engine = Engine.create(
+        model, params, sched_config, mesh=make_mesh(),
+        tokenizer=None if gg is None else gg.tokenizer,
+        eos_token_ids=() if gg is None else (gg.eos_token_id,),
+    )  # fmt: skip
     warm = engine.warmup(progress=False)
     say(f"{jax.process_count()} processes, {n_dev} devices ({len(jax.local_devices())} per "
         f"process); KV heads {model.n_kv_heads} split over all; warmup {warm:.1f} s")  # fmt: skip
@@ -161,6 +177,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]] | None:
     last: dict[int, float] = {}
     n_tokens: dict[int, int] = {}
     ended: dict[int, str | None] = {}
+    labels: dict[int, str] = {}
+    texts: dict[int, str] = {}
     finished: list[kvsched.FinishedRequest] = []
     start = time.monotonic()
 
@@ -168,13 +186,14 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]] | None:
         while arrivals or engine.scheduler.live_requests:
             while arrivals and start + arrivals[0][0] <= time.monotonic():
                 _, name = arrivals.pop(0)
-                prompt, sp, _label = ex.make_request(name, rng, None, model)
+                prompt, sp, label = ex.make_request(name, rng, gg, model)
                 try:
                     rid = m.submit(name, prompt, sp)
                 except kvsched.Rejected as e:
                     rejected[name][e.reason] = rejected[name].get(e.reason, 0) + 1
                     continue
                 tenant_of[rid], submitted[rid], n_tokens[rid] = name, time.monotonic(), 0
+                labels[rid], texts[rid] = label, ""
             res = m.step()  # every process steps together, idle or not
             if res is None:
                 time.sleep(0.002)
@@ -182,6 +201,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]] | None:
             finished.extend(res.events.finished)
             stamp = time.monotonic()
             for out in res.outputs:
+                texts[out.request_id] += out.text
                 if out.token_ids:
                     first.setdefault(out.request_id, stamp)
                     last[out.request_id] = stamp
@@ -206,6 +226,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]] | None:
             "cached_share": sum(f.cached_tokens for f in done)
             / max(1, sum(f.prompt_len for f in done)),
         }  # fmt: skip
+    if gg is not None:
+        for rid in sorted(ended)[:3]:
+            say(f"[{tenant_of[rid]}] {labels[rid]}\n  -> {texts[rid].strip()!r} ({ended[rid]})")
     t = m.timings
     say(f"{args.requests} requests, {m.step_no} steps in {elapsed:.1f} s; per step: broadcast "
         f"{1e3 * float(np.median([s.broadcast_s for s in t])):.2f} ms (median, "
