@@ -25,7 +25,8 @@ tests/test_engine_imports.py checks the package has no import cycle):
 - `model` (the Llama forward passes), then `sharding` (weights and caches on
   the mesh) and `loaders/`.
 - `runner` (Engine: warmup, the step loop), then `kv_eval` (runs engines to
-  produce an int8 KV report).
+  produce an int8 KV report) and `multihost` (one Engine per process of JAX's
+  multi-controller runtime, fed the same inputs).
 """
 
 from kvsched.engine.attention import paged_attention

@@ -89,10 +89,20 @@ def size_pool(
     parallelism each of `shards` devices holds 1/shards of every block, so the
     device with the least free memory decides."""
     per_block = kv_bytes_per_block(model, sched_config.block_size, kv_dtype)
-    frees = [measured_free_bytes(d) for d in (devices or [device])]
+    # On several processes (kvsched.engine.multihost) a process can read only its
+    # own devices; every process must size the same pool, so the least free
+    # memory of any process decides (a collective: every process sizes together).
+    here = jax.process_index()
+    frees = [measured_free_bytes(d) for d in (devices or [device])
+             if getattr(d, "process_index", here) == here]  # fmt: skip
     if any(f is None for f in frees):
         return PoolSizing(sched_config.num_blocks, None, per_block, "configured")
     free = min(f for f in frees if f is not None)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        mib = multihost_utils.process_allgather(np.asarray([free >> 20], np.int32))
+        free = int(np.min(mib)) << 20
     usable = int(free * (1.0 - sched_config.overhead_reserve))
     return PoolSizing(max(2, usable * shards // per_block), free, per_block, "measured")
 
@@ -354,13 +364,13 @@ class Engine:
         self._live[rid] = _Live(params, len(prompt), detok, stops)
         return rid
 
-    def cancel(self, request_id: int) -> RequestOutput | None:
+    def cancel(self, request_id: int, *, now: float | None = None) -> RequestOutput | None:
         """Cancel a request; returns its final output (finish_reason "cancelled")
         when it was submitted through `submit` and was still running. Cancelling a
         request that has already ended (finished this step, handed back by a
         drain) is not an error: it returns None, and its ending was or will be
         reported by `step`. An id never issued raises kvsched.UnknownRequest."""
-        ended_here = self.scheduler.cancel(request_id)
+        ended_here = self.scheduler.cancel(request_id, now=now)
         live = self._live.pop(request_id, None) if ended_here else None
         if live is None:
             return None
