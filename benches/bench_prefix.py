@@ -66,6 +66,23 @@ def make(kind: str):
                           vocab_size=vocab)  # fmt: skip
 
 
+def varied(n: int = 64, shared: bool = True) -> list[np.ndarray]:
+    """`n` prompts of PROMPT tokens: the cached CACHED-token prefix and a fresh
+    rest each (a shared system prompt, different user text), or (`shared`
+    False) nothing in common. The benchmarked prompt above repeats one prompt,
+    which the names memo serves whole; these show what it does when the rest
+    differs, and what it costs when nothing repeats."""
+    rng = np.random.default_rng(1)
+    base = prompt_pair()[1]
+    out = []
+    for _ in range(n):
+        p = rng.integers(0, 32000, PROMPT, dtype=np.int32)
+        if shared:
+            p[:CACHED] = base[:CACHED]
+        out.append(p)
+    return out
+
+
 @pytest.mark.parametrize(
     "kind", ["kvsched", "kvsched_vocab", "kvsched_cold", "kvsched_off", "python"]
 )

@@ -14,7 +14,8 @@ the median over repeats of each subprocess's median. Measured:
   workload of bench_planner.py), N in --sizes, prefix cache on and off, and the
   cost per decoding sequence; the Python planner (py_planner.py) at the same N;
 - submit + cancel of a 2048-token prompt whose first 1024 tokens are cached
-  (bench_prefix.py's workload);
+  (bench_prefix.py's workload), also with the vocabulary declared, with a fresh
+  rest after the cached prefix each time, and with nothing cached or shared;
 - the heap the scheduler holds per token for 4,096 running sequences of ~2k tokens
   (bytes in use after, less before: glibc's mallinfo2, plus the extension's own
   count of its Rust heap where that is mimalloc), two ways: "held", what
@@ -72,12 +73,18 @@ def work_step(kind: str, n: int) -> dict:
 def work_prefix(kind: str) -> dict:
     import bench_prefix
 
+    # kind[:varied | :unshared]: the same prompt each time (the benchmark), a
+    # fresh rest after the cached prefix each time, or nothing shared at all.
+    kind, _, how = kind.partition(":")
     sched = bench_prefix.make(kind)
-    _, prompt = bench_prefix.prompt_pair()
+    if how:
+        prompts = bench_prefix.varied(100, shared=how == "varied")
+    else:
+        prompts = [bench_prefix.prompt_pair()[1]] * 100
 
     def once() -> None:
-        for _ in range(100):
-            sched.cancel(sched.submit("t", prompt, 256, now=1.0))
+        for p in prompts:
+            sched.cancel(sched.submit("t", p, 256, now=1.0))
 
     return {"seconds": _time_calls(once, 200) / 100}
 
@@ -217,6 +224,8 @@ def main() -> None:
                          ("step", kind, str(n))))  # fmt: skip
     jobs.append(("prefix admission 2048 (1024 cached)", ("prefix", "kvsched")))
     jobs.append(("  the same, vocab_size 32,000 declared", ("prefix", "kvsched_vocab")))
+    jobs.append(("  the cached prefix, a fresh rest each", ("prefix", "kvsched:varied")))
+    jobs.append(("  nothing cached, nothing shared", ("prefix", "kvsched_cold:unshared")))
     if not args.no_memory:
         jobs.append(("bytes/token, 4096 x ~2k (cache on)", ("memory", "kvsched")))
         jobs.append(("bytes/token, 4096 x ~2k (cache off)", ("memory", "kvsched_off")))

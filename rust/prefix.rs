@@ -31,6 +31,7 @@
 //! `Scheduler::cache_quota`).
 
 mod index;
+mod memo;
 mod naming;
 
 use std::hash::Hasher;
@@ -41,6 +42,7 @@ use crate::pool::{resident, PageId};
 use crate::tenant::TenantId;
 
 use index::PageIndex;
+pub use memo::NameMemo;
 pub use naming::{BlockChain, BlockNamer, TokenWidth};
 
 /// A block's name.

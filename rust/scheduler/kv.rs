@@ -16,7 +16,9 @@
 //! helpers at the end).
 
 use super::*;
-use crate::prefix::{BlockChain, TokenWidth};
+use std::cell::RefCell;
+
+use crate::prefix::{BlockChain, NameMemo, TokenWidth};
 
 pub(super) struct KvManager {
     pool: BlockPool,
@@ -31,6 +33,9 @@ pub(super) struct KvManager {
     named: Vec<(u32, BlockKey, Scope)>,
     /// Each tenant's evictable blocks are its own (`CachePartition::Tenant`).
     partitioned: bool,
+    /// The names of recently looked-up prompts by their tokens: a prompt
+    /// that starts like one just before compares instead of hashing.
+    memo: RefCell<NameMemo>,
 }
 
 impl KvManager {
@@ -65,6 +70,7 @@ impl KvManager {
             block: BlockSize::new(config.block_size),
             named: Vec::new(),
             partitioned,
+            memo: RefCell::default(),
         })
     }
 
@@ -151,21 +157,19 @@ impl KvManager {
             return 0;
         }
         let cache = self.pool.cache();
+        let mut memo = self.memo.borrow_mut();
         // Software-pipelined by one block: the lookup of a block's name is
-        // issued before the next block is hashed, so its loads overlap that
+        // issued before the next block is named, so its loads overlap that
         // work instead of stalling the loop. One block past the first miss is
         // named in vain (the miss itself was named in vain before, too).
-        let mut at = *chain;
-        let mut blocks = tokens.chunks_exact(self.block_size).take(max_blocks);
-        let Some(first) = blocks.next() else {
+        let mut blocks = memo.names(*chain, tokens, self.block_size, max_blocks);
+        let Some((mut name, mut after)) = blocks.next() else {
             return 0;
         };
-        let mut name = at.push(first);
-        let mut after = at;
         let mut held = 0;
         loop {
             let found = cache.lookup(name);
-            let next = blocks.next().map(|b| (at.push(b), at));
+            let next = blocks.next();
             let Some(p) = found else {
                 return held;
             };
@@ -175,7 +179,7 @@ impl KvManager {
                 held += 1;
             }
             match next {
-                Some((k, a)) => (name, after) = (k, a),
+                Some(n) => (name, after) = n,
                 None => return held,
             }
         }
