@@ -4,10 +4,12 @@ runs, or printed for what it is."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
+from kvsched.capacity import load_max_rate
 from kvsched.sim import maxrate, setup
 from kvsched.sim.slo import parse_slos
 
@@ -24,3 +26,27 @@ def test_a_max_rate_search_refuses_a_workload_arriving_all_at_once():
     engine = setup.engine_for(arrivals)
     with pytest.raises(ValueError, match="at one instant"):
         maxrate.find_max_rate(arrivals, tenants, engine, parse_slos(["*:ttft=1,itl=0.1"]))
+
+
+def _max_rate_file(tmp_path, **over):
+    data = {"multiplier": 1024.0, "requests_per_s": 2048.0, "output_tokens_per_s": 300.0,
+            "input_tokens_per_s": 3000.0, "model": "llama-3-8b", "accelerator": "h100",
+            "devices": 1, "trace": "t.csv", "attainment_target": 0.99, "binding": None,
+            "slos": {"default": "ttft=100,itl=100"}, "upper": None}  # fmt: skip
+    data.update(over)
+    path = tmp_path / "mr.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_a_max_rate_no_load_bound_is_costed_as_a_lower_bound(tmp_path, capsys):
+    mr = load_max_rate(_max_rate_file(tmp_path), model="llama-3-8b", accelerator="h100",
+                       devices=1)  # fmt: skip
+    said = mr.describe()
+    assert "?" not in said
+    assert "lower bound" in said and "1024x" in said
+    bound = load_max_rate(
+        _max_rate_file(tmp_path, binding={"tenant": "a", "constraint": "ttft"}, upper=1.1),
+        model="llama-3-8b", accelerator="h100", devices=1,
+    )  # fmt: skip
+    assert "binding a ttft" in bound.describe() and "lower bound" not in bound.describe()
