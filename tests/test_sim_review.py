@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvsched.capacity import load_max_rate
+from kvsched.cli import main
 from kvsched.sim import maxrate, setup
 from kvsched.sim.slo import parse_slos
 
@@ -50,3 +51,14 @@ def test_a_max_rate_no_load_bound_is_costed_as_a_lower_bound(tmp_path, capsys):
         model="llama-3-8b", accelerator="h100", devices=1,
     )  # fmt: skip
     assert "binding a ttft" in bound.describe() and "lower bound" not in bound.describe()
+
+
+def test_rate_with_time_scale_is_refused(tmp_path, capsys):
+    # --time-scale stretched the drawn times while the search's other seeds
+    # were drawn at --rate itself (and the header printed --rate).
+    path = tmp_path / "t.csv"
+    path.write_text("prompt_tokens,output_tokens\n100,20\n200,30\n")
+    assert main(["simulate", "--trace-path", str(path), "--rate", "2", "--time-scale", "2",
+                 "--scenarios", "continuous"]) == 2  # fmt: skip
+    out, err = capsys.readouterr()
+    assert "--time-scale" in err and "--rate" in err and out == ""

@@ -147,6 +147,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             if v is not None:
                 raise ValueError(f"{opt} applies to a generic trace (--trace-path FILE "
                                  f"without --trace), not to --trace {trace}")  # fmt: skip
+    if args.rate is not None and args.time_scale != 1.0:
+        # The times drawn at --rate would be stretched while the header (and the
+        # max-rate search's other seeds, drawn afresh) kept --rate itself.
+        raise ValueError("--time-scale stretches a trace's own arrival times; with --rate, "
+                         "give the rate you mean (or --load to multiply it)")  # fmt: skip
     if not args.find_max_rate:
         for opt, v in (("--attainment", args.attainment), ("--seeds", args.seeds),
                        ("--json", args.json)):  # fmt: skip
