@@ -11,7 +11,7 @@ import pytest
 
 from kvsched.capacity import load_max_rate
 from kvsched.cli import main
-from kvsched.sim import maxrate, setup
+from kvsched.sim import maxrate, mix, setup, sweeps
 from kvsched.sim.slo import parse_slos
 
 DATA = Path(__file__).parent / "data"
@@ -62,3 +62,36 @@ def test_rate_with_time_scale_is_refused(tmp_path, capsys):
                  "--scenarios", "continuous"]) == 2  # fmt: skip
     out, err = capsys.readouterr()
     assert "--time-scale" in err and "--rate" in err and out == ""
+
+
+@pytest.mark.parametrize("over", [{"chat_rate": 0.0}, {"docs_rate": -1.0},
+                                  {"docs_rate": float("nan")}, {"chat_output": 0},
+                                  {"seconds": 0.0}])  # fmt: skip
+def test_a_mix_workload_with_a_rate_that_draws_nothing_is_refused(over):
+    with pytest.raises(ValueError):
+        mix.MixWorkload(**over)
+
+
+def test_mix_refuses_bad_machine_options_before_printing_anything(capsys):
+    assert main(["mix", "--chat-rate", "0", "--loads", "1", "--arrangements", "apart"]) == 2
+    assert main(["mix", "--devices", "3", "--loads", "1", "--seconds", "1"]) == 2
+    assert main(["mix", "--arrangements", "together,bogus", "--loads", "1"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "chat" in err and "even" in err and "bogus" in err
+
+
+def test_an_slo_for_no_tenant_of_the_workload_is_refused(capsys):
+    # It used to be taken silently: goodput 0.000 req/s on every row.
+    assert main(["sweep", "reserve", "--trace-path", AZURE, "--limit", "5", "--values", "0.1",
+                 "--slo", "nobody:ttft=1"]) == 2  # fmt: skip
+    assert main(["mix", "--loads", "1", "--seconds", "1", "--arrangements", "together",
+                 "--slo", "nobody:ttft=1"]) == 2  # fmt: skip
+    out, err = capsys.readouterr()
+    assert err.count("'nobody'") == 2 and "interactive" in err and "chat" in err
+    assert "goodput" not in out
+    arrivals, tenants = setup.named_workload("azure", path=AZURE, limit=5)
+    engine = setup.engine_for(arrivals)
+    with pytest.raises(ValueError, match="nobody"):
+        sweeps.sweep(engine.config, tenants, arrivals, engine.cost, "reserve", [0.1],
+                     slos=parse_slos(["nobody:ttft=1"]))  # fmt: skip

@@ -377,6 +377,7 @@ def cmd_mix(args: argparse.Namespace) -> int:
     """A prefill-heavy and a decode-heavy tenant together on one machine, against
     each alone on half of it and against time slices of the whole."""
     from kvsched.sim import mix
+    from kvsched.sim.slo import check_tenants
 
     workload = mix.MixWorkload(seconds=args.seconds, docs_rate=args.docs_rate,
                                chat_rate=args.chat_rate, chat_output=args.chat_output,
@@ -388,7 +389,11 @@ def cmd_mix(args: argparse.Namespace) -> int:
     if not loads or not all(x > 0 for x in loads):  # NaN too
         raise ValueError(f"--loads {args.loads!r}: every load must be > 0")
     which = [w.strip() for w in args.arrangements.split(",") if w.strip()]
+    which = mix.check_machine(args.devices, args.window, which)  # before the header
+    if not (0 < args.attainment <= 1):  # NaN too
+        raise ValueError(f"--attainment must be a fraction in (0, 1], got {args.attainment!r}")
     slos, said = _slos(args.slo, mix.DEFAULT_SLOS)
+    check_tenants(slos, [t.name for t in workload.tenants()])
     print(f"mix: {workload.describe()}; both tenants tier 0")
     half = f"{args.devices // 2} x {args.accelerator}"
     print(f"  together: {args.devices} x {args.accelerator} serving {args.model}, one engine")

@@ -44,6 +44,7 @@ throughput it carries.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,7 +55,7 @@ import kvsched
 from kvsched.sim import workloads
 from kvsched.sim.setup import DEFAULT_STEP_BUDGET, engine_for
 from kvsched.sim.simulator import SERVED, Arrival, RequestRecord, SimResult, StepCost, simulate
-from kvsched.sim.slo import Attainment, Slo, attainment
+from kvsched.sim.slo import Attainment, Slo, attainment, check_tenants
 
 ARRANGEMENTS = ("together", "replicas", "apart", "sliced")
 MIXING = ("together", "replicas")
@@ -75,6 +76,18 @@ class MixWorkload:
     chat_prompt: int = 200
     chat_output: int = 1000
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        # A rate of 0 drew no gap (ZeroDivisionError deep in the generator); a
+        # NaN or negative one, nonsense arrivals.
+        for name in ("seconds", "docs_rate", "chat_rate"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and 0 < v < math.inf):  # NaN too
+                raise ValueError(f"{name} must be a number > 0, got {v!r}")
+        for name in ("docs_prompt", "chat_prompt", "chat_output"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and v >= 1):
+                raise ValueError(f"{name} must be a whole number of tokens >= 1, got {v!r}")
 
     def arrivals(self, load: float = 1.0) -> list[Arrival]:
         """`load` x the rates over `seconds`: the load-1 stream of
@@ -180,6 +193,23 @@ def _merge(name: str, results: Iterable[SimResult]) -> SimResult:
                      sum(r.step_errors for r in results), gaps=gaps)  # fmt: skip
 
 
+def check_machine(devices: int, window: float, which: Sequence[str]) -> list[str]:
+    """Refuse a machine that does not split in two, a time slice <= 0 (when
+    sliced runs) or an unknown arrangement, before anything runs; `which` as a
+    list."""
+    if devices < 2 or devices % 2:
+        raise ValueError(
+            f"the machine must split in two halves: devices must be even, got {devices}"
+        )
+    if "sliced" in which and not (window > 0):  # NaN too; before anything runs
+        raise ValueError(f"the window must be > 0 seconds, got {window!r}")
+    which = list(which)
+    unknown = [w for w in which if w not in ARRANGEMENTS]
+    if unknown:
+        raise ValueError(f"unknown arrangement {unknown[0]!r}; known: {', '.join(ARRANGEMENTS)}")
+    return which
+
+
 def arrange(
     arrivals: list[Arrival],
     tenants: Sequence[kvsched.TenantConfig],
@@ -197,19 +227,11 @@ def arrange(
     """The same arrivals in each arrangement (ARRANGEMENTS, in that order).
     `max_num_seqs` and `step_budget` are per device (an engine of n devices
     gets n x each); `chunk` is per sequence."""
-    if devices < 2 or devices % 2:
-        raise ValueError(
-            f"the machine must split in two halves: devices must be even, got {devices}"
-        )
-    if "sliced" in which and not (window > 0):  # NaN too; before anything runs
-        raise ValueError(f"the window must be > 0 seconds, got {window!r}")
-    which = list(which)
-    unknown = [w for w in which if w not in ARRANGEMENTS]
-    if unknown:
-        raise ValueError(f"unknown arrangement {unknown[0]!r}; known: {', '.join(ARRANGEMENTS)}")
+    which = check_machine(devices, window, which)
     names = [t.name for t in tenants]
     if sorted({a.tenant for a in arrivals}) != sorted(names) or len(names) != 2:
         raise ValueError(f"two tenants, each with arrivals, are needed; tenants {names}")
+    check_tenants(slos, names)
 
     def engine(mine: list[Arrival], n: int):
         # Per-device knobs: an engine of n devices runs n x the sequences and
