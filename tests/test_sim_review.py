@@ -12,6 +12,7 @@ import pytest
 from kvsched.capacity import load_max_rate
 from kvsched.cli import main
 from kvsched.sim import maxrate, mix, setup, sweeps
+from kvsched.sim.simulator import StepCost, StepCostError
 from kvsched.sim.slo import parse_slos
 
 DATA = Path(__file__).parent / "data"
@@ -95,3 +96,17 @@ def test_an_slo_for_no_tenant_of_the_workload_is_refused(capsys):
     with pytest.raises(ValueError, match="nobody"):
         sweeps.sweep(engine.config, tenants, arrivals, engine.cost, "reserve", [0.1],
                      slos=parse_slos(["nobody:ttft=1"]))  # fmt: skip
+
+
+@pytest.mark.parametrize("key,value", [("mfu", 0), ("mfu", "0.5"), ("mfu", 1.5),
+                                       ("bandwidth_efficiency", 0), ("flop_rate", "1e12"),
+                                       ("byte_rate", True), ("overhead_s", None),
+                                       ("kv_dtype_bytes", -2), ("activation_bytes", 0),
+                                       ("devices", 1.0)])  # fmt: skip
+def test_a_hand_edited_step_cost_file_is_refused_with_a_step_cost_error(tmp_path, key, value):
+    data = StepCost.preset().to_json()
+    data[key] = value
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(StepCostError, match=key):
+        StepCost.load(path, model="llama-3-8b", devices=1)
