@@ -558,10 +558,45 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return server.run(args.host, args.port, log_level=args.log_level)
 
 
+def _preset_options(
+    p: argparse.ArgumentParser, *, devices: int = 1,
+    devices_help: str = "accelerators, tensor parallel (count; default 1)",
+) -> None:  # fmt: skip
+    """--model, --accelerator (the capacity presets) and --devices: what
+    capacity, simulate, sweep and mix size the engine from."""
+    from kvsched.capacity import ACCELERATORS, MODELS
+
+    p.add_argument("--model", default="llama-3-8b", choices=sorted(MODELS),
+                   help="model preset (default llama-3-8b)")  # fmt: skip
+    p.add_argument("--accelerator", default="h100", choices=sorted(ACCELERATORS),
+                   help="accelerator preset (default h100)")  # fmt: skip
+    p.add_argument("--devices", type=int, default=devices, help=devices_help)
+
+
+def _engine_options(
+    p: argparse.ArgumentParser, *, budget_help: str, budget: int | None = None,
+    devices: int = 1, devices_help: str = "accelerators, tensor parallel (count; default 1)",
+    context: bool = True, seqs_help: str = "sequences running at once (count; default 128)",
+    chunk_help: str = "long-prefill chunk in tokens (default 2048)",
+) -> None:  # fmt: skip
+    """The simulated engine's options, the same in simulate, sweep and mix:
+    the presets and devices, --context (not mix: its workload fixes it),
+    --max-num-seqs, --max-batched-tokens (its default differs per command,
+    hence `budget` and `budget_help`) and --chunk. The help texts that differ
+    (mix counts per device) are passed in."""
+    _preset_options(p, devices=devices, devices_help=devices_help)
+    if context:
+        p.add_argument("--context", type=int, default=8192,
+                       help="max sequence length in tokens, raised to the workload's longest "
+                       "(default 8192)")  # fmt: skip
+    p.add_argument("--max-num-seqs", type=int, default=128, help=seqs_help)
+    p.add_argument("--max-batched-tokens", type=int, default=budget, help=budget_help)
+    p.add_argument("--chunk", type=int, default=2048, help=chunk_help)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `kvsched` command line: every option carries help text with its unit
     and default (tests/test_capacity.py walks it)."""
-    from kvsched.capacity import ACCELERATORS, MODELS
     from kvsched.sim.mix import DEFAULT_LOADS as MIX_LOADS
     from kvsched.sim.setup import DEFAULT_LOAD
 
@@ -569,16 +604,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("capacity", help="KV capacity, the matching SchedulerConfig, cost")
-    c.add_argument("--model", default="llama-3-8b", choices=sorted(MODELS),
-                   help="model preset (default llama-3-8b)")  # fmt: skip
-    c.add_argument("--accelerator", default="h100", choices=sorted(ACCELERATORS),
-                   help="accelerator preset (default h100)")  # fmt: skip
-    c.add_argument(
-        "--devices",
-        type=int,
-        default=1,
-        help="accelerators, tensor parallel, memory summed as one big device (count; default 1)",
-    )
+    _preset_options(c, devices_help="accelerators, tensor parallel, memory summed as one big "
+                    "device (count; default 1)")  # fmt: skip
     c.add_argument(
         "--precision",
         default="bf16",
@@ -698,26 +725,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="standard",
         help="comma-separated scenario names (default: standard, all eight)",
     )
-    s.add_argument("--model", default="llama-3-8b", choices=sorted(MODELS),
-                   help="model preset (default llama-3-8b)")  # fmt: skip
-    s.add_argument("--accelerator", default="h100", choices=sorted(ACCELERATORS),
-                   help="accelerator preset (default h100)")  # fmt: skip
-    s.add_argument("--devices", type=int, default=1,
-                   help="accelerators, tensor parallel (count; default 1)")  # fmt: skip
-    s.add_argument("--context", type=int, default=8192,
-                   help="max sequence length in tokens, raised to the workload's longest "
-                   "(default 8192)")  # fmt: skip
-    s.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=128,
-        help="sequences running at once (count; default 128)",
-    )
-    s.add_argument("--max-batched-tokens", type=int, default=None,
-                   help="step budget in tokens (default 2048 for prefill-vs-decode, "
-                   "8192 otherwise)")  # fmt: skip
-    s.add_argument("--chunk", type=int, default=2048,
-                   help="long-prefill chunk in tokens (default 2048)")  # fmt: skip
+    _engine_options(s, budget_help="step budget in tokens (default 2048 for "
+                    "prefill-vs-decode, 8192 otherwise)")  # fmt: skip
     s.add_argument("--plots", help="write PNG plots to this folder")
     s.add_argument("--step-cost", metavar="FILE",
                    help="a step-cost file from kvsched calibrate, for the same --model "
@@ -749,26 +758,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--slo", action="append",
                    help="TENANT:ttft=SECONDS,itl=SECONDS,gap=SECONDS, repeatable, * for every "
                    "tenant (default per workload, printed)")  # fmt: skip
-    w.add_argument("--model", default="llama-3-8b", choices=sorted(MODELS),
-                   help="model preset (default llama-3-8b)")  # fmt: skip
-    w.add_argument("--accelerator", default="h100", choices=sorted(ACCELERATORS),
-                   help="accelerator preset (default h100)")  # fmt: skip
-    w.add_argument("--devices", type=int, default=1,
-                   help="accelerators, tensor parallel (count; default 1)")  # fmt: skip
-    w.add_argument("--context", type=int, default=8192,
-                   help="max sequence length in tokens, raised to the workload's longest "
-                   "(default 8192)")  # fmt: skip
-    w.add_argument("--max-num-seqs", type=int, default=128,
-                   help="sequences running at once (count; default 128)")  # fmt: skip
-    w.add_argument("--max-batched-tokens", type=int, default=None,
-                   help="step budget in tokens (default: 8192 for the chunk sweep, so every "
-                   "chunk fits a step; the workload's, as simulate, for reserve)")  # fmt: skip
-    w.add_argument(
-        "--chunk",
-        type=int,
-        default=2048,
-        help="long-prefill chunk of the reserve sweep, tokens (default 2048)",
-    )
+    _engine_options(w, budget_help="step budget in tokens (default: 8192 for the chunk "
+                    "sweep, so every chunk fits a step; the workload's, as simulate, for "
+                    "reserve)", chunk_help="long-prefill chunk of the reserve sweep, tokens "
+                    "(default 2048)")  # fmt: skip
     w.add_argument("--plots", help="write <knob>_sweep.png to this folder")
     w.set_defaults(func=cmd_sweep)
 
@@ -803,23 +796,11 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--attainment", type=float, default=0.95,
                    help="share of each tenant's requests that must meet its SLO (0..1; "
                    "default 0.95)")  # fmt: skip
-    x.add_argument("--model", default="llama-3-8b", choices=sorted(MODELS),
-                   help="model preset (default llama-3-8b)")  # fmt: skip
-    x.add_argument("--accelerator", default="h100", choices=sorted(ACCELERATORS),
-                   help="accelerator preset (default h100)")  # fmt: skip
-    x.add_argument("--devices", type=int, default=2,
-                   help="accelerators of the whole machine, even: half each apart (count; "
-                   "default 2)")  # fmt: skip
-    x.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=128,
-        help="sequences running at once, per device (count; default 128)",
-    )
-    x.add_argument("--max-batched-tokens", type=int, default=2048,
-                   help="step budget per device, tokens (default 2048)")  # fmt: skip
-    x.add_argument("--chunk", type=int, default=2048,
-                   help="long-prefill chunk, tokens (default 2048)")  # fmt: skip
+    _engine_options(x, devices=2, devices_help="accelerators of the whole machine, even: "
+                    "half each apart (count; default 2)", context=False,
+                    seqs_help="sequences running at once, per device (count; default 128)",
+                    budget=2048, budget_help="step budget per device, tokens (default 2048)",
+                    chunk_help="long-prefill chunk, tokens (default 2048)")  # fmt: skip
     x.set_defaults(func=cmd_mix)
 
     k = sub.add_parser("calibrate", help="fit the simulator's step cost to the engine here")
