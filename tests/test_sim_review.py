@@ -5,6 +5,7 @@ runs, or printed for what it is."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,21 @@ def test_a_hand_edited_step_cost_file_is_refused_with_a_step_cost_error(tmp_path
     path.write_text(json.dumps(data))
     with pytest.raises(StepCostError, match=key):
         StepCost.load(path, model="llama-3-8b", devices=1)
+
+
+def test_simulate_says_where_its_step_times_come_from(tmp_path, capsys):
+    # A calibration from another device (CPU here) gives the step times while
+    # --accelerator still sizes the pool: the header said only "on 1 x h100".
+    where = {"device": "cpu x86_64 x 1 (cpu, jax 0.4)", "backend": "reference"}
+    cal = replace(StepCost.preset("llama-3-8b", "h100"), flop_rate=1e12, byte_rate=1e10,
+                  calibration=where)  # fmt: skip
+    path = tmp_path / "cpu.json"
+    cal.save(path)
+    args = ["simulate", "--trace", "azure", "--trace-path", AZURE, "--limit", "20",
+            "--scenarios", "continuous"]  # fmt: skip
+    assert main([*args, "--step-cost", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"step times from {path}" in out and "calibrated on cpu x86_64" in out
+    assert "pool sized for h100" in out
+    assert main(args) == 0
+    assert "step times from h100's peak rates x efficiency" in capsys.readouterr().out

@@ -215,6 +215,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     print(f"{len(arrivals)} requests ({label}) on {args.devices} x {args.accelerator} "
           f"serving {args.model}: {pool}; step budget {step_budget:,} tokens, prefill "
           f"chunk {args.chunk:,}")  # fmt: skip
+    if args.step_cost:
+        cal = cost.calibration or {}
+        where = (f"calibrated on {cal.get('device', '?')}, {cal.get('backend', '?')} backend"
+                 if cal else f"{cost.accelerator.name}'s rates, not calibrated")  # fmt: skip
+        print(f"  step times from {args.step_cost} ({where}); pool sized for "
+              f"{args.accelerator}'s memory")  # fmt: skip
+    else:
+        print(f"  step times from {args.accelerator}'s peak rates x efficiency (mfu "
+              f"{cost.mfu:g}, bandwidth {cost.bandwidth_efficiency:g}; --step-cost FILE from "
+              "kvsched calibrate for measured ones)")  # fmt: skip
     if generic:
         tiers = ", ".join(f"{t.name} (tier {t.tier})" for t in tenants)
         timing = ("arrival times from the file" if args.rate is None else
