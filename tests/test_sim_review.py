@@ -129,3 +129,16 @@ def test_simulate_says_where_its_step_times_come_from(tmp_path, capsys):
     assert "pool sized for h100" in out
     assert main(args) == 0
     assert "step times from h100's peak rates x efficiency" in capsys.readouterr().out
+
+
+def test_mix_says_the_together_engine_pays_its_all_reduces(capsys):
+    # The step cost charges tensor parallelism's all-reduces since the TP
+    # change; the mix header still said it did not, which read as together
+    # being flattered.
+    assert main(["mix", "--loads", "1", "--seconds", "2", "--docs-rate", "4", "--arrangements",
+                 "together"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "all-reduces are charged" in out and "does not charge" not in out
+    arrivals = mix.MixWorkload(seconds=2.0, docs_rate=4.0).arrivals()
+    whole = setup.engine_for(arrivals, devices=2)
+    assert whole.cost.allreduce_seconds(256) > 0

@@ -10,11 +10,12 @@ The arrangements, on a machine of `devices` accelerators (2 by default):
 - together: one engine on the whole machine (tensor parallel over every
   device) serves both tenants; a step carries chat's decodes beside a chunk of
   a docs prefill, so the decodes use the bandwidth a compute-bound prefill
-  leaves idle. The step-cost model charges no all-reduce for tensor
-  parallelism (optimistic for latency), which favours this arrangement, so:
-- replicas: mixing without tensor parallelism: two engines of half the
+  leaves idle. Its steps pay tensor parallelism's all-reduces (the step-cost
+  model charges them, `StepCost.allreduce_seconds`), which the arrangements
+  on half the devices pay less of (none on one device each), so:
+- replicas: mixing with less tensor parallelism: two engines of half the
   devices, as apart, each serving both tenants (every other request of each).
-  Against apart it isolates the gain of mixing from the one-big-device model.
+  Against apart it isolates the gain of mixing from the engine's size.
 - apart: each tenant alone on half the machine, half the *devices* (an engine
   of devices/2: its own step-cost model and its own pool, sized by the
   capacity model for devices/2). Half the devices, not half the pool, because
