@@ -408,9 +408,9 @@ def cmd_mix(args: argparse.Namespace) -> int:
     half = f"{args.devices // 2} x {args.accelerator}"
     print(f"  together: {args.devices} x {args.accelerator} serving {args.model}, one engine "
           "(tensor parallel: its all-reduces are charged in every step)")  # fmt: skip
-    print(f"  replicas: two engines of {half}, each serving both (mixing without tensor "
-          "parallelism{}: fewer devices per engine, fewer all-reduces)".format(
-              "" if args.devices > 2 else " or its all-reduces"))  # fmt: skip
+    fewer = "no all-reduces" if args.devices == 2 else "fewer all-reduces"
+    print(f"  replicas: two engines of {half}, each serving both (mixing on half the "
+          f"devices per engine: {fewer})")  # fmt: skip
     print(f"  apart:    {half} per tenant (half the devices: two engines, each its own "
           "weights, pool and steps)")  # fmt: skip
     print(f"  sliced:   the whole machine alternating in {args.window:g} s windows (free "
