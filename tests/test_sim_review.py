@@ -142,3 +142,10 @@ def test_mix_says_the_together_engine_pays_its_all_reduces(capsys):
     arrivals = mix.MixWorkload(seconds=2.0, docs_rate=4.0).arrivals()
     whole = setup.engine_for(arrivals, devices=2)
     assert whole.cost.allreduce_seconds(256) > 0
+
+
+def test_a_limit_below_one_request_is_refused_as_such(capsys):
+    assert main(["simulate", "--trace", "azure", "--trace-path", AZURE, "--limit", "0"]) == 2
+    assert "--limit" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="limit"):
+        setup.file_workload([{"prompt_tokens": 10, "output_tokens": 2}], rate=1.0, limit=-3)

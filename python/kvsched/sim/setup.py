@@ -38,6 +38,13 @@ DEFAULT_STEP_BUDGET = {"prefill-vs-decode": 2048}
 STEP_BUDGET = 8192
 
 
+def _check_limit(limit: int | None) -> None:
+    # 0 or a negative count read nothing and ended in "no requests" or "the
+    # workload is empty", which did not say why.
+    if limit is not None and not (isinstance(limit, int) and limit >= 1):
+        raise ValueError(f"limit (--limit) is a number of requests >= 1, got {limit!r}")
+
+
 def named_workload(
     trace: str,
     *,
@@ -50,6 +57,7 @@ def named_workload(
     (None: `DEFAULT_LOAD`). `path` replaces the bundled azure or mooncake file."""
     if trace not in NAMED:
         raise ValueError(f"unknown workload {trace!r}; known: {', '.join(NAMED)}")
+    _check_limit(limit)
     load = DEFAULT_LOAD.get(trace, 1.0) if load is None else load
     if not (load > 0 and time_scale > 0):  # NaN too
         raise ValueError(f"load ({load}) and time scale ({time_scale}) must be > 0")
@@ -102,6 +110,7 @@ def file_workload(
         raise ValueError(f"load must be a multiplier > 0, got {load!r}")
     if rate is None and burstiness != 1.0:
         raise ValueError("burstiness shapes arrivals drawn at a rate: give rate= too")
+    _check_limit(limit)
     reqs = read_requests(source, limit=limit, hash_block=hash_block)
     arrivals = workloads.from_trace(reqs, rate=rate, burstiness=burstiness, seed=seed,
                                     time_scale=1.0 / load, hash_block=hash_block)  # fmt: skip
