@@ -149,3 +149,11 @@ def test_a_limit_below_one_request_is_refused_as_such(capsys):
     assert "--limit" in capsys.readouterr().err
     with pytest.raises(ValueError, match="limit"):
         setup.file_workload([{"prompt_tokens": 10, "output_tokens": 2}], rate=1.0, limit=-3)
+
+
+def test_a_trace_file_given_with_a_synthetic_workload_is_refused(capsys):
+    # kvsched sweep chunk (prefill-vs-decode) --trace-path FILE ran the
+    # synthetic mix and ignored the file; simulate already refused it.
+    assert main(["sweep", "chunk", "--trace-path", AZURE, "--values", "256"]) == 2
+    out, err = capsys.readouterr()
+    assert "synthetic" in err and out == ""

@@ -58,6 +58,9 @@ def named_workload(
     if trace not in NAMED:
         raise ValueError(f"unknown workload {trace!r}; known: {', '.join(NAMED)}")
     _check_limit(limit)
+    if path is not None and trace not in ("azure", "mooncake"):
+        # The synthetic workloads read no file: a path given with one was ignored.
+        raise ValueError(f"a trace file replaces azure or mooncake; {trace} is synthetic")
     load = DEFAULT_LOAD.get(trace, 1.0) if load is None else load
     if not (load > 0 and time_scale > 0):  # NaN too
         raise ValueError(f"load ({load}) and time scale ({time_scale}) must be > 0")
