@@ -157,3 +157,22 @@ def test_a_trace_file_given_with_a_synthetic_workload_is_refused(capsys):
     assert main(["sweep", "chunk", "--trace-path", AZURE, "--values", "256"]) == 2
     out, err = capsys.readouterr()
     assert "synthetic" in err and out == ""
+
+
+@pytest.mark.parametrize("args", [["--time-scale", "inf"], ["--load", "inf"],
+                                  ["--load", "1e-320"]])  # fmt: skip
+def test_an_infinite_load_or_time_scale_is_refused(capsys, args):
+    # --time-scale inf put every arrival at inf s and the replay never ended;
+    # --load inf squeezed them all to 0 s and printed "load infx".
+    assert main(["simulate", "--trace", "azure", "--trace-path", AZURE, "--limit", "20",
+                 "--scenarios", "continuous", *args]) == 2  # fmt: skip
+    assert "finite" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="finite"):
+        setup.file_workload([{"prompt_tokens": 10, "output_tokens": 2}], rate=1.0,
+                            load=float(args[1]) if args[0] == "--load" else 1e-320)  # fmt: skip
+
+
+def test_mix_refuses_an_infinite_load():
+    with pytest.raises(ValueError, match="finite"):
+        mix.MixWorkload(seconds=1.0).arrivals(float("inf"))
+    assert main(["mix", "--loads", "1,inf"]) == 2

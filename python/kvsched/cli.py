@@ -30,6 +30,7 @@ kvsched eval-kv [--kv-dtype int8] [--prompts N] [--tokens N]
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -166,8 +167,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     # The search's multipliers count from the workload's own rate (1x); --load
     # is where its bracketing starts.
     load = default_load if args.load is None else args.load
-    if not (load > 0 and args.time_scale > 0):  # NaN too
-        raise ValueError(f"--load ({load}) and --time-scale ({args.time_scale}) must be > 0")
+    if not (0 < load < math.inf and 0 < args.time_scale < math.inf):  # NaN too
+        # inf squeezed every arrival to 0 s (load) or to inf s, where the
+        # replay never ended (time scale).
+        raise ValueError(f"--load ({load}) and --time-scale ({args.time_scale}) must be "
+                         "finite and > 0")  # fmt: skip
     at = 1.0 if args.find_max_rate else load
     if generic:
         if args.burstiness is not None and args.rate is None:
@@ -396,8 +400,8 @@ def cmd_mix(args: argparse.Namespace) -> int:
         loads = [float(x) for x in args.loads.split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"--loads {args.loads!r}: expected numbers like 0.5,1,2") from None
-    if not loads or not all(x > 0 for x in loads):  # NaN too
-        raise ValueError(f"--loads {args.loads!r}: every load must be > 0")
+    if not loads or not all(0 < x < math.inf for x in loads):  # NaN too
+        raise ValueError(f"--loads {args.loads!r}: every load must be finite and > 0")
     which = [w.strip() for w in args.arrangements.split(",") if w.strip()]
     which = mix.check_machine(args.devices, args.window, which)  # before the header
     if not (0 < args.attainment <= 1):  # NaN too

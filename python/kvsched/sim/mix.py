@@ -94,8 +94,8 @@ class MixWorkload:
         """`load` x the rates over `seconds`: the load-1 stream of
         `seconds` x `load` compressed `load` times, so a higher load adds
         requests to the same ones rather than drawing new ones."""
-        if not (load > 0 and self.seconds > 0):  # NaN too
-            raise ValueError(f"load ({load}) and seconds ({self.seconds}) must be > 0")
+        if not (0 < load < math.inf and self.seconds > 0):  # NaN too; inf drew forever
+            raise ValueError(f"load ({load}) must be finite and > 0, seconds ({self.seconds}) > 0")
         base = workloads.prefill_vs_decode(
             seconds=self.seconds * load, long_prompt=self.docs_prompt, long_rate=self.docs_rate,
             chat_rate=self.chat_rate, chat_prompt=self.chat_prompt,
@@ -380,8 +380,8 @@ def scan(workload: MixWorkload, loads: Iterable[float], slos: Mapping[str, Slo],
     assumes attainment falls with load between two grid points; a grid step
     of 0.5 and 4 steps find the limit within 0.03x)."""
     loads = sorted(set(loads))
-    if not loads or not all(x > 0 for x in loads):
-        raise ValueError(f"loads must be > 0, got {loads}")
+    if not loads or not all(0 < x < math.inf for x in loads):  # inf drew arrivals forever
+        raise ValueError(f"loads must be finite and > 0, got {loads}")
     if not (0 < target <= 1):
         raise ValueError(f"the attainment target must be in (0, 1], got {target!r}")
     tenants = workload.tenants()

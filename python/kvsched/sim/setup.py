@@ -15,6 +15,7 @@ format), the same way:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,9 +63,12 @@ def named_workload(
         # The synthetic workloads read no file: a path given with one was ignored.
         raise ValueError(f"a trace file replaces azure or mooncake; {trace} is synthetic")
     load = DEFAULT_LOAD.get(trace, 1.0) if load is None else load
-    if not (load > 0 and time_scale > 0):  # NaN too
-        raise ValueError(f"load ({load}) and time scale ({time_scale}) must be > 0")
-    scale = time_scale / load  # arrival times shrink: load x the arrival rate
+    scale = time_scale / load if load > 0 else math.nan  # arrival times shrink: load x the rate
+    if not (0 < load < math.inf and 0 < time_scale < math.inf and 0 < scale < math.inf):
+        # NaN too; an infinite or overflowing scale put arrivals at inf s, where
+        # the replay never ended.
+        raise ValueError(f"load ({load}) and time scale ({time_scale}) must be finite and > 0 "
+                         "(and their ratio finite)")  # fmt: skip
     if trace == "azure":
         arrivals = workloads.azure(read_azure(path, limit), time_scale=scale)
         tenants = [kvsched.TenantConfig("interactive", tier=0),
@@ -109,8 +113,8 @@ def file_workload(
         arrivals, tenants = file_workload([{"prompt_tokens": 900, "output_tokens": 120}] * 50,
                                           rate=2.0, burstiness=3.0)
     """
-    if not (load > 0 and load < float("inf")):  # NaN too
-        raise ValueError(f"load must be a multiplier > 0, got {load!r}")
+    if not (0 < load < math.inf and 0 < 1.0 / load < math.inf):  # NaN too
+        raise ValueError(f"load must be a finite multiplier > 0, got {load!r}")
     if rate is None and burstiness != 1.0:
         raise ValueError("burstiness shapes arrivals drawn at a rate: give rate= too")
     _check_limit(limit)
