@@ -176,3 +176,16 @@ def test_mix_refuses_an_infinite_load():
     with pytest.raises(ValueError, match="finite"):
         mix.MixWorkload(seconds=1.0).arrivals(float("inf"))
     assert main(["mix", "--loads", "1,inf"]) == 2
+
+
+def test_an_output_file_in_a_missing_folder_is_refused_before_the_run(tmp_path, capsys):
+    # It failed only when the result was written, after the whole search (or
+    # the whole calibration, minutes on a CPU).
+    bad = str(tmp_path / "no" / "such.json")
+    assert main(["simulate", "--trace", "azure", "--trace-path", AZURE, "--limit", "20",
+                 "--find-max-rate", "--slo", "*:ttft=2", "--json", bad]) == 2  # fmt: skip
+    out, err = capsys.readouterr()
+    assert "--json" in err and "searching" not in out
+    assert main(["calibrate", "--out", bad]) == 2
+    out, err = capsys.readouterr()
+    assert "--out" in err and "calibrating" not in out

@@ -131,6 +131,15 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_writable(path: str, option: str) -> None:
+    """Refuse an output file whose folder is missing (or is a folder itself)
+    before a long run, not after it."""
+    p = Path(path)
+    if p.is_dir() or not p.parent.is_dir():
+        raise ValueError(f"{option} {path}: no such folder to write the file in"
+                         if not p.is_dir() else f"{option} {path} is a folder")  # fmt: skip
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     from kvsched.sim import scenarios, setup
     from kvsched.sim.slo import ANY, parse_slos
@@ -162,6 +171,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise ValueError("--find-max-rate needs at least one --slo TENANT:ttft=S,itl=S")
     elif args.plots:
         raise ValueError("--plots does not apply to --find-max-rate")
+    if args.json:
+        _check_writable(args.json, "--json")
     slos = parse_slos(args.slo or [])
     default_load = 1.0 if generic else setup.DEFAULT_LOAD.get(trace, 1.0)
     # The search's multipliers count from the workload's own rate (1x); --load
@@ -465,6 +476,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     """Fit the simulator's step cost to the engine on this machine's device."""
     from kvsched.sim import calibrate as cal
 
+    _check_writable(args.out, "--out")  # before minutes of measuring
     points = cal.grid(args.decode, args.prefill, args.context)
     held = [cal.Point(*p) for p in args.held_out]
     cal.check_points(points + held)  # before the model loads
