@@ -189,3 +189,21 @@ def test_an_output_file_in_a_missing_folder_is_refused_before_the_run(tmp_path, 
     assert main(["calibrate", "--out", bad]) == 2
     out, err = capsys.readouterr()
     assert "--out" in err and "calibrating" not in out
+
+
+@pytest.mark.parametrize("args", [["--precision", "int4"], ["--kv-dtype", "int8"],
+                                  ["--kv-bytes", "1"], ["--reserve", "0.3"],
+                                  ["--block-size", "32"]])  # fmt: skip
+def test_a_max_rate_is_not_costed_for_another_replica_than_the_one_simulated(
+    tmp_path, capsys, args
+):
+    # The search's replica had bf16 weights, bf16 KV, a 10% reserve and
+    # 16-token pages (what simulate sizes its pool with); int4 weights or int8
+    # KV hold another pool and sustain another rate.
+    path = _max_rate_file(tmp_path, binding={"tenant": "a", "constraint": "ttft"}, upper=1.1)
+    cost = ["capacity", "--load", "25000", "--payg", "10", "--device-hour", "3",
+            "--engineering-hour", "1", "--max-rate-json", path]  # fmt: skip
+    assert main([*cost, *args]) == 2
+    err = capsys.readouterr().err
+    assert "(simulated: " in err and args[1] in err
+    assert main(cost) == 0

@@ -91,6 +91,21 @@ def cmd_capacity(args: argparse.Namespace) -> int:
                 print("cost: --max-rate-json costs self-hosting: --device-hour is needed",
                       file=sys.stderr)  # fmt: skip
                 return 2
+            # kvsched simulate sizes its pool with the capacity model's defaults;
+            # a replica of other weights or KV holds another pool, another rate.
+            kv = args.kv_dtype or ("bf16" if kv_bytes == 2.0 else f"{kv_bytes:g} bytes")
+            simulated = {"--precision": ("bf16", args.precision), "KV": ("bf16", kv),
+                         "--reserve": (0.10, args.reserve),
+                         "--block-size": (16, args.block_size)}  # fmt: skip
+            differ = [f"{k} {mine:g} (simulated: {theirs:g})" if not isinstance(mine, str)
+                      else f"{k} {mine} (simulated: {theirs})"
+                      for k, (theirs, mine) in simulated.items() if mine != theirs]  # fmt: skip
+            if differ:
+                print(f"cost: --max-rate-json is the rate of a replica kvsched simulate sized "
+                      f"with bf16 weights, 2-byte KV, a 10% reserve and 16-token pages; this "
+                      f"one differs ({'; '.join(differ)}): its pool and rate are others",
+                      file=sys.stderr)  # fmt: skip
+                return 2
             max_rate = cap.load_max_rate(
                 args.max_rate_json, model=args.model, accelerator=args.accelerator,
                 devices=args.devices,
