@@ -440,7 +440,7 @@ class MaxRate:
     output_tokens_per_s: float
     trace: str
     attainment_target: float
-    binding: str  # "<tenant> <constraint>"
+    binding: str  # "<tenant> <constraint>"; "" when no load tried missed the SLOs
 
     @property
     def tokens_per_s(self) -> float:
@@ -449,10 +449,15 @@ class MaxRate:
         return self.input_tokens_per_s + self.output_tokens_per_s
 
     def describe(self) -> str:
+        # No binding: the search met the SLOs up to its limit and stopped there,
+        # so the replica was never shown to miss: its rate is a floor, not a max.
+        bound = (f"binding {self.binding}" if self.binding else
+                 f"no binding: every load up to the search's limit {self.multiplier:g}x met "
+                 "the SLOs, so this is a lower bound on what a replica sustains")  # fmt: skip
         return (
             f"the simulator's max rate ({self.path}: trace {self.trace}, "
             f"{self.multiplier:g}x = {self.requests_per_s:,.2f} req/s at attainment "
-            f"{self.attainment_target:g}, binding {self.binding})"
+            f"{self.attainment_target:g}, {bound})"
         )
 
 
@@ -469,7 +474,7 @@ def load_max_rate(path: str, *, model: str, accelerator: str, devices: int) -> M
     if not isinstance(data, dict):
         raise CapacityError(f"{path}: not a max-rate result (a JSON object expected)")
     try:
-        binding = data.get("binding") or {}
+        binding = data.get("binding")
         mr = MaxRate(
             path=str(path), model=str(data["model"]), accelerator=str(data["accelerator"]),
             devices=int(data["devices"]), multiplier=float(data["multiplier"]),
@@ -478,7 +483,7 @@ def load_max_rate(path: str, *, model: str, accelerator: str, devices: int) -> M
             output_tokens_per_s=float(data["output_tokens_per_s"]),
             trace=str(data.get("trace", "?")),
             attainment_target=float(data.get("attainment_target", float("nan"))),
-            binding=f"{binding.get('tenant', '?')} {binding.get('constraint', '?')}",
+            binding="" if binding is None else f"{binding['tenant']} {binding['constraint']}",
         )  # fmt: skip
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CapacityError(f"{path}: not a max-rate result (missing or bad {e})") from None

@@ -30,6 +30,7 @@ kvsched eval-kv [--kv-dtype int8] [--prompts N] [--tokens N]
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,21 @@ def cmd_capacity(args: argparse.Namespace) -> int:
                 print("cost: --max-rate-json costs self-hosting: --device-hour is needed",
                       file=sys.stderr)  # fmt: skip
                 return 2
+            # kvsched simulate sizes its pool with the capacity model's defaults;
+            # a replica of other weights or KV holds another pool, another rate.
+            kv = args.kv_dtype or ("bf16" if kv_bytes == 2.0 else f"{kv_bytes:g} bytes")
+            simulated = {"--precision": ("bf16", args.precision), "KV": ("bf16", kv),
+                         "--reserve": (0.10, args.reserve),
+                         "--block-size": (16, args.block_size)}  # fmt: skip
+            differ = [f"{k} {mine:g} (simulated: {theirs:g})" if not isinstance(mine, str)
+                      else f"{k} {mine} (simulated: {theirs})"
+                      for k, (theirs, mine) in simulated.items() if mine != theirs]  # fmt: skip
+            if differ:
+                print(f"cost: --max-rate-json is the rate of a replica kvsched simulate sized "
+                      f"with bf16 weights, 2-byte KV, a 10% reserve and 16-token pages; this "
+                      f"one differs ({'; '.join(differ)}): its pool and rate are others",
+                      file=sys.stderr)  # fmt: skip
+                return 2
             max_rate = cap.load_max_rate(
                 args.max_rate_json, model=args.model, accelerator=args.accelerator,
                 devices=args.devices,
@@ -157,6 +173,15 @@ def _print_allreduce(args: argparse.Namespace, decode_seqs: int) -> None:
               f"({ar / step:.0%}){hosts}")  # fmt: skip
 
 
+def _check_writable(path: str, option: str) -> None:
+    """Refuse an output file whose folder is missing (or is a folder itself)
+    before a long run, not after it."""
+    p = Path(path)
+    if p.is_dir() or not p.parent.is_dir():
+        raise ValueError(f"{option} {path}: no such folder to write the file in"
+                         if not p.is_dir() else f"{option} {path} is a folder")  # fmt: skip
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     from kvsched.sim import scenarios, setup
     from kvsched.sim.slo import ANY, parse_slos
@@ -174,6 +199,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             if v is not None:
                 raise ValueError(f"{opt} applies to a generic trace (--trace-path FILE "
                                  f"without --trace), not to --trace {trace}")  # fmt: skip
+    if args.rate is not None and args.time_scale != 1.0:
+        # The times drawn at --rate would be stretched while the header (and the
+        # max-rate search's other seeds, drawn afresh) kept --rate itself.
+        raise ValueError("--time-scale stretches a trace's own arrival times; with --rate, "
+                         "give the rate you mean (or --load to multiply it)")  # fmt: skip
     if not args.find_max_rate:
         for opt, v in (("--attainment", args.attainment), ("--seeds", args.seeds),
                        ("--json", args.json)):  # fmt: skip
@@ -183,13 +213,18 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise ValueError("--find-max-rate needs at least one --slo TENANT:ttft=S,itl=S")
     elif args.plots:
         raise ValueError("--plots does not apply to --find-max-rate")
+    if args.json:
+        _check_writable(args.json, "--json")
     slos = parse_slos(args.slo or [])
     default_load = 1.0 if generic else setup.DEFAULT_LOAD.get(trace, 1.0)
     # The search's multipliers count from the workload's own rate (1x); --load
     # is where its bracketing starts.
     load = default_load if args.load is None else args.load
-    if not (load > 0 and args.time_scale > 0):  # NaN too
-        raise ValueError(f"--load ({load}) and --time-scale ({args.time_scale}) must be > 0")
+    if not (0 < load < math.inf and 0 < args.time_scale < math.inf):  # NaN too
+        # inf squeezed every arrival to 0 s (load) or to inf s, where the
+        # replay never ended (time scale).
+        raise ValueError(f"--load ({load}) and --time-scale ({args.time_scale}) must be "
+                         "finite and > 0")  # fmt: skip
     at = 1.0 if args.find_max_rate else load
     if generic:
         if args.burstiness is not None and args.rate is None:
@@ -240,6 +275,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     print(f"{len(arrivals)} requests ({label}) on {where} x {args.accelerator} "
           f"serving {args.model}: {pool}; step budget {step_budget:,} tokens, prefill "
           f"chunk {args.chunk:,}")  # fmt: skip
+    if args.step_cost:
+        cal = cost.calibration or {}
+        basis = (f"calibrated on {cal.get('device', '?')}, {cal.get('backend', '?')} backend"
+                 if cal else f"{cost.accelerator.name}'s rates, not calibrated")  # fmt: skip
+        print(f"  step times from {args.step_cost} ({basis}); pool sized for "
+              f"{args.accelerator}'s memory")  # fmt: skip
+    else:
+        print(f"  step times from {args.accelerator}'s peak rates x efficiency (mfu "
+              f"{cost.mfu:g}, bandwidth {cost.bandwidth_efficiency:g}; --step-cost FILE from "
+              "kvsched calibrate for measured ones)")  # fmt: skip
     if generic:
         tiers = ", ".join(f"{t.name} (tier {t.tier})" for t in tenants)
         timing = ("arrival times from the file" if args.rate is None else
@@ -402,6 +447,7 @@ def cmd_mix(args: argparse.Namespace) -> int:
     """A prefill-heavy and a decode-heavy tenant together on one machine, against
     each alone on half of it and against time slices of the whole."""
     from kvsched.sim import mix
+    from kvsched.sim.slo import check_tenants
 
     workload = mix.MixWorkload(seconds=args.seconds, docs_rate=args.docs_rate,
                                chat_rate=args.chat_rate, chat_output=args.chat_output,
@@ -410,15 +456,21 @@ def cmd_mix(args: argparse.Namespace) -> int:
         loads = [float(x) for x in args.loads.split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"--loads {args.loads!r}: expected numbers like 0.5,1,2") from None
-    if not loads or not all(x > 0 for x in loads):  # NaN too
-        raise ValueError(f"--loads {args.loads!r}: every load must be > 0")
+    if not loads or not all(0 < x < math.inf for x in loads):  # NaN too
+        raise ValueError(f"--loads {args.loads!r}: every load must be finite and > 0")
     which = [w.strip() for w in args.arrangements.split(",") if w.strip()]
+    which = mix.check_machine(args.devices, args.window, which)  # before the header
+    if not (0 < args.attainment <= 1):  # NaN too
+        raise ValueError(f"--attainment must be a fraction in (0, 1], got {args.attainment!r}")
     slos, said = _slos(args.slo, mix.DEFAULT_SLOS)
+    check_tenants(slos, [t.name for t in workload.tenants()])
     print(f"mix: {workload.describe()}; both tenants tier 0")
     half = f"{args.devices // 2} x {args.accelerator}"
-    print(f"  together: {args.devices} x {args.accelerator} serving {args.model}, one engine")
-    print(f"  replicas: two engines of {half}, each serving both (mixing without tensor "
-          "parallelism, whose all-reduce the step cost does not charge)")  # fmt: skip
+    print(f"  together: {args.devices} x {args.accelerator} serving {args.model}, one engine "
+          "(tensor parallel: its all-reduces are charged in every step)")  # fmt: skip
+    fewer = "no all-reduces" if args.devices == 2 else "fewer all-reduces"
+    print(f"  replicas: two engines of {half}, each serving both (mixing on half the "
+          f"devices per engine: {fewer})")  # fmt: skip
     print(f"  apart:    {half} per tenant (half the devices: two engines, each its own "
           "weights, pool and steps)")  # fmt: skip
     print(f"  sliced:   the whole machine alternating in {args.window:g} s windows (free "
@@ -469,6 +521,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     """Fit the simulator's step cost to the engine on this machine's device."""
     from kvsched.sim import calibrate as cal
 
+    _check_writable(args.out, "--out")  # before minutes of measuring
     points = cal.grid(args.decode, args.prefill, args.context)
     held = [cal.Point(*p) for p in args.held_out]
     cal.check_points(points + held)  # before the model loads
@@ -578,10 +631,45 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return server.run(args.host, args.port, log_level=args.log_level)
 
 
+def _preset_options(
+    p: argparse.ArgumentParser, *, devices: int = 1,
+    devices_help: str = "accelerators, tensor parallel (count; default 1)",
+) -> None:  # fmt: skip
+    """--model, --accelerator (the capacity presets) and --devices: what
+    capacity, simulate, sweep and mix size the engine from."""
+    from kvsched.capacity import ACCELERATORS, MODELS
+
+    p.add_argument("--model", default="llama-3-8b", choices=sorted(MODELS),
+                   help="model preset (default llama-3-8b)")  # fmt: skip
+    p.add_argument("--accelerator", default="h100", choices=sorted(ACCELERATORS),
+                   help="accelerator preset (default h100)")  # fmt: skip
+    p.add_argument("--devices", type=int, default=devices, help=devices_help)
+
+
+def _engine_options(
+    p: argparse.ArgumentParser, *, budget_help: str, budget: int | None = None,
+    devices: int = 1, devices_help: str = "accelerators, tensor parallel (count; default 1)",
+    context: bool = True, seqs_help: str = "sequences running at once (count; default 128)",
+    chunk_help: str = "long-prefill chunk in tokens (default 2048)",
+) -> None:  # fmt: skip
+    """The simulated engine's options, the same in simulate, sweep and mix:
+    the presets and devices, --context (not mix: its workload fixes it),
+    --max-num-seqs, --max-batched-tokens (its default differs per command,
+    hence `budget` and `budget_help`) and --chunk. The help texts that differ
+    (mix counts per device) are passed in."""
+    _preset_options(p, devices=devices, devices_help=devices_help)
+    if context:
+        p.add_argument("--context", type=int, default=8192,
+                       help="max sequence length in tokens, raised to the workload's longest "
+                       "(default 8192)")  # fmt: skip
+    p.add_argument("--max-num-seqs", type=int, default=128, help=seqs_help)
+    p.add_argument("--max-batched-tokens", type=int, default=budget, help=budget_help)
+    p.add_argument("--chunk", type=int, default=2048, help=chunk_help)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `kvsched` command line: every option carries help text with its unit
     and default (tests/test_capacity.py walks it)."""
-    from kvsched.capacity import ACCELERATORS, MODELS
     from kvsched.sim.mix import DEFAULT_LOADS as MIX_LOADS
     from kvsched.sim.setup import DEFAULT_LOAD
 
@@ -589,17 +677,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("capacity", help="KV capacity, the matching SchedulerConfig, cost")
-    c.add_argument("--model", default="llama-3-8b", choices=sorted(MODELS),
-                   help="model preset (default llama-3-8b)")  # fmt: skip
-    c.add_argument("--accelerator", default="h100", choices=sorted(ACCELERATORS),
-                   help="accelerator preset (default h100)")  # fmt: skip
-    c.add_argument(
-        "--devices",
-        type=int,
-        default=1,
-        help="accelerators, tensor parallel, memory summed as one big device; per host "
-        "with --hosts (count; default 1)",
-    )
+    _preset_options(c, devices_help="accelerators, tensor parallel, memory summed as one big "
+                    "device; per host with --hosts (count; default 1)")  # fmt: skip
     c.add_argument("--hosts", type=int, default=1,
                    help="hosts of --devices accelerators each, one tensor-parallel replica over "
                    "all of them: KV per host and the all-reduce traffic between hosts (count; "
@@ -723,30 +802,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="standard",
         help="comma-separated scenario names (default: standard, all eight)",
     )
-    s.add_argument("--model", default="llama-3-8b", choices=sorted(MODELS),
-                   help="model preset (default llama-3-8b)")  # fmt: skip
-    s.add_argument("--accelerator", default="h100", choices=sorted(ACCELERATORS),
-                   help="accelerator preset (default h100)")  # fmt: skip
-    s.add_argument("--devices", type=int, default=1,
-                   help="accelerators, tensor parallel; per host with --hosts (count; "
-                   "default 1)")  # fmt: skip
+    _engine_options(s, budget_help="step budget in tokens (default 2048 for "
+                    "prefill-vs-decode, 8192 otherwise)",
+                    devices_help="accelerators, tensor parallel; per host with --hosts (count; "
+                    "default 1)")  # fmt: skip
     s.add_argument("--hosts", type=int, default=1,
                    help="hosts of --devices accelerators each, one replica over all: the "
                    "step cost pays the all-reduces between hosts (count; default 1)")  # fmt: skip
-    s.add_argument("--context", type=int, default=8192,
-                   help="max sequence length in tokens, raised to the workload's longest "
-                   "(default 8192)")  # fmt: skip
-    s.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=128,
-        help="sequences running at once (count; default 128)",
-    )
-    s.add_argument("--max-batched-tokens", type=int, default=None,
-                   help="step budget in tokens (default 2048 for prefill-vs-decode, "
-                   "8192 otherwise)")  # fmt: skip
-    s.add_argument("--chunk", type=int, default=2048,
-                   help="long-prefill chunk in tokens (default 2048)")  # fmt: skip
     s.add_argument("--plots", help="write PNG plots to this folder")
     s.add_argument("--step-cost", metavar="FILE",
                    help="a step-cost file from kvsched calibrate, for the same --model "
@@ -778,26 +840,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--slo", action="append",
                    help="TENANT:ttft=SECONDS,itl=SECONDS,gap=SECONDS, repeatable, * for every "
                    "tenant (default per workload, printed)")  # fmt: skip
-    w.add_argument("--model", default="llama-3-8b", choices=sorted(MODELS),
-                   help="model preset (default llama-3-8b)")  # fmt: skip
-    w.add_argument("--accelerator", default="h100", choices=sorted(ACCELERATORS),
-                   help="accelerator preset (default h100)")  # fmt: skip
-    w.add_argument("--devices", type=int, default=1,
-                   help="accelerators, tensor parallel (count; default 1)")  # fmt: skip
-    w.add_argument("--context", type=int, default=8192,
-                   help="max sequence length in tokens, raised to the workload's longest "
-                   "(default 8192)")  # fmt: skip
-    w.add_argument("--max-num-seqs", type=int, default=128,
-                   help="sequences running at once (count; default 128)")  # fmt: skip
-    w.add_argument("--max-batched-tokens", type=int, default=None,
-                   help="step budget in tokens (default: 8192 for the chunk sweep, so every "
-                   "chunk fits a step; the workload's, as simulate, for reserve)")  # fmt: skip
-    w.add_argument(
-        "--chunk",
-        type=int,
-        default=2048,
-        help="long-prefill chunk of the reserve sweep, tokens (default 2048)",
-    )
+    _engine_options(w, budget_help="step budget in tokens (default: 8192 for the chunk "
+                    "sweep, so every chunk fits a step; the workload's, as simulate, for "
+                    "reserve)", chunk_help="long-prefill chunk of the reserve sweep, tokens "
+                    "(default 2048)")  # fmt: skip
     w.add_argument("--plots", help="write <knob>_sweep.png to this folder")
     w.set_defaults(func=cmd_sweep)
 
@@ -832,23 +878,11 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--attainment", type=float, default=0.95,
                    help="share of each tenant's requests that must meet its SLO (0..1; "
                    "default 0.95)")  # fmt: skip
-    x.add_argument("--model", default="llama-3-8b", choices=sorted(MODELS),
-                   help="model preset (default llama-3-8b)")  # fmt: skip
-    x.add_argument("--accelerator", default="h100", choices=sorted(ACCELERATORS),
-                   help="accelerator preset (default h100)")  # fmt: skip
-    x.add_argument("--devices", type=int, default=2,
-                   help="accelerators of the whole machine, even: half each apart (count; "
-                   "default 2)")  # fmt: skip
-    x.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=128,
-        help="sequences running at once, per device (count; default 128)",
-    )
-    x.add_argument("--max-batched-tokens", type=int, default=2048,
-                   help="step budget per device, tokens (default 2048)")  # fmt: skip
-    x.add_argument("--chunk", type=int, default=2048,
-                   help="long-prefill chunk, tokens (default 2048)")  # fmt: skip
+    _engine_options(x, devices=2, devices_help="accelerators of the whole machine, even: "
+                    "half each apart (count; default 2)", context=False,
+                    seqs_help="sequences running at once, per device (count; default 128)",
+                    budget=2048, budget_help="step budget per device, tokens (default 2048)",
+                    chunk_help="long-prefill chunk, tokens (default 2048)")  # fmt: skip
     x.set_defaults(func=cmd_mix)
 
     k = sub.add_parser("calibrate", help="fit the simulator's step cost to the engine here")

@@ -218,6 +218,12 @@ def find_max_rate(
     if not (min_multiplier <= start <= max_multiplier):
         raise ValueError(f"the search starts at {start:g}x, outside {min_multiplier:g}x to "
                          f"{max_multiplier:g}x")  # fmt: skip
+    if len(arrivals) < 2 or min(a.at for a in arrivals) == max(a.at for a in arrivals):
+        # A multiplier divides the arrival times: here it changes nothing, and
+        # a search would climb to its limit and report a rate of 0 req/s.
+        raise ValueError(f"the workload's {len(arrivals)} request(s) arrive at one instant: "
+                         "no arrival rate to multiply (draw arrivals at a rate: --rate, "
+                         "or file_workload(rate=...))")  # fmt: skip
     names = sorted({a.tenant for a in arrivals})
     unknown = sorted(set(slos) - set(names) - {ANY})
     if unknown:

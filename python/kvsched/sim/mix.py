@@ -10,11 +10,12 @@ The arrangements, on a machine of `devices` accelerators (2 by default):
 - together: one engine on the whole machine (tensor parallel over every
   device) serves both tenants; a step carries chat's decodes beside a chunk of
   a docs prefill, so the decodes use the bandwidth a compute-bound prefill
-  leaves idle. The step-cost model charges no all-reduce for tensor
-  parallelism (optimistic for latency), which favours this arrangement, so:
-- replicas: mixing without tensor parallelism: two engines of half the
+  leaves idle. Its steps pay tensor parallelism's all-reduces (the step-cost
+  model charges them, `StepCost.allreduce_seconds`), which the arrangements
+  on half the devices pay less of (none on one device each), so:
+- replicas: mixing with less tensor parallelism: two engines of half the
   devices, as apart, each serving both tenants (every other request of each).
-  Against apart it isolates the gain of mixing from the one-big-device model.
+  Against apart it isolates the gain of mixing from the engine's size.
 - apart: each tenant alone on half the machine, half the *devices* (an engine
   of devices/2: its own step-cost model and its own pool, sized by the
   capacity model for devices/2). Half the devices, not half the pool, because
@@ -44,6 +45,7 @@ throughput it carries.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,7 +56,7 @@ import kvsched
 from kvsched.sim import workloads
 from kvsched.sim.setup import DEFAULT_STEP_BUDGET, engine_for
 from kvsched.sim.simulator import SERVED, Arrival, RequestRecord, SimResult, StepCost, simulate
-from kvsched.sim.slo import Attainment, Slo, attainment
+from kvsched.sim.slo import Attainment, Slo, attainment, check_tenants
 
 ARRANGEMENTS = ("together", "replicas", "apart", "sliced")
 MIXING = ("together", "replicas")
@@ -76,12 +78,24 @@ class MixWorkload:
     chat_output: int = 1000
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        # A rate of 0 drew no gap (ZeroDivisionError deep in the generator); a
+        # NaN or negative one, nonsense arrivals.
+        for name in ("seconds", "docs_rate", "chat_rate"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and 0 < v < math.inf):  # NaN too
+                raise ValueError(f"{name} must be a number > 0, got {v!r}")
+        for name in ("docs_prompt", "chat_prompt", "chat_output"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and v >= 1):
+                raise ValueError(f"{name} must be a whole number of tokens >= 1, got {v!r}")
+
     def arrivals(self, load: float = 1.0) -> list[Arrival]:
         """`load` x the rates over `seconds`: the load-1 stream of
         `seconds` x `load` compressed `load` times, so a higher load adds
         requests to the same ones rather than drawing new ones."""
-        if not (load > 0 and self.seconds > 0):  # NaN too
-            raise ValueError(f"load ({load}) and seconds ({self.seconds}) must be > 0")
+        if not (0 < load < math.inf and self.seconds > 0):  # NaN too; inf drew forever
+            raise ValueError(f"load ({load}) must be finite and > 0, seconds ({self.seconds}) > 0")
         base = workloads.prefill_vs_decode(
             seconds=self.seconds * load, long_prompt=self.docs_prompt, long_rate=self.docs_rate,
             chat_rate=self.chat_rate, chat_prompt=self.chat_prompt,
@@ -180,6 +194,23 @@ def _merge(name: str, results: Iterable[SimResult]) -> SimResult:
                      sum(r.step_errors for r in results), gaps=gaps)  # fmt: skip
 
 
+def check_machine(devices: int, window: float, which: Sequence[str]) -> list[str]:
+    """Refuse a machine that does not split in two, a time slice <= 0 (when
+    sliced runs) or an unknown arrangement, before anything runs; `which` as a
+    list."""
+    if devices < 2 or devices % 2:
+        raise ValueError(
+            f"the machine must split in two halves: devices must be even, got {devices}"
+        )
+    if "sliced" in which and not (window > 0):  # NaN too; before anything runs
+        raise ValueError(f"the window must be > 0 seconds, got {window!r}")
+    which = list(which)
+    unknown = [w for w in which if w not in ARRANGEMENTS]
+    if unknown:
+        raise ValueError(f"unknown arrangement {unknown[0]!r}; known: {', '.join(ARRANGEMENTS)}")
+    return which
+
+
 def arrange(
     arrivals: list[Arrival],
     tenants: Sequence[kvsched.TenantConfig],
@@ -197,19 +228,11 @@ def arrange(
     """The same arrivals in each arrangement (ARRANGEMENTS, in that order).
     `max_num_seqs` and `step_budget` are per device (an engine of n devices
     gets n x each); `chunk` is per sequence."""
-    if devices < 2 or devices % 2:
-        raise ValueError(
-            f"the machine must split in two halves: devices must be even, got {devices}"
-        )
-    if "sliced" in which and not (window > 0):  # NaN too; before anything runs
-        raise ValueError(f"the window must be > 0 seconds, got {window!r}")
-    which = list(which)
-    unknown = [w for w in which if w not in ARRANGEMENTS]
-    if unknown:
-        raise ValueError(f"unknown arrangement {unknown[0]!r}; known: {', '.join(ARRANGEMENTS)}")
+    which = check_machine(devices, window, which)
     names = [t.name for t in tenants]
     if sorted({a.tenant for a in arrivals}) != sorted(names) or len(names) != 2:
         raise ValueError(f"two tenants, each with arrivals, are needed; tenants {names}")
+    check_tenants(slos, names)
 
     def engine(mine: list[Arrival], n: int):
         # Per-device knobs: an engine of n devices runs n x the sequences and
@@ -357,8 +380,8 @@ def scan(workload: MixWorkload, loads: Iterable[float], slos: Mapping[str, Slo],
     assumes attainment falls with load between two grid points; a grid step
     of 0.5 and 4 steps find the limit within 0.03x)."""
     loads = sorted(set(loads))
-    if not loads or not all(x > 0 for x in loads):
-        raise ValueError(f"loads must be > 0, got {loads}")
+    if not loads or not all(0 < x < math.inf for x in loads):  # inf drew arrivals forever
+        raise ValueError(f"loads must be finite and > 0, got {loads}")
     if not (0 < target <= 1):
         raise ValueError(f"the attainment target must be in (0, 1], got {target!r}")
     tenants = workload.tenants()

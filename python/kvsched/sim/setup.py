@@ -15,6 +15,7 @@ format), the same way:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,13 @@ DEFAULT_STEP_BUDGET = {"prefill-vs-decode": 2048}
 STEP_BUDGET = 8192
 
 
+def _check_limit(limit: int | None) -> None:
+    # 0 or a negative count read nothing and ended in "no requests" or "the
+    # workload is empty", which did not say why.
+    if limit is not None and not (isinstance(limit, int) and limit >= 1):
+        raise ValueError(f"limit (--limit) is a number of requests >= 1, got {limit!r}")
+
+
 def named_workload(
     trace: str,
     *,
@@ -50,10 +58,17 @@ def named_workload(
     (None: `DEFAULT_LOAD`). `path` replaces the bundled azure or mooncake file."""
     if trace not in NAMED:
         raise ValueError(f"unknown workload {trace!r}; known: {', '.join(NAMED)}")
+    _check_limit(limit)
+    if path is not None and trace not in ("azure", "mooncake"):
+        # The synthetic workloads read no file: a path given with one was ignored.
+        raise ValueError(f"a trace file replaces azure or mooncake; {trace} is synthetic")
     load = DEFAULT_LOAD.get(trace, 1.0) if load is None else load
-    if not (load > 0 and time_scale > 0):  # NaN too
-        raise ValueError(f"load ({load}) and time scale ({time_scale}) must be > 0")
-    scale = time_scale / load  # arrival times shrink: load x the arrival rate
+    scale = time_scale / load if load > 0 else math.nan  # arrival times shrink: load x the rate
+    if not (0 < load < math.inf and 0 < time_scale < math.inf and 0 < scale < math.inf):
+        # NaN too; an infinite or overflowing scale put arrivals at inf s, where
+        # the replay never ended.
+        raise ValueError(f"load ({load}) and time scale ({time_scale}) must be finite and > 0 "
+                         "(and their ratio finite)")  # fmt: skip
     if trace == "azure":
         arrivals = workloads.azure(read_azure(path, limit), time_scale=scale)
         tenants = [kvsched.TenantConfig("interactive", tier=0),
@@ -98,10 +113,11 @@ def file_workload(
         arrivals, tenants = file_workload([{"prompt_tokens": 900, "output_tokens": 120}] * 50,
                                           rate=2.0, burstiness=3.0)
     """
-    if not (load > 0 and load < float("inf")):  # NaN too
-        raise ValueError(f"load must be a multiplier > 0, got {load!r}")
+    if not (0 < load < math.inf and 0 < 1.0 / load < math.inf):  # NaN too
+        raise ValueError(f"load must be a finite multiplier > 0, got {load!r}")
     if rate is None and burstiness != 1.0:
         raise ValueError("burstiness shapes arrivals drawn at a rate: give rate= too")
+    _check_limit(limit)
     reqs = read_requests(source, limit=limit, hash_block=hash_block)
     arrivals = workloads.from_trace(reqs, rate=rate, burstiness=burstiness, seed=seed,
                                     time_scale=1.0 / load, hash_block=hash_block)  # fmt: skip

@@ -86,10 +86,24 @@ class StepCost:
                 f"{self.accelerator.name}: {self.hosts} hosts need the link between them "
                 "(Accelerator.host_link_bytes_per_s)"
             )
+
+        def number(v: Any) -> bool:  # a hand-edited file: "0.5", true, null
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
         for name in ("flop_rate", "byte_rate"):
             v = getattr(self, name)
-            if v is not None and not (v > 0 and math.isfinite(v)):
+            if v is not None and not (number(v) and v > 0 and math.isfinite(v)):
                 raise StepCostError(f"{name} must be a finite number > 0, got {v!r}")
+        for name in ("mfu", "bandwidth_efficiency"):  # shares of a peak; 0 divides by 0
+            v = getattr(self, name)
+            if not (number(v) and 0 < v <= 1):
+                raise StepCostError(f"{name} must be a share of the peak in (0, 1], got {v!r}")
+        for name in ("kv_dtype_bytes", "activation_bytes"):
+            v = getattr(self, name)
+            if not (number(v) and 0 < v < math.inf):
+                raise StepCostError(f"{name} must be a number of bytes > 0, got {v!r}")
+        if not number(self.overhead_s):
+            raise StepCostError(f"overhead_s must be a number of seconds, got {self.overhead_s!r}")
         if not isinstance(self.token_quantum, int) or self.token_quantum < 1:
             raise StepCostError(
                 f"token_quantum must be an integer >= 1, got {self.token_quantum!r}"

@@ -102,6 +102,16 @@ def parse_slos(specs: Iterable[str]) -> dict[str, Slo]:
     return out
 
 
+def check_tenants(slos: Mapping[str, Slo], tenants: Iterable[str]) -> None:
+    """Refuse an SLO naming no tenant of the workload: taken silently, a typo
+    judges nobody and every figure reads goodput 0."""
+    names = list(dict.fromkeys(tenants))
+    unknown = sorted(set(slos) - set(names) - {ANY})
+    if unknown:
+        raise SloError(f"SLO for {', '.join(map(repr, unknown))}, not a tenant of the "
+                       f"workload (its tenants: {', '.join(names)})")  # fmt: skip
+
+
 def slo_of(tenant: str, slos: Mapping[str, Slo]) -> Slo | None:
     return slos.get(tenant, slos.get(ANY))
 

@@ -35,7 +35,7 @@ from typing import Any
 import kvsched
 from kvsched.sim import scenarios
 from kvsched.sim.simulator import Arrival, SimResult, StepCost, simulate
-from kvsched.sim.slo import Attainment, Slo, attainment
+from kvsched.sim.slo import Attainment, Slo, attainment, check_tenants
 
 KNOBS = ("reserve", "chunk")
 # The knob values swept when none are given.
@@ -235,6 +235,7 @@ def sweep(
 ) -> Sweep:
     """Replay `arrivals` once per knob value (DEFAULT_VALUES unless given)."""
     tenants = list(tenants)
+    check_tenants(slos, [t.name for t in tenants])
     chosen = configs(base, knob, DEFAULT_VALUES[knob] if values is None else values)
     if len(chosen) < 1:
         raise ValueError("a sweep needs at least one knob value")
