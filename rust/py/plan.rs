@@ -257,23 +257,9 @@ impl PlanSet {
             .ok_or_else(|| KvError::Internal(format!("bucket {} unknown", out.bucket)))?;
         let [tv, pv, sv] = &a.token_views[b];
         let ids: Vec<i64> = out.request_ids.iter().map(|&id| id as i64).collect();
-        // Summed here while the buffers hold this plan: a cost model needs
-        // only the total, and a numpy reduction over a few values costs a
-        // caller more than a step's planning does.
-        let kv_tokens: i64 = {
-            let kv = a.kv_lens.bind(py).try_readonly().map_err(|e| {
-                KvError::Internal(format!("the plan's kv_lens cannot be read: {e}"))
-            })?;
-            let all = kv.as_slice().map_err(not_contiguous)?;
-            let real = all.get(..out.num_seqs).ok_or_else(|| {
-                KvError::Internal(format!(
-                    "{} sequences in a plan of {} rows",
-                    out.num_seqs,
-                    all.len()
-                ))
-            })?;
-            real.iter().map(|&x| i64::from(x)).sum()
-        };
+        // Summed by the core as it wrote the plan: a numpy reduction over a
+        // few values (or a borrow of the array here) costs more than that.
+        let kv_tokens = out.kv_tokens as i64;
         Ok(PyStepPlan {
             token_ids: tv.clone_ref(py),
             positions: pv.clone_ref(py),

@@ -22,6 +22,9 @@ pub struct StepOutcome {
     pub samples: Vec<bool>,
     /// Requests preempted while planning this step (back in their queue).
     pub preempted: Vec<u64>,
+    /// KV tokens the step reads: `kv_lens` summed over its sequences (what a
+    /// cost model of the step needs, summed while the array is at hand).
+    pub kv_tokens: u64,
 }
 
 /// One sequence of a pending plan.
@@ -323,9 +326,14 @@ impl Scheduler {
             seqs,
             preempted: preempted.clone(),
         });
+        let kv_tokens = bufs.kv_lens[..written.num_seqs]
+            .iter()
+            .map(|&k| k as u64)
+            .sum();
         Ok(StepOutcome {
             step_id,
             parity,
+            kv_tokens,
             num_seqs: written.num_seqs,
             num_decode,
             num_tokens: written.num_tokens,
