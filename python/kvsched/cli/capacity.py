@@ -1,0 +1,198 @@
+"""`kvsched capacity`: KV capacity, the matching SchedulerConfig, and cost."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from kvsched.cli.common import preset_options
+
+
+def cmd_capacity(args: argparse.Namespace) -> int:
+    from kvsched import capacity as cap
+
+    kv_bytes = None if args.kv_dtype else (2.0 if args.kv_bytes is None else args.kv_bytes)
+    c = cap.capacity(args.model, args.accelerator, devices=args.devices, precision=args.precision,
+                     kv_dtype_bytes=kv_bytes, kv_dtype=args.kv_dtype, overhead_reserve=args.reserve,
+                     block_size=args.block_size, context=args.context,
+                     hosts=args.hosts)  # fmt: skip
+    where = f"{c.hosts} hosts x {c.devices}" if c.hosts > 1 else f"{c.devices}"
+    print(f"{c.model} ({args.precision}) on {where} x {c.accelerator}")
+    print(f"  weights          {c.weight_bytes / 1e9:10.1f} GB")
+    print(f"  KV per token     {c.kv_bytes_per_token:10,.0f} bytes")
+    reserve = f"{args.reserve:.0%} reserve held back"
+    print(f"  usable for KV    {c.usable_kv_bytes / 1e9:10.1f} GB ({reserve})")
+    if c.hosts > 1:
+        print(f"  KV per host      {c.kv_bytes_per_host / 1e9:10.1f} GB (the pool split "
+              "evenly over the hosts)")  # fmt: skip
+    print(f"  KV blocks        {c.kv_blocks:10,} of {c.block_size} tokens = {c.kv_tokens:,} tokens")
+    print(f"  sequences of {c.context:,} tokens at once: {c.max_concurrent_seqs:,}")
+    m = cap.MODELS[args.model]
+    if m.sliding_layers and m.sliding_window is not None:
+        print(f"    ({m.sliding_layers} of {m.layers} layers keep a {m.sliding_window:,}-token "
+              f"sliding window; {c.full_context_seqs:,} if every layer kept all "
+              f"{c.context:,} tokens, as kvsched's pages do)")  # fmt: skip
+    cfg = c.scheduler_config()
+    print(
+        f"  kvsched.SchedulerConfig(num_blocks={cfg.num_blocks}, block_size={cfg.block_size}, "
+        f"max_seq_len={cfg.max_seq_len}, max_num_seqs={cfg.max_num_seqs}, overhead_reserve=0.0)"
+    )
+    if c.devices * c.hosts > 1:
+        _print_allreduce(args, cfg.max_num_seqs)
+    if args.load is not None:
+        if args.payg is None:
+            print("cost: --payg (per million tokens) is needed with --load", file=sys.stderr)
+            return 2
+        device_hour, device_tps = args.device_hour, args.device_tps
+        max_rate = None
+        if args.max_rate_json is not None:
+            if args.device_tps is not None:
+                print("cost: --max-rate-json or --device-tps, not both", file=sys.stderr)
+                return 2
+            if device_hour is None:
+                print("cost: --max-rate-json costs self-hosting: --device-hour is needed",
+                      file=sys.stderr)  # fmt: skip
+                return 2
+            # kvsched simulate sizes its pool with the capacity model's defaults;
+            # a replica of other weights or KV holds another pool, another rate.
+            kv = args.kv_dtype or ("bf16" if kv_bytes == 2.0 else f"{kv_bytes:g} bytes")
+            simulated = {"--precision": ("bf16", args.precision), "KV": ("bf16", kv),
+                         "--reserve": (0.10, args.reserve),
+                         "--block-size": (16, args.block_size)}  # fmt: skip
+            differ = [f"{k} {mine:g} (simulated: {theirs:g})" if not isinstance(mine, str)
+                      else f"{k} {mine} (simulated: {theirs})"
+                      for k, (theirs, mine) in simulated.items() if mine != theirs]  # fmt: skip
+            if differ:
+                print(f"cost: --max-rate-json is the rate of a replica kvsched simulate sized "
+                      f"with bf16 weights, 2-byte KV, a 10% reserve and 16-token pages; this "
+                      f"one differs ({'; '.join(differ)}): its pool and rate are others",
+                      file=sys.stderr)  # fmt: skip
+                return 2
+            max_rate = cap.load_max_rate(
+                args.max_rate_json, model=args.model, accelerator=args.accelerator,
+                devices=args.devices,
+            )  # fmt: skip
+            # A self-hosted unit is then the simulated replica: its devices together.
+            device_hour, device_tps = device_hour * c.devices * c.hosts, max_rate.tokens_per_s
+        left_out = None
+        if device_hour is not None and args.engineering_hour is None:
+            # The options that need no engineering cost are still worth printing.
+            left_out = (
+                "self_hosted left out: --engineering-hour ($ per hour of the people who "
+                "run it) is needed; no default is honest (0 makes self-hosting look cheaper)"
+            )
+            device_hour = device_tps = None
+        prices = cap.Prices(args.payg, args.ptu_hour, args.ptu_tps, device_hour,
+                            device_tps, args.engineering_hour)  # fmt: skip
+        options = cap.compare(args.load, prices)
+        print(f"cost of {args.load:,.0f} tokens/s:")
+        for o in options:
+            print(f"  {o.name:<14} {o.per_hour:10.2f} $/h  units {o.units:>4}  "
+                  f"utilization {o.utilization:.0%}")  # fmt: skip
+        # Where "units" come from: given throughputs, not this command's sizing.
+        names = {o.name for o in options}
+        if "provisioned" in names:
+            print(f"  provisioned units: throughput units of --ptu-tps {args.ptu_tps:g} "
+                  "tokens/s each")  # fmt: skip
+        if "self_hosted" in names and max_rate is not None:
+            print(f"  self_hosted units: replicas of {c.devices} x {args.accelerator} "
+                  f"({c.devices} x --device-hour), {max_rate.tokens_per_s:,.0f} tokens/s "
+                  f"each (prompt {max_rate.input_tokens_per_s:,.0f} + output "
+                  f"{max_rate.output_tokens_per_s:,.0f}), from {max_rate.describe()}")  # fmt: skip
+        elif "self_hosted" in names:
+            print(f"  self_hosted units: accelerators ({args.accelerator}) of --device-tps "
+                  f"{args.device_tps:g} tokens/s each, as given (not derived from the "
+                  f"capacity above)")  # fmt: skip
+        if left_out:
+            print(f"  {left_out}")
+    return 0
+
+
+def _print_allreduce(args: argparse.Namespace, decode_seqs: int) -> None:
+    """What tensor parallelism's all-reduces cost a decode step of
+    `decode_seqs` sequences at half the context and a 2,048-token prefill step,
+    in the step-cost model (sim/simulator.py)."""
+    from kvsched.sim.simulator import StepCost
+
+    cost = StepCost.preset(args.model, args.accelerator, devices=args.devices, hosts=args.hosts,
+                           precision=args.precision)  # fmt: skip
+    print("  tensor-parallel all-reduces per step (2 per layer, not overlapped; step-cost model):")
+    for what, tokens, kv in (
+        (f"decode, {decode_seqs} seqs", decode_seqs, decode_seqs * args.context // 2),
+        ("prefill, 2,048 tokens", 2048, 2048),
+    ):
+        ar, step = cost.allreduce_seconds(tokens), cost.seconds(tokens, kv)
+        across = cost.host_bytes(tokens)
+        hosts = f", {across / 1e6:,.1f} MB each host sends the others" if args.hosts > 1 else ""
+        print(f"    {what:<22} {ar * 1e3:8.2f} ms of a {step * 1e3:.2f} ms step "
+              f"({ar / step:.0%}){hosts}")  # fmt: skip
+
+
+def add_parsers(sub: Any) -> None:
+    """The `capacity` sub-command."""
+    c = sub.add_parser("capacity", help="KV capacity, the matching SchedulerConfig, cost")
+    preset_options(c, devices_help="accelerators, tensor parallel, memory summed as one big "
+                    "device; per host with --hosts (count; default 1)")  # fmt: skip
+    c.add_argument("--hosts", type=int, default=1,
+                   help="hosts of --devices accelerators each, one tensor-parallel replica over "
+                   "all of them: KV per host and the all-reduce traffic between hosts (count; "
+                   "default 1)")  # fmt: skip
+    c.add_argument(
+        "--precision",
+        default="bf16",
+        help="weight precision: float32, bf16, fp16, int8 or int4 (default bf16)",
+    )
+    c.add_argument("--kv-bytes", type=float, help="bytes per KV element (default 2)")
+    c.add_argument(
+        "--kv-dtype",
+        choices=["float32", "bf16", "int8"],
+        help="KV dtype by name (int8 includes its scales); instead of --kv-bytes "
+        "(default: 2 bytes per element)",
+    )
+    c.add_argument(
+        "--reserve",
+        type=float,
+        default=0.10,
+        help="share of HBM held back from KV (fraction 0..1; default 0.10)",
+    )
+    c.add_argument("--block-size", type=int, default=16,
+                   help="tokens per KV page (default 16)")  # fmt: skip
+    c.add_argument(
+        "--context",
+        type=int,
+        default=8192,
+        help="tokens per sequence to count sequences at (default 8192)",
+    )
+    c.add_argument("--load", type=float,
+                   help="load to cost, in tokens/s (default: no cost table)")  # fmt: skip
+    c.add_argument(
+        "--payg",
+        type=float,
+        help="pay-as-you-go price, $ per million tokens (no default; needed with --load)",
+    )
+    c.add_argument(
+        "--ptu-hour",
+        type=float,
+        help="provisioned throughput unit, $ per hour (default: not costed)",
+    )
+    c.add_argument(
+        "--ptu-tps", type=float, help="tokens/s one provisioned unit sustains (default: not costed)"
+    )
+    c.add_argument(
+        "--device-hour",
+        type=float,
+        help="self-hosting, $ per accelerator-hour (default: not costed)",
+    )
+    c.add_argument("--device-tps", type=float,
+                   help="tokens/s one self-hosted accelerator sustains, as you measured it: "
+                   "the self_hosted units are load / this (default: not costed)")  # fmt: skip
+    c.add_argument("--max-rate-json", metavar="FILE",
+                   help="instead of --device-tps: the JSON `kvsched simulate --find-max-rate "
+                   "--json FILE` wrote for this --model, --accelerator and --devices; a unit "
+                   "is then that replica, sustaining its prompt + output tokens/s under the "
+                   "SLOs (default: not used)")  # fmt: skip
+    c.add_argument("--engineering-hour", type=float,
+                   help="self-hosting's people, $ per hour; no default (without it "
+                   "self-hosting is left out of the cost table)")  # fmt: skip
+    c.set_defaults(func=cmd_capacity)
