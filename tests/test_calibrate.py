@@ -121,24 +121,28 @@ def test_calibration_on_cpu_predicts_held_out_steps(tmp_path):
     """The tiny model on CPU: fitted on steps of 16, 64 and 128 tokens, the
     step cost predicts the engine's own measured step times on held-out mixes
     of decodes and prefill it was not fitted on within 20% (on this project's
-    shared machine, 5 runs at a load of ~5: held-out max 4.7-15.2%). Three
+    shared machine, 5 runs at a load of ~5: held-out max 4.7-15.2%; with the
+    small mixed fit point and 5 passes, 5 runs: 4.4-15.1%). Three
     token buckets compile (most of the test's time)."""
     pytest.importorskip("jax")
     from kvsched.engine.model import LlamaConfig, init_params
     from kvsched.sim.calibrate import Point, calibrate
 
     model = LlamaConfig()
-    fit_on = [Point(16, 0, 32), Point(0, 16, 1), Point(0, 64, 1), Point(64, 0, 8),
+    # A small mixed step among the fitted ones (decodes beside a prefill at
+    # 16 tokens), as the held-out mixes are: without it a 4 + 12 mix was
+    # under-predicted by up to 21% on a loaded run.
+    fit_on = [Point(8, 8, 16), Point(16, 0, 32), Point(0, 16, 1), Point(0, 64, 1), Point(64, 0, 8),
               Point(0, 128, 1), Point(64, 64, 40), Point(112, 16, 24)]  # fmt: skip
     held = [Point(4, 12, 8), Point(48, 16, 32), Point(8, 56, 16), Point(32, 96, 8)]
     # CPU time, not wall time: CI's 2 cores are shared, and other work there
     # inflates wall medians 2-4x, unevenly (see calibrate's doc).
-    cal = calibrate(model, init_params(model, seed=0), fit_on, held, reps=7, passes=3,
+    cal = calibrate(model, init_params(model, seed=0), fit_on, held, reps=7, passes=5,
                     clock="cpu")  # fmt: skip
     report = cal.report()
     errors = [abs(m.error) for m in cal.held_out]
     assert max(errors) < 0.20, report
-    assert cal.fit_error["points"] == 7 and cal.held_out_error["points"] == 4
+    assert cal.fit_error["points"] == 8 and cal.held_out_error["points"] == 4
     c = cal.cost
     assert c.overhead_s >= 0 and c.flop_rate and c.byte_rate
     meta = c.calibration
