@@ -134,7 +134,8 @@ pub struct PyStepEvents {
 
 impl PyStepEvents {
     pub(super) fn new(py: Python<'_>, ev: CommitEvents) -> PyResult<Self> {
-        let ids: Vec<i64> = ev.request_ids.iter().map(|&id| id as i64).collect();
+        // In place (same size and alignment): no second buffer to allocate.
+        let ids: Vec<i64> = ev.request_ids.into_iter().map(|id| id as i64).collect();
         let finished = PyList::empty(py);
         for f in ev.finished {
             finished.append(Py::new(py, PyFinishedRequest::new(py, f))?)?;

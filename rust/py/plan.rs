@@ -256,7 +256,8 @@ impl PlanSet {
             .position(|&b| b == out.bucket)
             .ok_or_else(|| KvError::Internal(format!("bucket {} unknown", out.bucket)))?;
         let [tv, pv, sv] = &a.token_views[b];
-        let ids: Vec<i64> = out.request_ids.iter().map(|&id| id as i64).collect();
+        // In place (same size and alignment): no second buffer to allocate.
+        let ids: Vec<i64> = out.request_ids.into_iter().map(|id| id as i64).collect();
         // Summed by the core as it wrote the plan: a numpy reduction over a
         // few values (or a borrow of the array here) costs more than that.
         let kv_tokens = out.kv_tokens as i64;
