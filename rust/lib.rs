@@ -11,6 +11,7 @@ pub mod ladder;
 pub mod metrics;
 pub mod planner;
 pub mod pool;
+mod prefetch;
 pub mod prefix;
 pub mod scheduler;
 pub mod tenant;

@@ -519,7 +519,7 @@ impl Scheduler {
             arrival: now,
             first_scheduled: None,
             first_token: None,
-            last_token: None,
+            last_token_at: -1.0,
             live: Live::Yes,
             preemptions: 0,
             cache_salt: opts.cache_salt.map(<[u8]>::to_vec),
@@ -659,13 +659,21 @@ impl Scheduler {
         };
         let mut done: Vec<(usize, FinishReason)> = Vec::new();
         let bs = self.shape.block_size;
-        for (s, &token) in pending.seqs.iter().zip(sampled) {
+        for (k, (s, &token)) in pending.seqs.iter().zip(sampled).enumerate() {
+            // The requests a few sequences ahead: their lines, then the end
+            // of their token lists (whose address is in the first line).
+            if let Some(a) = pending.seqs.get(k + 32) {
+                self.requests.prefetch(a.slab, false);
+            }
+            if let Some(a) = pending.seqs.get(k + 16) {
+                self.requests.prefetch(a.slab, true);
+            }
             // Cancelled since the plan was made (its slot may hold a newer request).
             let Some(r) = self.requests.get_mut_if(s.slab, s.id) else {
                 continue;
             };
             let before = r.num_computed;
-            r.num_computed += s.q_len;
+            r.num_computed += s.q_len as usize;
             // The running set's copy (see `RunningSet`): a request planned
             // and not cancelled since is still running.
             let mut hot = match r.place {
@@ -685,7 +693,7 @@ impl Scheduler {
             }
             let t = self.tenants.get_mut(r.tenant);
             if !s.decode {
-                t.count_prefill(s.q_len);
+                t.count_prefill(s.q_len as usize);
             }
             if !s.samples {
                 continue;
@@ -694,13 +702,16 @@ impl Scheduler {
             if let Some(h) = hot {
                 h.token = token;
             }
-            t.count_token(r.last_token, r.arrival, now);
-            // Its first token (a commit sets both, so first_token, on a colder
-            // line, is read only then).
-            if r.last_token.is_none() {
-                r.first_token.get_or_insert(now);
+            match r.last_token() {
+                Some(last) => t.count_inter_token(now - last),
+                // Its first token: arrival and first_token, on colder lines,
+                // are read only then.
+                None => {
+                    t.count_first_token(now - r.arrival);
+                    r.first_token.get_or_insert(now);
+                }
             }
-            r.last_token = Some(now);
+            r.set_last_token(now);
             events.request_ids.push(r.id);
             events.tokens.push(token);
             // `s.stops`: the plan's copy, so that a request without stop

@@ -374,14 +374,17 @@ impl Tenant {
         self.metrics.prefill_tokens += tokens as u64;
     }
 
-    /// One of its requests got a token at `now`: time to first token from its
-    /// `arrival` when it had none (`last_token` None), else the inter-token gap.
+    /// A request's first token, `ttft` seconds after its arrival.
     #[inline]
-    pub fn count_token(&mut self, last_token: Option<f64>, arrival: f64, now: f64) {
-        match last_token {
-            None => self.metrics.ttft.observe(now - arrival),
-            Some(last) => self.metrics.inter_token.observe(now - last),
-        }
+    pub fn count_first_token(&mut self, ttft: f64) {
+        self.metrics.ttft.observe(ttft);
+        self.metrics.tokens_out += 1;
+    }
+
+    /// A later token, `gap` seconds after the request's previous one.
+    #[inline]
+    pub fn count_inter_token(&mut self, gap: f64) {
+        self.metrics.inter_token.observe(gap);
         self.metrics.tokens_out += 1;
     }
 

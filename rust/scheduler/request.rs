@@ -78,14 +78,17 @@ pub(super) enum Place {
 #[derive(Clone, Debug)]
 #[repr(C, align(64))]
 pub struct Request {
-    // Line 1: read by step() for a prefill chunk, and by commit() (with
-    // `id`, the last field of the line).
+    // Line 1: read by step() for a prefill chunk, and by commit(), which
+    // writes nothing else (so line 2 stays clean: nothing to write back).
     /// Prompt followed by the tokens generated so far.
     pub tokens: Vec<i32>,
     /// Pages holding its KV, in order.
     pub pages: Vec<u32>,
     /// Tokens whose KV is written (committed steps only).
     pub num_computed: usize,
+    /// When its last token was committed; negative before its first (see
+    /// `last_token()`): an `Option<f64>` would not fit the line.
+    pub(super) last_token_at: f64,
     // Line 2: read by commit(). A step plans a decode from the running
     // set's copies (`queues::RunningSet`) and opens neither line.
     pub id: u64,
@@ -93,7 +96,6 @@ pub struct Request {
     pub(super) place: Place,
     pub max_tokens: usize,
     pub prompt_len: usize,
-    pub last_token: Option<f64>,
     /// Holds `Option<Request>`'s tag (see `Live`).
     pub(super) live: Live,
     // Line 3 and on: colder.
@@ -124,6 +126,19 @@ pub struct Request {
 }
 
 impl Request {
+    /// When its last token was committed (None before its first).
+    #[inline]
+    pub fn last_token(&self) -> Option<f64> {
+        (self.last_token_at >= 0.0).then_some(self.last_token_at)
+    }
+
+    /// Its token committed at `now` (a checked time: finite, >= 0).
+    #[inline]
+    pub(super) fn set_last_token(&mut self, now: f64) {
+        debug_assert!(now >= 0.0);
+        self.last_token_at = now;
+    }
+
     pub fn generated(&self) -> usize {
         self.tokens.len() - self.prompt_len
     }
@@ -273,6 +288,28 @@ impl RequestTable {
         self.slab[slot].as_mut().filter(|r| r.id == id)
     }
 
+    /// Start loading the lines of `slot` that a commit reads (its first two,
+    /// see `Request`), or (`tail`) the end of its token list, where the
+    /// commit appends: that address is read from the first line, which must
+    /// have been prefetched a while before.
+    #[inline]
+    pub(super) fn prefetch(&self, slot: usize, tail: bool) {
+        let Some(entry) = self.slab.get(slot) else {
+            return;
+        };
+        match (tail, entry) {
+            (false, _) => {
+                let p: *const u8 = std::ptr::from_ref(entry).cast();
+                crate::prefetch::line(p);
+                crate::prefetch::line(p.wrapping_add(64));
+            }
+            (true, Some(r)) => {
+                crate::prefetch::line(r.tokens.as_ptr().wrapping_add(r.tokens.len()).cast())
+            }
+            (true, None) => {}
+        }
+    }
+
     pub(super) fn slot_of(&self, id: u64) -> Option<usize> {
         self.index.get(&id).copied()
     }
@@ -315,5 +352,43 @@ impl RequestTable {
             return Err("index and slab disagree".into());
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::mem::{offset_of, size_of};
+
+    /// What a decode's commit writes is in the request's first cache line
+    /// (its second is only read, so it is never written back), and
+    /// `Option<Request>` keeps its tag in a field of the second (`Live`), not
+    /// in a word of its own.
+    #[test]
+    fn a_decodes_commit_writes_one_line_of_its_request() {
+        let written = [
+            (offset_of!(Request, tokens), size_of::<Vec<i32>>()),
+            (offset_of!(Request, num_computed), size_of::<usize>()),
+            (offset_of!(Request, last_token_at), size_of::<f64>()),
+        ];
+        for (at, len) in written {
+            assert!(at + len <= 64, "a field at {at} (+{len}) is past line 1");
+        }
+        let read = [
+            (offset_of!(Request, id), size_of::<u64>()),
+            (offset_of!(Request, tenant), size_of::<TenantId>()),
+            (offset_of!(Request, place), size_of::<Place>()),
+            (offset_of!(Request, max_tokens), size_of::<usize>()),
+            (offset_of!(Request, prompt_len), size_of::<usize>()),
+            (offset_of!(Request, live), size_of::<Live>()),
+        ];
+        for (at, len) in read {
+            assert!(
+                at >= 64 && at + len <= 128,
+                "a field at {at} (+{len}) is not in line 2"
+            );
+        }
+        assert_eq!(size_of::<Option<Request>>(), size_of::<Request>());
+        assert_eq!(std::mem::align_of::<Request>(), 64);
     }
 }

@@ -32,17 +32,21 @@ pub struct StepOutcome {
 pub(super) struct PendingSeq {
     pub(super) slab: usize,
     pub(super) id: u64,
-    pub(super) q_len: usize,
+    /// Its tokens in the plan (the plan's arrays are indexed by i32, so this
+    /// fits; 24 bytes a sequence instead of 32, written by every step and
+    /// read by every commit).
+    pub(super) q_len: u32,
     pub(super) samples: bool,
     pub(super) decode: bool,
     /// Whether the request has stop tokens (see `queues::Owner`).
     pub(super) stops: bool,
 }
 
-/// The step being planned: tokens per sequence in plan order (decodes first),
-/// tokens placed so far, and the budget they must fit.
+/// The step being planned: its decodes (one token each, first in plan
+/// order), then the tokens of each prefill chunk after them, tokens placed so
+/// far, and the budget they must fit.
 struct Batch {
-    q_lens: Vec<usize>,
+    chunks: Vec<usize>,
     scheduled: usize,
     num_decode: usize,
     budget: usize,
@@ -93,12 +97,8 @@ impl Scheduler {
         // Decodes first: every running decode sequence gets its token.
         self.decode_pages(&mut preempted)?;
         let num_decode = self.running.num_decode();
-        // Room for every sequence the step may run: growing it would copy the
-        // decodes' entries.
-        let mut q_lens = Vec::with_capacity(self.running.len().max(self.max_running()));
-        q_lens.resize(num_decode, 1);
         let mut batch = Batch {
-            q_lens,
+            chunks: Vec::new(),
             scheduled: num_decode,
             num_decode,
             budget: self.step_budget(),
@@ -107,7 +107,7 @@ impl Scheduler {
             self.enter_waiting(&mut batch, now)?;
         }
 
-        if batch.q_lens.is_empty() {
+        if num_decode == 0 && batch.chunks.is_empty() {
             // Preemptions of a step that runs nothing are reported with the next plan.
             self.unreported_preempted.extend(preempted);
             self.last_plan_at = None;
@@ -118,7 +118,7 @@ impl Scheduler {
             all.extend(preempted);
             preempted = all;
         }
-        self.write_step(&batch.q_lens, num_decode, preempted, bufs, now)
+        self.write_step(num_decode, &batch.chunks, preempted, bufs, now)
             .map(Some)
     }
 
@@ -159,7 +159,7 @@ impl Scheduler {
             }
             let len = self.requests.get(slab).num_computed + chunk;
             self.grow_running(pos, len)?;
-            batch.q_lens.push(chunk);
+            batch.chunks.push(chunk);
             batch.scheduled += chunk;
             pos += 1;
         }
@@ -196,25 +196,26 @@ impl Scheduler {
             let pos = self.enter_running(slab, now);
             let len = self.requests.get(slab).num_computed + chunk;
             self.grow_running(pos, len)?;
-            batch.q_lens.push(chunk);
+            batch.chunks.push(chunk);
             batch.scheduled += chunk;
         }
         Ok(())
     }
 
-    /// Write the plan of the first `q_lens.len()` running sequences (`q_lens`
-    /// tokens each, the first `num_decode` decodes) into `bufs`, advance the
-    /// tenants' virtual times and the step rate, and keep what `commit` needs.
+    /// Write the plan of the first `num_decode + chunks.len()` running
+    /// sequences (the decodes one token each, then `chunks` tokens each) into
+    /// `bufs`, advance the tenants' virtual times and the step rate, and keep
+    /// what `commit` needs.
     fn write_step(
         &mut self,
-        q_lens: &[usize],
         num_decode: usize,
+        chunks: &[usize],
         preempted: Vec<u64>,
         bufs: &mut PlanBuffers<'_>,
         now: f64,
     ) -> KvResult<StepOutcome> {
         let parity = self.next_parity();
-        let n = q_lens.len();
+        let n = num_decode + chunks.len();
         self.served.resize(self.tenants.slots_len(), 0);
         let mut seqs = Vec::with_capacity(n);
         let mut request_ids = Vec::with_capacity(n);
@@ -233,7 +234,6 @@ impl Scheduler {
             let hot = &running.hot()[..n];
             // Decodes are planned from the running set's arrays alone (see
             // `RunningSet`): one token each, sampled.
-            debug_assert!(q_lens[..num_decode].iter().all(|&q| q == 1));
             for (&s, o) in slots[..num_decode].iter().zip(&owners[..num_decode]) {
                 served[o.tenant] += 1;
                 seqs.push(PendingSeq {
@@ -248,15 +248,17 @@ impl Scheduler {
             request_ids.extend(owners[..num_decode].iter().map(|o| o.id));
             samples.resize(num_decode, true);
             // Prefill chunks from their requests' lists.
-            let chunks = (num_decode..n).map(|pos| {
-                let (s, o, q) = (slots[pos], owners[pos], q_lens[pos]);
+            let chunks = (num_decode..n).zip(chunks).map(|(pos, &q)| {
+                let (s, o) = (slots[pos], owners[pos]);
                 let r = requests.get(s);
                 let done = r.num_computed + q == r.tokens.len();
                 served[o.tenant] += q;
                 seqs.push(PendingSeq {
                     slab: s,
                     id: o.id,
-                    q_len: q,
+                    // Saturated: a chunk this long fails `write_plan`'s checks,
+                    // and then no commit reads it.
+                    q_len: u32::try_from(q).unwrap_or(u32::MAX),
                     samples: done,
                     decode: false,
                     stops: o.stops,

@@ -226,3 +226,29 @@ fn a_refused_plans_preemptions_go_out_with_the_next_plan() {
     let out = h.plan().unwrap().expect("the step is planned again");
     assert_eq!(out.preempted, preempted);
 }
+
+/// A request's first token counts its time to first token from its arrival;
+/// each later one, the gap since the one before (the request keeps when its
+/// last token came as a time with a "none yet" sign, see `Request`).
+#[test]
+fn the_first_token_counts_from_arrival_and_each_later_one_from_the_last() {
+    let mut s = sched(256, 16);
+    s.add_tenant(TenantConfig::new("a")).unwrap();
+    let shape = *s.plan_shape();
+    let mut bufs = [OwnedPlanBuffers::new(&shape), OwnedPlanBuffers::new(&shape)];
+    let id = s.submit("a", &prompt(5, 1), 3, 1.0).unwrap();
+    let mut finished = Vec::new();
+    for now in [2.0, 2.5, 4.0] {
+        let parity = s.next_parity();
+        let out = s.step(now, &mut bufs[parity].as_mut()).unwrap().unwrap();
+        let ev = s.commit(out.step_id, &[7], now).unwrap();
+        assert_eq!(ev.request_ids, vec![id]);
+        finished.extend(ev.finished);
+    }
+    let m = &s.stats(4.0).tenants[0].metrics;
+    assert_eq!((m.ttft.count(), m.ttft.sum()), (1, 1.0));
+    assert_eq!((m.inter_token.count(), m.inter_token.sum()), (2, 2.0));
+    assert_eq!(m.tokens_out, 3);
+    assert_eq!(finished.len(), 1);
+    assert_eq!((finished[0].first_token, finished[0].finished), (2.0, 4.0));
+}
