@@ -258,7 +258,7 @@ def main() -> None:
             cells = [us(v) for v in vals]
             if wargs[0] == "step":
                 n = int(wargs[2])
-                cells = [f"{us(v)} ({v / n * 1e9:.0f} ns/seq)" for v in vals]
+                cells = [f"{us(v)} ({v / n * 1e9:.1f} ns/seq)" for v in vals]
         else:
             cells = [f"{v:.2f} B" for v in vals]
         ratios = [f"{vals[0] / v:.2f}x" for v in vals[1:]]
