@@ -663,10 +663,10 @@ impl Scheduler {
             // The requests a few sequences ahead: their lines, then the end
             // of their token lists (whose address is in the first line).
             if let Some(a) = pending.seqs.get(k + 32) {
-                self.requests.prefetch(a.slab, false);
+                self.requests.prefetch_record(a.slab);
             }
             if let Some(a) = pending.seqs.get(k + 16) {
-                self.requests.prefetch(a.slab, true);
+                self.requests.prefetch_token_tail(a.slab);
             }
             // Cancelled since the plan was made (its slot may hold a newer request).
             let Some(r) = self.requests.get_mut_if(s.slab, s.id) else {

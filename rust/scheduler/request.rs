@@ -288,25 +288,24 @@ impl RequestTable {
         self.slab[slot].as_mut().filter(|r| r.id == id)
     }
 
-    /// Start loading the lines of `slot` that a commit reads (its first two,
-    /// see `Request`), or (`tail`) the end of its token list, where the
-    /// commit appends: that address is read from the first line, which must
-    /// have been prefetched a while before.
+    /// Start loading the lines of `slot` that a commit reads: its first two
+    /// (see `Request`).
     #[inline]
-    pub(super) fn prefetch(&self, slot: usize, tail: bool) {
-        let Some(entry) = self.slab.get(slot) else {
-            return;
-        };
-        match (tail, entry) {
-            (false, _) => {
-                let p: *const u8 = std::ptr::from_ref(entry).cast();
-                crate::prefetch::line(p);
-                crate::prefetch::line(p.wrapping_add(64));
-            }
-            (true, Some(r)) => {
-                crate::prefetch::line(r.tokens.as_ptr().wrapping_add(r.tokens.len()).cast())
-            }
-            (true, None) => {}
+    pub(super) fn prefetch_record(&self, slot: usize) {
+        if let Some(entry) = self.slab.get(slot) {
+            let p: *const u8 = std::ptr::from_ref(entry).cast();
+            crate::prefetch::line(p);
+            crate::prefetch::line(p.wrapping_add(64));
+        }
+    }
+
+    /// Start loading the end of `slot`'s token list, where a commit appends.
+    /// Its address is read from the record's first line, so that line should
+    /// have been prefetched a while before (`prefetch_record`).
+    #[inline]
+    pub(super) fn prefetch_token_tail(&self, slot: usize) {
+        if let Some(Some(r)) = self.slab.get(slot) {
+            crate::prefetch::line(r.tokens.as_ptr().wrapping_add(r.tokens.len()).cast());
         }
     }
 
