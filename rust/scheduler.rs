@@ -78,6 +78,7 @@ mod request;
 mod retry;
 mod stats;
 mod step;
+mod tail;
 
 pub use checkpoint::InFlight;
 pub use clock::{check_time, CLOCK_JITTER_S, MAX_TIME_S};
@@ -94,7 +95,8 @@ use events::EventLog;
 use kv::KvManager;
 use queues::{ResumeQueues, RunningSet};
 use request::{IdSet, Live, Place, RequestTable};
-use step::Pending;
+use step::{Pending, PendingSeq};
+use tail::Tail;
 
 /// What a request may carry beside its prompt.
 #[derive(Clone, Copy, Debug, Default)]
@@ -260,8 +262,20 @@ impl Scheduler {
         &self.tenants
     }
 
-    pub fn request(&self, id: u64) -> KvResult<&Request> {
-        self.requests.by_id(id).ok_or(KvError::UnknownRequest(id))
+    /// A copy of request `id` as of now: a running one with the tokens its
+    /// commits keep beside it until it catches up (see tail.rs).
+    pub fn request(&self, id: u64) -> KvResult<Request> {
+        let slab = self
+            .requests
+            .slot_of(id)
+            .ok_or(KvError::UnknownRequest(id))?;
+        let r = self.requests.get(slab);
+        let mut copy = r.clone();
+        if let Place::Running(pos) = r.place {
+            let mut tail = self.running.tails()[pos];
+            tail.settle_into(&mut copy);
+        }
+        Ok(copy)
     }
 
     /// Pool pages admission may promise: all but the overhead reserve.
@@ -659,28 +673,52 @@ impl Scheduler {
         };
         let mut done: Vec<(usize, FinishReason)> = Vec::new();
         let bs = self.shape.block_size;
+        // Nothing entered, left or moved in the running set since the plan:
+        // its k-th decode is still at position k, and is committed from the
+        // running set's arrays alone (see tail.rs).
+        let unmoved = pending.running_version == self.running.version();
+        let by_tail =
+            |s: &PendingSeq, tails: &[Tail], k: usize| unmoved && s.decode && tails[k].decides();
         for (k, (s, &token)) in pending.seqs.iter().zip(sampled).enumerate() {
-            // The requests a few sequences ahead: their lines, then the end
-            // of their token lists (whose address is in the first line).
+            if by_tail(s, self.running.tails(), k) {
+                events.request_ids.push(s.id);
+                events.tokens.push(token);
+                if let Some(reason) = self.commit_decode(k, token, now) {
+                    done.push((s.slab, reason));
+                }
+                continue;
+            }
+            // The requests a few sequences ahead that this path opens: their
+            // lines, then the end of their token lists (whose address is in
+            // the first line).
             if let Some(a) = pending.seqs.get(k + 32) {
-                self.requests.prefetch_record(a.slab);
+                if !by_tail(a, self.running.tails(), k + 32) {
+                    self.requests.prefetch_record(a.slab);
+                }
             }
             if let Some(a) = pending.seqs.get(k + 16) {
-                self.requests.prefetch_token_tail(a.slab);
+                if !by_tail(a, self.running.tails(), k + 16) {
+                    self.requests.prefetch_token_tail(a.slab);
+                }
             }
             // Cancelled since the plan was made (its slot may hold a newer request).
             let Some(r) = self.requests.get_mut_if(s.slab, s.id) else {
                 continue;
             };
-            let before = r.num_computed;
-            r.num_computed += s.q_len as usize;
-            // The running set's copy (see `RunningSet`): a request planned
-            // and not cancelled since is still running.
+            // The running set's copies (see `RunningSet`): a request planned
+            // and not cancelled since is still running. Its tail's tokens go
+            // to the request first.
             let mut hot = match r.place {
-                Place::Running(pos) => Some(self.running.hot_mut(pos)),
+                Place::Running(pos) => {
+                    let (h, tail, _) = self.running.decode_mut(pos);
+                    tail.settle_into(r);
+                    Some((h, tail))
+                }
                 _ => None,
             };
-            if let Some(h) = hot.as_mut() {
+            let before = r.num_computed;
+            r.num_computed += s.q_len as usize;
+            if let Some((h, _)) = hot.as_mut() {
                 h.pos = r.num_computed;
             }
             // Blocks fill only where the committed tokens reach a block
@@ -699,9 +737,6 @@ impl Scheduler {
                 continue;
             }
             r.tokens.push(token);
-            if let Some(h) = hot {
-                h.token = token;
-            }
             match r.last_token() {
                 Some(last) => t.count_inter_token(now - last),
                 // Its first token: arrival and first_token, on colder lines,
@@ -712,6 +747,10 @@ impl Scheduler {
                 }
             }
             r.set_last_token(now);
+            if let Some((h, tail)) = hot {
+                h.token = token;
+                *tail = Tail::of(r);
+            }
             events.request_ids.push(r.id);
             events.tokens.push(token);
             // `s.stops`: the plan's copy, so that a request without stop

@@ -107,7 +107,7 @@ impl Scheduler {
             id: r.id,
             tenant: self.tenants.get(r.tenant).config.name.clone(),
             prompt: r.tokens[..r.prompt_len].to_vec(),
-            generated: r.output().to_vec(),
+            generated: self.output_of(r),
             max_tokens: r.max_tokens,
             asked_max_tokens: r.asked_max_tokens,
             stop_token_ids: r.stop_token_ids.clone(),

@@ -12,7 +12,11 @@ impl Scheduler {
     /// UnknownRequest for any id that is not live: the strict form of
     /// `cancel_at`, which tells a request that already ended apart.
     pub fn cancel(&mut self, id: u64) -> KvResult<Request> {
-        let now = self.clock.max(self.request(id)?.arrival);
+        let slab = self
+            .requests
+            .slot_of(id)
+            .ok_or(KvError::UnknownRequest(id))?;
+        let now = self.clock.max(self.requests.get(slab).arrival);
         self.end_by_caller(id, FinishReason::Cancelled, now)?
             .ok_or(KvError::UnknownRequest(id))
     }

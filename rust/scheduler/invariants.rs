@@ -91,13 +91,16 @@ impl Scheduler {
         if self.running.num_decode() > self.running.len() {
             return Err("num_decode exceeds the running set".into());
         }
+        self.check_hot().map_err(|e| e.to_string())?;
         for (slab, r) in self.requests.iter() {
             if reserve_mode && r.pages.len() > r.reserved_blocks {
                 return Err(format!("request {} holds more pages than reserved", r.id));
             }
             let bs = self.config.block_size;
-            if r.pages.len() < r.num_computed.div_ceil(bs)
-                || r.pages.len() > r.tokens.len().div_ceil(bs)
+            // Counting the tokens its tail holds (see tail.rs).
+            let lag = self.unsettled(r);
+            if r.pages.len() < (r.num_computed + lag).div_ceil(bs)
+                || r.pages.len() > (r.tokens.len() + lag).div_ceil(bs)
             {
                 return Err(format!("request {} pages do not match its KV", r.id));
             }

@@ -29,6 +29,14 @@ use super::*;
 /// or pages. Debug builds and `full_validation` check every decode's copy
 /// against its request as the plan is written (`check_hot`).
 ///
+/// Beside the hot record, each sequence's `Tail` (see tail.rs) holds the
+/// tokens a decode sampled since its request was last brought up to date:
+/// a decode's commit writes there, not to its request.
+///
+/// `version` changes with every change of position (an entry, a removal, a
+/// promotion): a commit whose plan saw the same version knows that the plan's
+/// k-th decode is still at position k.
+///
 /// Its interface is kept narrow (positions in, slots out, a callback for every
 /// sequence that moves) so that what it stores per running sequence can change
 /// without touching its callers.
@@ -38,7 +46,9 @@ pub(super) struct RunningSet {
     /// `owners[pos]` and `hot[pos]` belong to `slots[pos]`.
     owners: Vec<Owner>,
     hot: Vec<DecodeSeq>,
+    tails: Vec<Tail>,
     num_decode: usize,
+    version: u64,
 }
 
 /// Whose a running sequence is: fixed for its request's life.
@@ -97,6 +107,34 @@ impl RunningSet {
         &mut self.hot[pos]
     }
 
+    /// The tail of every running sequence, in plan order (as `slots`).
+    #[inline]
+    pub(super) fn tails(&self) -> &[Tail] {
+        &self.tails
+    }
+
+    /// The tail of the sequence at plan position `pos`.
+    #[inline]
+    pub(super) fn tail_mut(&mut self, pos: usize) -> &mut Tail {
+        &mut self.tails[pos]
+    }
+
+    /// The hot record and tail of the sequence at `pos`, and its tenant.
+    #[inline]
+    pub(super) fn decode_mut(&mut self, pos: usize) -> (&mut DecodeSeq, &mut Tail, TenantId) {
+        (
+            &mut self.hot[pos],
+            &mut self.tails[pos],
+            self.owners[pos].tenant,
+        )
+    }
+
+    /// Changes whenever a sequence enters, leaves or changes position.
+    #[inline]
+    pub(super) fn version(&self) -> u64 {
+        self.version
+    }
+
     /// The slot at plan position `pos`.
     #[inline]
     pub(super) fn at(&self, pos: usize) -> usize {
@@ -104,10 +142,12 @@ impl RunningSet {
     }
 
     /// Append a sequence that starts in prefill; returns its position.
-    pub(super) fn push(&mut self, slot: usize, owner: Owner, hot: DecodeSeq) -> usize {
+    pub(super) fn push(&mut self, slot: usize, owner: Owner, hot: DecodeSeq, tail: Tail) -> usize {
+        self.version += 1;
         self.slots.push(slot);
         self.owners.push(owner);
         self.hot.push(hot);
+        self.tails.push(tail);
         self.slots.len() - 1
     }
 
@@ -115,12 +155,15 @@ impl RunningSet {
     /// order does not matter); prefills keep their entry order. `moved(slot,
     /// pos)` is called for every remaining sequence whose position changed.
     pub(super) fn remove(&mut self, pos: usize, mut moved: impl FnMut(usize, usize)) -> usize {
+        debug_assert_eq!(self.tails[pos].n, 0, "settled before it leaves");
+        self.version += 1;
         let slot = self.slots[pos];
         let from = if pos < self.num_decode {
             let last = self.num_decode - 1;
             self.slots.swap(pos, last);
             self.owners.swap(pos, last);
             self.hot.swap(pos, last);
+            self.tails.swap(pos, last);
             if pos != last {
                 moved(self.slots[pos], pos);
             }
@@ -132,6 +175,7 @@ impl RunningSet {
         self.slots.remove(from);
         self.owners.remove(from);
         self.hot.remove(from);
+        self.tails.remove(from);
         for (p, &s) in self.slots.iter().enumerate().skip(from) {
             moved(s, p);
         }
@@ -142,6 +186,7 @@ impl RunningSet {
     /// `moved(slot, pos)` is called for every sequence whose position changed.
     pub(super) fn promote(&mut self, pos: usize, mut moved: impl FnMut(usize, usize)) {
         debug_assert!(pos >= self.num_decode);
+        self.version += 1;
         let to = self.num_decode;
         let slot = self.slots.remove(pos);
         self.slots.insert(to, slot);
@@ -149,6 +194,8 @@ impl RunningSet {
         self.owners.insert(to, owner);
         let hot = self.hot.remove(pos);
         self.hot.insert(to, hot);
+        let tail = self.tails.remove(pos);
+        self.tails.insert(to, tail);
         self.num_decode += 1;
         for p in self.num_decode - 1..=pos {
             moved(self.slots[p], p);
@@ -353,7 +400,9 @@ impl Scheduler {
             tenant: r.tenant,
             stops: !r.stop_token_ids.is_empty(),
         };
-        let pos = self.running.push(slab, owner, hot_record(r, key));
+        let pos = self
+            .running
+            .push(slab, owner, hot_record(r, key), Tail::of(r));
         r.place = Place::Running(pos);
         let queued = r.first_scheduled.is_none().then_some(now - r.arrival);
         r.first_scheduled.get_or_insert(now);
@@ -365,6 +414,7 @@ impl Scheduler {
     /// Take the sequence at `pos` out of the running set; its caller puts it
     /// somewhere (a resume queue) or drops it.
     pub(super) fn remove_running(&mut self, pos: usize) {
+        self.settle(pos);
         let requests = &mut self.requests;
         let slab = self.running.remove(pos, |s, p| {
             requests.get_mut(s).place = Place::Running(p);
@@ -388,23 +438,35 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Whether every decode's hot record (and owner) agrees with its request
-    /// (see `RunningSet`).
+    /// Whether every running sequence's hot record, owner and tail agree
+    /// with its request, counting the tokens its tail holds (see `RunningSet`).
     pub(super) fn check_hot(&self) -> KvResult<()> {
         let running = &self.running;
         let decodes = running.num_decode();
-        let records = running.owners().iter().zip(running.hot());
-        for (pos, (&s, (o, h))) in running.slots()[..decodes].iter().zip(records).enumerate() {
+        let records = running
+            .owners()
+            .iter()
+            .zip(running.hot())
+            .zip(running.tails());
+        for (pos, (&s, ((o, h), tail))) in running.slots().iter().zip(records).enumerate() {
             let r = self.requests.get(s);
-            let lists = r.tokens.len() == r.num_computed + 1
-                && r.tokens.last() == Some(&h.token)
-                && r.pages.len() == h.num_pages
-                && r.pages.last() == Some(&h.last_page);
             let owner =
                 r.id == o.id && r.tenant == o.tenant && o.stops != r.stop_token_ids.is_empty();
-            if !(lists && owner && r.num_computed == h.pos) {
+            let fits = tail.agrees_with(r) && (pos < decodes || tail.n == 0);
+            let n = usize::from(tail.n);
+            let last = match n {
+                0 => r.tokens.last(),
+                _ => tail.buf.get(n - 1),
+            };
+            let lists = pos >= decodes
+                || (r.tokens.len() == r.num_computed + 1
+                    && last == Some(&h.token)
+                    && r.pages.len() == h.num_pages
+                    && r.pages.last() == Some(&h.last_page)
+                    && r.num_computed + n == h.pos);
+            if !(lists && owner && fits) {
                 return Err(KvError::Internal(format!(
-                    "the hot record of decode {pos} (request {}) disagrees with it",
+                    "the hot record or tail of running sequence {pos} (request {}) disagrees with it",
                     r.id
                 )));
             }

@@ -72,24 +72,27 @@ pub(super) enum Place {
 /// One admitted, unfinished request.
 ///
 /// `repr(C)` and 64-byte alignment keep what a prefill chunk's step reads in
-/// the first cache line and what a commit reads in the first two: a step
-/// and a commit visit every running request, so lines per request are their
-/// cost. (A decode's step reads the running set's copies instead.)
+/// the first cache line and what a commit reads in the first two: lines per
+/// request are the cost of a commit that opens one. (A decode's step reads
+/// the running set's copies instead, and its commit writes the running set's
+/// tail: it opens its request once every `TAIL_TOKENS` tokens; see tail.rs.)
 #[derive(Clone, Debug)]
 #[repr(C, align(64))]
 pub struct Request {
-    // Line 1: read by step() for a prefill chunk, and by commit(), which
-    // writes nothing else (so line 2 stays clean: nothing to write back).
+    // Line 1: read by step() for a prefill chunk, and by a commit that opens
+    // the request (or a tail catching up), which writes nothing else (so
+    // line 2 stays clean: nothing to write back).
     /// Prompt followed by the tokens generated so far.
     pub tokens: Vec<i32>,
     /// Pages holding its KV, in order.
     pub pages: Vec<u32>,
-    /// Tokens whose KV is written (committed steps only).
+    /// Tokens whose KV is written (committed steps only). While it runs,
+    /// this and `tokens` may lag by the tokens its tail holds (see tail.rs).
     pub num_computed: usize,
     /// When its last token was committed; negative before its first (see
     /// `last_token()`): an `Option<f64>` would not fit the line.
     pub(super) last_token_at: f64,
-    // Line 2: read by commit(). A step plans a decode from the running
+    // Line 2: read by a commit that opens it. A step plans a decode from the running
     // set's copies (`queues::RunningSet`) and opens neither line.
     pub id: u64,
     pub tenant: TenantId,
@@ -313,10 +316,6 @@ impl RequestTable {
         self.index.get(&id).copied()
     }
 
-    pub(super) fn by_id(&self, id: u64) -> Option<&Request> {
-        self.slot_of(id).map(|s| self.get(s))
-    }
-
     pub(super) fn len(&self) -> usize {
         self.index.len()
     }
@@ -359,12 +358,13 @@ mod tests {
     use super::*;
     use std::mem::{offset_of, size_of};
 
-    /// What a decode's commit writes is in the request's first cache line
+    /// What a commit that opens a request writes (and a tail catching up)
+    /// is in the request's first cache line
     /// (its second is only read, so it is never written back), and
     /// `Option<Request>` keeps its tag in a field of the second (`Live`), not
     /// in a word of its own.
     #[test]
-    fn a_decodes_commit_writes_one_line_of_its_request() {
+    fn a_commit_that_opens_a_request_writes_one_line_of_it() {
         let written = [
             (offset_of!(Request, tokens), size_of::<Vec<i32>>()),
             (offset_of!(Request, num_computed), size_of::<usize>()),

@@ -8,7 +8,8 @@ impl Scheduler {
     /// Steps until running request `r` ends by itself, no stop token assumed:
     /// each step gives it one token, or one prefill chunk.
     fn steps_left(&self, r: &Request) -> usize {
-        r.max_tokens.saturating_sub(r.generated())
+        r.max_tokens
+            .saturating_sub(r.generated() + self.unsettled(r))
             + r.need().saturating_sub(1) / self.config.long_prefill_chunk
     }
 

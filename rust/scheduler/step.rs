@@ -58,6 +58,8 @@ pub(super) struct Pending {
     pub(super) step_id: u64,
     pub(super) seqs: Vec<PendingSeq>,
     pub(super) preempted: Vec<u64>,
+    /// The running set's version when the plan was made.
+    pub(super) running_version: u64,
 }
 
 impl Scheduler {
@@ -327,6 +329,7 @@ impl Scheduler {
             step_id,
             seqs,
             preempted: preempted.clone(),
+            running_version: self.running.version(),
         });
         let kv_tokens = bufs.kv_lens[..written.num_seqs]
             .iter()

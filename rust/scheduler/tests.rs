@@ -15,6 +15,8 @@
 //! - `lifecycle`: warm-up, drain, restore, live reconfiguration.
 //! - `terminal`: every request ends with exactly one event; `retry_after`.
 //! - `prefix`: the prefix cache through the scheduler.
+//! - `tails`: decodes committed into the running set's tails, and every
+//!   reader of a request seeing the tokens they hold.
 //! - `plan_rows_fuzz`, `lifecycle_fuzz`, `prefix_fuzz`: random operations
 //!   against the page lists, the request accounting and the page owners.
 //! - `random_ops`: the one operation generator the random suites share.
@@ -221,6 +223,7 @@ mod preemption;
 mod prefix;
 mod prefix_fuzz;
 mod random_ops;
+mod tails;
 mod terminal;
 mod tiers;
 mod time_and_rows;
