@@ -633,31 +633,26 @@ impl Scheduler {
                 pending.step_id
             )));
         }
-        if sampled.len() != pending.seqs.len() {
+        // The plan's decodes (one sampled token each), then its prefill chunks.
+        let num_decode = pending.num_decode;
+        let num_seqs = num_decode + pending.seqs.len();
+        if sampled.len() != num_seqs {
             return Err(KvError::InvalidState(format!(
-                "{} sampled ids for a plan of {} sequences",
-                sampled.len(),
-                pending.seqs.len()
+                "{} sampled ids for a plan of {num_seqs} sequences",
+                sampled.len()
             )));
         }
-        if let Some(k) = pending
-            .seqs
-            .iter()
-            .zip(sampled)
-            .position(|(s, &tok)| s.samples && tok < 0)
-        {
+        let samples = |k: usize| k < num_decode || pending.seqs[k - num_decode].samples;
+        let bad =
+            |out: &dyn Fn(i32) -> bool| (0..num_seqs).find(|&k| samples(k) && out(sampled[k]));
+        if let Some(k) = bad(&|tok| tok < 0) {
             return Err(KvError::InvalidState(format!(
                 "sampled id {} of sequence {k} is negative",
                 sampled[k]
             )));
         }
         if let Some(vocab) = self.config.vocab_size {
-            if let Some(k) = pending
-                .seqs
-                .iter()
-                .zip(sampled)
-                .position(|(s, &tok)| s.samples && i64::from(tok) >= i64::from(vocab))
-            {
+            if let Some(k) = bad(&|tok| i64::from(tok) >= i64::from(vocab)) {
                 return Err(KvError::InvalidState(format!(
                     "sampled id {} of sequence {k} is outside the vocabulary of {vocab}",
                     sampled[k]
@@ -666,116 +661,36 @@ impl Scheduler {
         }
         let pending = self.pending.take().expect("checked above");
         let mut events = CommitEvents {
-            request_ids: Vec::with_capacity(pending.seqs.len()),
-            tokens: Vec::with_capacity(pending.seqs.len()),
+            request_ids: Vec::with_capacity(num_seqs),
+            tokens: Vec::with_capacity(num_seqs),
             finished: Vec::new(),
             preempted: pending.preempted,
         };
         let mut done: Vec<(usize, FinishReason)> = Vec::new();
-        let bs = self.shape.block_size;
-        // Nothing entered, left or moved in the running set since the plan:
-        // its k-th decode is still at position k, and is committed from the
-        // running set's arrays alone (see tail.rs).
-        let unmoved = pending.running_version == self.running.version();
-        let by_tail =
-            |s: &PendingSeq, tails: &[Tail], k: usize| unmoved && s.decode && tails[k].decides();
-        for (k, (s, &token)) in pending.seqs.iter().zip(sampled).enumerate() {
-            if by_tail(s, self.running.tails(), k) {
-                events.request_ids.push(s.id);
-                events.tokens.push(token);
-                if let Some(reason) = self.commit_decode(k, token, now) {
-                    done.push((s.slab, reason));
-                }
-                continue;
-            }
-            // The requests a few sequences ahead that this path opens: their
-            // lines, then the end of their token lists (whose address is in
-            // the first line).
-            if let Some(a) = pending.seqs.get(k + 32) {
-                if !by_tail(a, self.running.tails(), k + 32) {
-                    self.requests.prefetch_record(a.slab);
-                }
-            }
-            if let Some(a) = pending.seqs.get(k + 16) {
-                if !by_tail(a, self.running.tails(), k + 16) {
-                    self.requests.prefetch_token_tail(a.slab);
-                }
-            }
-            // Cancelled since the plan was made (its slot may hold a newer request).
-            let Some(r) = self.requests.get_mut_if(s.slab, s.id) else {
-                continue;
-            };
-            // The running set's copies (see `RunningSet`): a request planned
-            // and not cancelled since is still running. Its tail's tokens go
-            // to the request first.
-            let mut hot = match r.place {
-                Place::Running(pos) => {
-                    let (h, tail, _) = self.running.decode_mut(pos);
-                    tail.settle_into(r);
-                    Some((h, tail))
-                }
-                _ => None,
-            };
-            let before = r.num_computed;
-            r.num_computed += s.q_len as usize;
-            if let Some((h, _)) = hot.as_mut() {
-                h.pos = r.num_computed;
-            }
-            // Blocks fill only where the committed tokens reach a block
-            // boundary (one decode in block_size), and every block filled
-            // before was named by the commit that filled it: elsewhere there
-            // is nothing to name, and the request's names are not read. The
-            // ones to name are named together after this pass, in plan order.
-            if self.kv.caching() && bs.split(before).0 != bs.split(r.num_computed).0 {
-                self.filled.push(s.slab);
-            }
-            let t = self.tenants.get_mut(r.tenant);
-            if !s.decode {
-                t.count_prefill(s.q_len as usize);
-            }
-            if !s.samples {
-                continue;
-            }
-            r.tokens.push(token);
-            match r.last_token() {
-                Some(last) => t.count_inter_token(now - last),
-                // Its first token: arrival and first_token, on colder lines,
-                // are read only then.
-                None => {
-                    t.count_first_token(now - r.arrival);
-                    r.first_token.get_or_insert(now);
-                }
-            }
-            r.set_last_token(now);
-            if let Some((h, tail)) = hot {
-                h.token = token;
-                *tail = Tail::of(r);
-            }
-            events.request_ids.push(r.id);
-            events.tokens.push(token);
-            // `s.stops`: the plan's copy, so that a request without stop
-            // tokens (most) is decided without opening the line of its list.
-            let reason = if s.stops && r.stop_token_ids.contains(&token) {
-                Some(FinishReason::Stop)
-            } else if r.generated() >= r.max_tokens {
-                Some(FinishReason::Length)
-            } else {
-                None
-            };
-            match reason {
-                Some(reason) => done.push((s.slab, reason)),
-                // A prefill that sampled its first token becomes a decode. (A
-                // sequence planned as a prefill is still past the decodes: only
-                // its own promotion could move it there.)
-                None if !s.decode => {
-                    if let Place::Running(pos) = r.place {
-                        debug_assert!(pos >= self.running.num_decode());
-                        self.promote_to_decode(pos);
+        let (decoded, chunked) = sampled.split_at(num_decode);
+        match self.running.unpin() {
+            // Nothing left or moved in the running set since the plan: its
+            // k-th decode is still at position k, and is committed from the
+            // running set's arrays alone (see tail.rs) unless its stop tokens
+            // do not fit its tail.
+            None => {
+                for (k, &token) in decoded.iter().enumerate() {
+                    if self.running.tails()[k].decides() {
+                        events.request_ids.push(self.running.owners()[k].id);
+                        events.tokens.push(token);
+                        if let Some(reason) = self.commit_decode(k, token, now) {
+                            done.push((self.running.at(k), reason));
+                        }
+                    } else {
+                        let s = self.running.planned_decode(k);
+                        self.commit_opened(&s, token, now, &mut events, &mut done);
                     }
                 }
-                None => {}
             }
+            // Who the decodes were when something moved.
+            Some(decodes) => self.commit_all_opened(&decodes, decoded, now, &mut events, &mut done),
         }
+        self.commit_all_opened(&pending.seqs, chunked, now, &mut events, &mut done);
         // Name the blocks this step filled (before a finished request's pages
         // go back: its blocks stay cached).
         let mut filled = std::mem::take(&mut self.filled);
@@ -805,6 +720,118 @@ impl Scheduler {
             events.finished = all;
         }
         Ok(events)
+    }
+
+    /// Commit `sampled[k]` for each of `seqs` through its request, loading
+    /// the requests a few sequences ahead (`commit_opened`).
+    fn commit_all_opened(
+        &mut self,
+        seqs: &[PendingSeq],
+        sampled: &[i32],
+        now: f64,
+        events: &mut CommitEvents,
+        done: &mut Vec<(usize, FinishReason)>,
+    ) {
+        for (k, (s, &token)) in seqs.iter().zip(sampled).enumerate() {
+            // Their lines, then the end of their token lists (whose address
+            // is in the first line).
+            if let Some(a) = seqs.get(k + 32) {
+                self.requests.prefetch_record(a.slab);
+            }
+            if let Some(a) = seqs.get(k + 16) {
+                self.requests.prefetch_token_tail(a.slab);
+            }
+            self.commit_opened(s, token, now, events, done);
+        }
+    }
+
+    /// Commit `token` for sequence `s` of the plan through its request: a
+    /// prefill chunk, or a decode whose tail cannot decide alone (the running
+    /// set changed since the plan, or its stop tokens do not fit the tail).
+    /// Nothing if it ended since the plan was made.
+    fn commit_opened(
+        &mut self,
+        s: &PendingSeq,
+        token: i32,
+        now: f64,
+        events: &mut CommitEvents,
+        done: &mut Vec<(usize, FinishReason)>,
+    ) {
+        // Ended since the plan was made (its slot may hold a newer request).
+        let Some(r) = self.requests.get_mut_if(s.slab, s.id) else {
+            return;
+        };
+        // The running set's copies (see `RunningSet`): a request planned
+        // and not ended since is still running. Its tail's tokens go to the
+        // request first.
+        let mut hot = match r.place {
+            Place::Running(pos) => {
+                let (h, tail, _) = self.running.decode_mut(pos);
+                tail.settle_into(r);
+                Some((h, tail))
+            }
+            _ => None,
+        };
+        let before = r.num_computed;
+        r.num_computed += s.q_len as usize;
+        if let Some((h, _)) = hot.as_mut() {
+            h.pos = r.num_computed;
+        }
+        // Blocks fill only where the committed tokens reach a block boundary
+        // (one decode in block_size), and every block filled before was named
+        // by the commit that filled it: elsewhere there is nothing to name,
+        // and the request's names are not read. The ones to name are named
+        // together after this pass, in plan order.
+        let bs = self.shape.block_size;
+        if self.kv.caching() && bs.split(before).0 != bs.split(r.num_computed).0 {
+            self.filled.push(s.slab);
+        }
+        let t = self.tenants.get_mut(r.tenant);
+        if !s.decode {
+            t.count_prefill(s.q_len as usize);
+        }
+        if !s.samples {
+            return;
+        }
+        r.tokens.push(token);
+        match r.last_token() {
+            Some(last) => t.count_inter_token(now - last),
+            // Its first token: arrival and first_token, on colder lines, are
+            // read only then.
+            None => {
+                t.count_first_token(now - r.arrival);
+                r.first_token.get_or_insert(now);
+            }
+        }
+        r.set_last_token(now);
+        if let Some((h, tail)) = hot {
+            h.token = token;
+            *tail = Tail::of(r);
+        }
+        events.request_ids.push(r.id);
+        events.tokens.push(token);
+        // `s.stops`: the plan's copy, so that a request without stop tokens
+        // is decided without opening the line of its list.
+        let reason = if s.stops && r.stop_token_ids.contains(&token) {
+            Some(FinishReason::Stop)
+        } else if r.generated() >= r.max_tokens {
+            Some(FinishReason::Length)
+        } else {
+            None
+        };
+        match reason {
+            Some(reason) => done.push((s.slab, reason)),
+            // A prefill that sampled its first token becomes a decode. (A
+            // sequence planned as a prefill is still past the decodes: only
+            // its own promotion could move it there.)
+            None if !s.decode => {
+                if let Place::Running(pos) = r.place {
+                    debug_assert!(pos >= self.running.num_decode());
+                    self.promote_to_decode(pos);
+                }
+            }
+            None => {}
+        }
     }
 }
 

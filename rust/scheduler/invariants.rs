@@ -25,13 +25,15 @@ impl Scheduler {
     pub(super) fn check_plan_rows(
         &mut self,
         bufs: &mut PlanBuffers<'_>,
-        seqs: &[step::PendingSeq],
+        num_seqs: usize,
         parity: usize,
     ) -> KvResult<()> {
         let pps = self.shape.pages_per_seq;
         let mut wrong = None;
-        for (i, s) in seqs.iter().enumerate() {
-            let pages = &self.requests.get(s.slab).pages;
+        // The plan's sequences are the first `num_seqs` running ones.
+        let planned = self.running.slots().iter().zip(self.running.owners());
+        for (i, (&slab, o)) in planned.take(num_seqs).enumerate() {
+            let pages = &self.requests.get(slab).pages;
             let row = &bufs.page_indices[i * pps..(i + 1) * pps];
             let same = pages.len() <= pps
                 && row[..pages.len()]
@@ -42,19 +44,14 @@ impl Scheduler {
             if !same {
                 wrong = Some(format!(
                     "row {i} (request {}) does not hold the request's pages",
-                    s.id
+                    o.id
                 ));
                 break;
             }
         }
-        if wrong.is_none()
-            && bufs.page_indices[seqs.len() * pps..]
-                .iter()
-                .any(|&p| p != 0)
-        {
+        if wrong.is_none() && bufs.page_indices[num_seqs * pps..].iter().any(|&p| p != 0) {
             wrong = Some(format!(
-                "a padding row past the {} sequences is not page 0",
-                seqs.len()
+                "a padding row past the {num_seqs} sequences is not page 0"
             ));
         }
         match wrong {

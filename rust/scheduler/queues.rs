@@ -33,9 +33,10 @@ use super::*;
 /// tokens a decode sampled since its request was last brought up to date:
 /// a decode's commit writes there, not to its request.
 ///
-/// `version` changes with every change of position (an entry, a removal, a
-/// promotion): a commit whose plan saw the same version knows that the plan's
-/// k-th decode is still at position k.
+/// While a plan is pending, its decodes are pinned (`pin`): the first change
+/// of position (an entry, a removal, a promotion) copies who they were, and
+/// a commit that finds no copy (`unpin`) knows that the plan's k-th decode is
+/// still at position k.
 ///
 /// Its interface is kept narrow (positions in, slots out, a callback for every
 /// sequence that moves) so that what it stores per running sequence can change
@@ -48,7 +49,19 @@ pub(super) struct RunningSet {
     hot: Vec<DecodeSeq>,
     tails: Vec<Tail>,
     num_decode: usize,
-    version: u64,
+    pin: Pin,
+}
+
+/// The decodes of the plan pending (see `RunningSet::pin`).
+#[derive(Clone, Debug, Default)]
+enum Pin {
+    /// No plan pending.
+    #[default]
+    Free,
+    /// The first this many sequences, where the plan put them.
+    Holding(usize),
+    /// Who they were, in plan order, before the first change of position.
+    Moved(Vec<PendingSeq>),
 }
 
 /// Whose a running sequence is: fixed for its request's life.
@@ -129,10 +142,41 @@ impl RunningSet {
         )
     }
 
-    /// Changes whenever a sequence enters, leaves or changes position.
-    #[inline]
-    pub(super) fn version(&self) -> u64 {
-        self.version
+    /// A plan of the first `num_decode` sequences (the decodes) is pending:
+    /// until `unpin`, the first change of position copies who they are.
+    pub(super) fn pin(&mut self, num_decode: usize) {
+        debug_assert!(num_decode <= self.num_decode);
+        self.pin = Pin::Holding(num_decode);
+    }
+
+    /// End the pin: None when every pinned decode is still where the plan
+    /// put it, else who they were, in plan order.
+    pub(super) fn unpin(&mut self) -> Option<Vec<PendingSeq>> {
+        match std::mem::take(&mut self.pin) {
+            Pin::Moved(decodes) => Some(decodes),
+            Pin::Free | Pin::Holding(_) => None,
+        }
+    }
+
+    /// The decode at `pos`, as the plan holds it.
+    pub(super) fn planned_decode(&self, pos: usize) -> PendingSeq {
+        debug_assert!(pos < self.num_decode);
+        let o = self.owners[pos];
+        PendingSeq {
+            slab: self.slots[pos],
+            id: o.id,
+            q_len: 1,
+            samples: true,
+            decode: true,
+            stops: o.stops,
+        }
+    }
+
+    /// Called before every change of position: the pinned decodes are copied.
+    fn moving(&mut self) {
+        if let Pin::Holding(n) = self.pin {
+            self.pin = Pin::Moved((0..n).map(|pos| self.planned_decode(pos)).collect());
+        }
     }
 
     /// The slot at plan position `pos`.
@@ -143,7 +187,7 @@ impl RunningSet {
 
     /// Append a sequence that starts in prefill; returns its position.
     pub(super) fn push(&mut self, slot: usize, owner: Owner, hot: DecodeSeq, tail: Tail) -> usize {
-        self.version += 1;
+        self.moving();
         self.slots.push(slot);
         self.owners.push(owner);
         self.hot.push(hot);
@@ -156,7 +200,7 @@ impl RunningSet {
     /// pos)` is called for every remaining sequence whose position changed.
     pub(super) fn remove(&mut self, pos: usize, mut moved: impl FnMut(usize, usize)) -> usize {
         debug_assert_eq!(self.tails[pos].n, 0, "settled before it leaves");
-        self.version += 1;
+        self.moving();
         let slot = self.slots[pos];
         let from = if pos < self.num_decode {
             let last = self.num_decode - 1;
@@ -186,7 +230,7 @@ impl RunningSet {
     /// `moved(slot, pos)` is called for every sequence whose position changed.
     pub(super) fn promote(&mut self, pos: usize, mut moved: impl FnMut(usize, usize)) {
         debug_assert!(pos >= self.num_decode);
-        self.version += 1;
+        self.moving();
         let to = self.num_decode;
         let slot = self.slots.remove(pos);
         self.slots.insert(to, slot);

@@ -56,10 +56,12 @@ struct Batch {
 #[derive(Clone, Debug)]
 pub(super) struct Pending {
     pub(super) step_id: u64,
+    /// Its decodes: the first `num_decode` running sequences, pinned there
+    /// (`RunningSet::pin`).
+    pub(super) num_decode: usize,
+    /// Its prefill chunks, after the decodes.
     pub(super) seqs: Vec<PendingSeq>,
     pub(super) preempted: Vec<u64>,
-    /// The running set's version when the plan was made.
-    pub(super) running_version: u64,
 }
 
 impl Scheduler {
@@ -219,7 +221,7 @@ impl Scheduler {
         let parity = self.next_parity();
         let n = num_decode + chunks.len();
         self.served.resize(self.tenants.slots_len(), 0);
-        let mut seqs = Vec::with_capacity(n);
+        let mut seqs = Vec::with_capacity(chunks.len());
         let mut request_ids = Vec::with_capacity(n);
         let mut samples = Vec::with_capacity(n);
         if cfg!(debug_assertions) || self.config.full_validation {
@@ -235,17 +237,10 @@ impl Scheduler {
             let owners = &running.owners()[..n];
             let hot = &running.hot()[..n];
             // Decodes are planned from the running set's arrays alone (see
-            // `RunningSet`): one token each, sampled.
-            for (&s, o) in slots[..num_decode].iter().zip(&owners[..num_decode]) {
+            // `RunningSet`): one token each, sampled; commit finds them where
+            // they are (`RunningSet::pin`).
+            for o in &owners[..num_decode] {
                 served[o.tenant] += 1;
-                seqs.push(PendingSeq {
-                    slab: s,
-                    id: o.id,
-                    q_len: 1,
-                    samples: true,
-                    decode: true,
-                    stops: o.stops,
-                });
             }
             request_ids.extend(owners[..num_decode].iter().map(|o| o.id));
             samples.resize(num_decode, true);
@@ -288,7 +283,7 @@ impl Scheduler {
         };
         let checked = written.and_then(|written| {
             if cfg!(debug_assertions) || self.config.full_validation {
-                self.check_plan_rows(bufs, &seqs, parity)?;
+                self.check_plan_rows(bufs, n, parity)?;
                 planner::validate(&self.shape, bufs, &written, self.kv.pool())?;
             }
             Ok(written)
@@ -327,10 +322,11 @@ impl Scheduler {
         self.steps += 1;
         self.pending = Some(Pending {
             step_id,
+            num_decode,
             seqs,
             preempted: preempted.clone(),
-            running_version: self.running.version(),
         });
+        self.running.pin(num_decode);
         let kv_tokens = bufs.kv_lens[..written.num_seqs]
             .iter()
             .map(|&k| k as u64)

@@ -134,9 +134,7 @@ fn a_commit_after_the_running_set_changed_catches_every_request_up() {
     let out = h.plan().unwrap().unwrap();
     let sampled = h.execute(&out, |_, _| {}).unwrap();
     h.s.cancel(ids[0]).unwrap();
-    let version = h.s.running.version();
     h.commit(out, &sampled).unwrap();
-    assert_eq!(h.s.running.version(), version, "no entry, exit or move");
     for (i, &id) in ids.iter().enumerate().skip(1) {
         let slab = h.s.requests.slot_of(id).unwrap();
         let r = h.s.requests.get(slab);
@@ -146,4 +144,30 @@ fn a_commit_after_the_running_set_changed_catches_every_request_up() {
     for (i, &id) in ids.iter().enumerate().skip(1) {
         assert_eq!(h.finished[&id].output, reference[i], "request {id}");
     }
+}
+
+#[test]
+fn a_decodes_sampled_id_is_checked_and_a_refused_commit_changes_nothing() {
+    let mut h = Harness::new(SchedulerConfig {
+        vocab_size: Some(50_000),
+        ..config(200, 8)
+    });
+    h.tenant(TenantConfig::new("a"));
+    let id = h.submit("a", &prompt(5, 6), 30);
+    generate(&mut h, id, 3);
+    let out = h.plan().unwrap().unwrap();
+    assert_eq!((out.num_seqs, out.num_decode), (1, 1));
+    let sampled = h.execute(&out, |_, _| {}).unwrap();
+    let before = h.s.request(id).unwrap();
+    for bad in [-1, 50_000] {
+        let err = h.s.commit(out.step_id, &[bad], h.now).unwrap_err();
+        assert!(matches!(err, KvError::InvalidState(_)), "{err}");
+        let now = h.s.request(id).unwrap();
+        assert_eq!(
+            (now.tokens, now.num_computed),
+            (before.tokens.clone(), before.num_computed)
+        );
+    }
+    h.commit(out, &sampled).unwrap();
+    assert_eq!(h.s.request(id).unwrap().generated(), 4);
 }
