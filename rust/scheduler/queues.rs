@@ -26,12 +26,14 @@ use super::*;
 /// The copies follow the request: `enter_running` fills them, the step
 /// refreshes the page fields after every page it adds (`grow_running`), and
 /// commit the token fields. Nothing else changes a running request's tokens
-/// or pages. Debug builds and `full_validation` check every decode's copy
-/// against its request as the plan is written (`check_hot`).
+/// or pages.
 ///
 /// Beside the hot record, each sequence's `Tail` (see tail.rs) holds the
 /// tokens a decode sampled since its request was last brought up to date:
-/// a decode's commit writes there, not to its request.
+/// a decode's commit writes there and to the hot record, not to its
+/// request. Debug builds and `full_validation` check every sequence's copies
+/// against its request, its tail's tokens counted, as the plan is written
+/// (`check_hot`).
 ///
 /// While a plan is pending, its decodes are pinned (`pin`): the first change
 /// of position (an entry, a removal, a promotion) copies who they were, and

@@ -8,11 +8,15 @@
 //! running set once it outgrew the L2 cache.
 //!
 //! The request catches up (`Scheduler::settle`) when the tail is full, when
-//! the decode fills a block the prefix cache names, when it finishes, when it
-//! leaves the running set (`remove_running`), before anything else changes
-//! it, and when a caller asks for it (`Scheduler::request`). Until then its
-//! `tokens`, `num_computed` and last-token time lag by the tail's `n` tokens:
-//! readers that take `&self` add them (`unsettled`, `output_of`).
+//! the decode fills a block the prefix cache names, when it leaves the
+//! running set (`remove_running`: finished, cancelled, preempted, handed
+//! back), and before a commit goes through the request (`commit_opened`).
+//! Until then its `tokens`, `num_computed` and last-token time lag by the
+//! tail's `n` tokens: readers that take `&self` add them (`unsettled`,
+//! `output_of`, and `Scheduler::request`, which returns a copy). The tail's
+//! tokens themselves exist nowhere else: `check_hot` checks its last one
+//! against the hot record, and the tests' fake engine every one of them
+//! against the KV it reads back.
 
 use super::*;
 
