@@ -18,7 +18,9 @@ use kvsched::scheduler::{Scheduler, SchedulerConfig};
 use kvsched::tenant::TenantConfig;
 use std::time::Instant;
 
-// The extension's heap (rust/heap.rs), so the figures are the module's.
+// The extension's heap (rust/heap.rs), so the figures are the module's (with
+// the `python` feature the library installs it itself; run without it).
+#[cfg(not(feature = "python"))]
 #[global_allocator]
 static HEAP: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

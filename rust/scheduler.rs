@@ -108,6 +108,22 @@ pub struct SubmitOptions<'a> {
     pub cache_salt: Option<&'a [u8]>,
 }
 
+/// Where a submitted request comes from: new, or restored from a checkpoint
+/// with the tokens it generated.
+#[derive(Clone, Copy)]
+struct Resumed<'a> {
+    generated: &'a [i32],
+    /// Whether lower tiers may be displaced to admit it (see displace.rs).
+    displace: bool,
+}
+
+impl Resumed<'_> {
+    const NEW: Resumed<'static> = Resumed {
+        generated: &[],
+        displace: true,
+    };
+}
+
 /// What one `commit()` did.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct CommitEvents {
@@ -334,21 +350,25 @@ impl Scheduler {
         opts: &SubmitOptions<'_>,
         now: f64,
     ) -> KvResult<u64> {
-        self.submit_inner(tenant, prompt, max_tokens, opts, &[], now)
+        self.submit_inner(tenant, prompt, max_tokens, opts, Resumed::NEW, now)
     }
 
-    /// `submit_with`, for a request that already generated `restored` tokens
-    /// elsewhere: they lead its output, and the ladder's max_tokens cap does
-    /// not apply (it was admitted before, with its max_tokens).
+    /// `submit_with`, for a request that already generated `from.generated`
+    /// tokens elsewhere: they lead its output, and the ladder's max_tokens
+    /// cap does not apply (it was admitted before, with its max_tokens).
     fn submit_inner(
         &mut self,
         tenant: &str,
         prompt: &[i32],
         max_tokens: usize,
         opts: &SubmitOptions<'_>,
-        restored: &[i32],
+        from: Resumed<'_>,
         now: f64,
     ) -> KvResult<u64> {
+        let Resumed {
+            generated: restored,
+            displace,
+        } = from;
         self.accept_now(now)?;
         let Some(tid) = self.tenants.id(tenant) else {
             return Err(self.reject(
@@ -445,8 +465,10 @@ impl Scheduler {
                 // A global limit (the live-request cap, the pool) that lower
                 // tiers hold: displace some of them if that is enough.
                 let limit = match (rejection.reason, room) {
-                    (RejectReason::Concurrency, Some(Room::Requests(_))) => "concurrency",
-                    (RejectReason::PoolFull, Some(Room::Pool { .. })) => "pool_full",
+                    (RejectReason::Concurrency, Some(Room::Requests(_))) if displace => {
+                        "concurrency"
+                    }
+                    (RejectReason::PoolFull, Some(Room::Pool { .. })) if displace => "pool_full",
                     _ => return Err(self.reject(Some(tid), rejection)),
                 };
                 let Some(victims) =

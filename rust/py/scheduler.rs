@@ -406,8 +406,11 @@ impl PyScheduler {
     /// continues after the tokens it had generated. A malformed record raises
     /// InvalidRequest; a duplicated id, an unknown tenant or any refusal (pool
     /// full, ...) raises CheckpointError naming every refused id in `.refused`;
-    /// either way nothing changes. Returns {"restored": {old id: new id},
-    /// "refused": {}} (always empty, kept for the result's shape).
+    /// either way nothing changes. So that nothing does, several records
+    /// displace no lower-tier request (one that only displacement would
+    /// admit is refused); a single record displaces like submit. Returns
+    /// {"restored": {old id: new id}, "refused": {}} (always empty, kept for
+    /// the result's shape).
     #[pyo3(signature = (records, /, *, now=None))]
     fn restore_records<'py>(
         &self,

@@ -121,6 +121,11 @@ impl Scheduler {
     /// generated (they count toward `max_tokens` and lead its output) and its
     /// options. Admitted like any request (its final length is reserved).
     pub fn submit_restored(&mut self, record: &InFlight, now: f64) -> KvResult<u64> {
+        self.restore_one(record, true, now)
+    }
+
+    /// `submit_restored`, displacing lower tiers only when `displace`.
+    fn restore_one(&mut self, record: &InFlight, displace: bool, now: f64) -> KvResult<u64> {
         record.validate()?;
         let opts = SubmitOptions {
             stop_token_ids: &record.stop_token_ids,
@@ -131,7 +136,10 @@ impl Scheduler {
             &record.prompt,
             record.max_tokens,
             &opts,
-            &record.generated,
+            Resumed {
+                generated: &record.generated,
+                displace,
+            },
             now,
         )?;
         // What the caller asked for before a ladder capped it elsewhere: the
@@ -157,7 +165,12 @@ impl Scheduler {
     ///   request (capacity, rate limit, ladder; each sees the ones before it).
     ///   If any is refused, the ones admitted are taken out again and the
     ///   scheduler's state is put back as it was (counters, tenants, ladder,
-    ///   events): the error names every refused record. What is not put back:
+    ///   events): the error names every refused record. So that this holds,
+    ///   a restore of several records displaces nobody: a record that only a
+    ///   lower tier's displacement would let in is refused (a displaced
+    ///   request has ended, and a later refusal could not give it back). A
+    ///   restore of one record displaces like any submit; so does
+    ///   `submit_restored`, one record at a time. What is not put back:
     ///   the request ids those admissions used are not issued again, and a
     ///   prefix-cache block a taken-out request had shared goes back to the end
     ///   of the eviction order.
@@ -182,8 +195,9 @@ impl Scheduler {
         };
         let mut ids = Vec::with_capacity(records.len());
         let mut refused = Vec::new();
+        let displace = records.len() == 1;
         for rec in records {
-            match self.submit_restored(rec, now) {
+            match self.restore_one(rec, displace, now) {
                 Ok(id) => ids.push(id),
                 Err(KvError::Rejected(r)) => refused.push((rec.id, r.reason.as_str(), r.message)),
                 Err(e) => {
@@ -424,6 +438,44 @@ mod tests {
         let e = s.restore_all(&records, 0.0).unwrap_err();
         assert_eq!(refused_of(e), vec![(5, "concurrency".to_owned())]);
         assert_eq!(s.stats(0.0), before);
+        s.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_restore_of_several_records_displaces_nobody_so_a_refusal_changes_nothing() {
+        // Four lower-tier requests wait and take every live slot (max_num_seqs
+        // 4, max_waiting 0); "top" may hold one request at a time.
+        let mut s = sched(257, 0);
+        let mut low = TenantConfig::new("low");
+        low.tier = 2;
+        s.add_tenant(low).unwrap();
+        let mut top = TenantConfig::new("top");
+        top.max_concurrent = Some(1);
+        s.add_tenant(top).unwrap();
+        for _ in 0..4 {
+            s.submit("low", &[1, 2, 3], 4, 0.0).unwrap();
+        }
+        let before = s.stats(0.0);
+        // The first record would get in by displacing a "low" request; the
+        // second is refused by its tenant's own limit.
+        let e = s
+            .restore_all(&[rec(1, "top", 4, 4), rec(2, "top", 4, 4)], 0.0)
+            .unwrap_err();
+        let refused = refused_of(e);
+        assert_eq!(refused.len(), 2, "{refused:?}");
+        assert_eq!(s.stats(0.0), before, "nobody displaced, nothing counted");
+        assert_eq!(s.live_requests(), 4);
+        assert!(s.take_finished().is_empty(), "no request ended");
+        s.check_invariants().unwrap();
+        // One record displaces like any submit.
+        let ids = s.restore_all(&[rec(1, "top", 4, 4)], 0.0).unwrap();
+        assert_eq!(ids.len(), 1);
+        let ended = s.take_finished();
+        assert_eq!(ended.len(), 1);
+        assert_eq!(
+            (ended[0].tenant.as_str(), ended[0].reason),
+            ("low", FinishReason::Shed)
+        );
         s.check_invariants().unwrap();
     }
 
