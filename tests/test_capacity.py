@@ -216,3 +216,26 @@ def test_every_cli_option_has_help_with_its_unit_or_default():
                 assert unit.search(a.help), f"{where}: no unit in {a.help!r}"
             checked += 1
     assert checked > 40
+
+
+def test_devices_past_the_kv_heads_each_still_hold_a_whole_head():
+    """Worked per device, independently of the replica-wide formula: each of n
+    devices holds ceil(8 / n) of Llama-3-8B's 8 KV heads, 1/n of the weights, and
+    fits floor(its free HBM / its bytes per token) tokens (whole pages of 16)."""
+    m = MODELS["llama-3-8b"]
+    for n in (1, 2, 4, 8, 16, 32, 3):
+        heads = -(-8 // n)
+        per_device_token = 2 * 32 * heads * 128 * 2  # K and V, 32 layers, bf16
+        free = 80e9 * 0.9 - 8.03e9 * 2 / n
+        pages = int(free // (per_device_token * 16))
+        c = capacity("llama-3-8b", "h100", devices=n)
+        # Within one page of the per-device count (the replica pools its free
+        # bytes; a device cannot use another's).
+        assert abs(c.kv_blocks - pages) <= 1, (n, c.kv_blocks, pages)
+        assert c.kv_bytes_per_token == n * per_device_token
+    assert m.kv_copies(8) == 1.0 and m.kv_copies(16) == 2.0 and m.kv_copies(3) == 9 / 8
+    # SmolLM2's 3 KV heads over 2 devices: 2 each, 4 stored.
+    assert MODELS["smollm2-135m"].kv_copies(2) == 4 / 3
+    # Hosts count as devices of the one replica.
+    assert (capacity("llama-3-70b", "h100", devices=8, hosts=2).kv_bytes_per_token
+            == 2 * MODELS["llama-3-70b"].kv_bytes_per_token(2))  # fmt: skip

@@ -83,3 +83,17 @@ def test_tensor_parallelism_without_the_figures_is_refused():
         StepCost(no_hidden, ACCELERATORS["h100"], devices=4)
     with pytest.raises(StepCostError, match="devices"):
         StepCost(MODELS["llama-3-8b"], ACCELERATORS["h100"], devices=0)
+
+
+def test_devices_past_the_kv_heads_read_the_kv_of_the_heads_each_holds():
+    """16 H100s serving Llama-3-8B's 8 KV heads: each device holds one head and
+    reads its KV, 1/8 of a token's bytes, at its own bandwidth (all in parallel);
+    the weights are split 16 ways."""
+    cost = StepCost.preset("llama-3-8b", "h100", devices=16)
+    kv_read = 200_000
+    per_device = (8.03e9 * 2 / 16 + kv_read * (2 * 32 * 1 * 128 * 2)) / (3.35e12 * 0.8)
+    assert cost.memory_seconds(kv_read) == pytest.approx(per_device, rel=1e-9)
+    # Eight devices divide the heads: no copy, one head each as well.
+    eight = StepCost.preset("llama-3-8b", "h100", devices=8)
+    per_device = (8.03e9 * 2 / 8 + kv_read * (2 * 32 * 1 * 128 * 2)) / (3.35e12 * 0.8)
+    assert eight.memory_seconds(kv_read) == pytest.approx(per_device, rel=1e-9)

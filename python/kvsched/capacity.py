@@ -13,7 +13,12 @@ HBM x (1 - overhead reserve) - weights. Sliding-window layers (Gemma-2's local
 layers) keep at most their window of each sequence's tokens, so sequences at
 a long context are counted with that bound (`kv_bytes_per_sequence`).
 Tensor parallelism is modelled as one device with the devices' summed
-memory: right for memory (weights and KV heads split evenly). Its latency,
+memory: right for memory while the devices split the KV heads evenly (weights
+always split). Past that each device still holds at least one whole KV head:
+n devices over h KV heads store n x ceil(h / n) heads (`ModelShape.kv_copies`),
+so 16 devices serving 8 KV heads hold every head twice, and a token's KV costs
+twice the formula's bytes (as in vLLM, which replicates KV heads when the
+tensor-parallel size exceeds them). Its latency,
 the all-reduces between devices, is the step-cost model's
 (kvsched.sim.simulator.StepCost), from each preset's interconnect figures.
 
@@ -99,6 +104,13 @@ class ModelShape:
             raise CapacityError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
         element, scale = KV_DTYPES[kv_dtype]
         return kv_bytes(self.layers, self.kv_heads, self.head_dim, element, scale)
+
+    def kv_copies(self, devices: int) -> float:
+        """How many times its KV is stored over `devices` tensor-parallel devices:
+        each holds ceil(kv_heads / devices) heads (at least one), so the devices
+        store devices x that many heads: 1.0 while they divide the heads evenly,
+        devices / kv_heads past them."""
+        return devices * math.ceil(self.kv_heads / devices) / self.kv_heads
 
     def weight_bytes(self, precision: str = "bf16") -> float:
         return self.params * WEIGHT_BYTES[precision]
@@ -241,9 +253,12 @@ def capacity(
     hosts: int = 1,
 ) -> Capacity:
     """KV capacity of a model on `hosts` x `devices` accelerators (one tensor-
-    parallel replica: weights and KV split over all of them). The KV cache is
-    `kv_dtype` (a name in KV_DTYPES, int8 with its scales) or `kv_dtype_bytes`
-    per element (no scales); bf16 when neither is given."""
+    parallel replica: weights and KV heads split over all of them, each device
+    holding at least one KV head, so that past the model's KV heads they are
+    stored more than once: `kv_bytes_per_token` is what the replica stores per
+    token). The KV cache is `kv_dtype` (a name in KV_DTYPES, int8 with its
+    scales) or `kv_dtype_bytes` per element (no scales); bf16 when neither is
+    given."""
     m = MODELS[model] if isinstance(model, str) else model
     a = ACCELERATORS[accelerator] if isinstance(accelerator, str) else accelerator
     if precision not in WEIGHT_BYTES:
@@ -263,10 +278,12 @@ def capacity(
             f"{m.name} at {precision} ({weights / 1e9:.1f} GB) does not fit {where} x "
             f"{a.name} ({a.hbm_bytes / 1e9:.0f} GB, {overhead_reserve:.0%} reserved)"
         )
+    copies = m.kv_copies(hosts * devices)
     if kv_dtype is None:
         per_token = m.kv_bytes_per_token(2 if kv_dtype_bytes is None else kv_dtype_bytes)
     else:
         per_token = m.kv_bytes_per_token(kv_dtype=kv_dtype)
+    per_token *= copies
     blocks = int(usable // (per_token * block_size))
     per_seq_blocks = math.ceil(context / block_size)
     if kv_dtype is None:
@@ -274,6 +291,7 @@ def capacity(
                                             else kv_dtype_bytes, block_size=block_size)  # fmt: skip
     else:
         seq_bytes = m.kv_bytes_per_sequence(context, kv_dtype=kv_dtype, block_size=block_size)
+    seq_bytes *= copies
     if blocks < per_seq_blocks:
         raise CapacityError(
             f"{m.name} on {where} x {a.name} leaves KV room for {blocks * block_size:,} "

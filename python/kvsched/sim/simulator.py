@@ -6,7 +6,9 @@ The step time (all of the model in one place, `StepCost`): a fixed overhead per
 step plus a roofline, max(compute, memory):
 - compute = scheduled tokens x 2 x parameters / (devices x bf16 FLOP/s x MFU)
 - memory  = (weight bytes + KV bytes read) / (devices x HBM bytes/s x efficiency)
-where the KV read is every scheduled sequence's kv_len x KV bytes per token.
+where the KV read is every scheduled sequence's kv_len x KV bytes per token
+(x the copies the devices store of it past the model's KV heads:
+`ModelShape.kv_copies`).
 Prefill-heavy steps come out compute-bound, decode steps bound by reading
 weights and KV. Tensor parallelism over n devices splits compute and memory n
 ways and adds its all-reduces, not overlapped: 2 per layer of tokens x hidden x
@@ -137,7 +139,10 @@ class StepCost:
 
     def memory_seconds(self, kv_tokens_read: int) -> float:
         weights = self.model.params * WEIGHT_BYTES[self.precision]
-        kv = kv_tokens_read * self.model.kv_bytes_per_token(self.kv_dtype_bytes)
+        # Every device reads the KV of the heads it holds: past the model's KV
+        # heads, some heads are held (and read) by more than one.
+        copies = self.model.kv_copies(self.total_devices)
+        kv = kv_tokens_read * self.model.kv_bytes_per_token(self.kv_dtype_bytes) * copies
         rate = self.byte_rate or (
             self.total_devices * self.accelerator.hbm_bytes_per_s * self.bandwidth_efficiency
         )
