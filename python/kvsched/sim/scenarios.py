@@ -137,6 +137,7 @@ def plot_figures(results: list[SimResult]) -> dict[str, Any]:
 
     figs: dict[str, Any] = {}
     tenants = sorted({t for r in results for t in r.tenants()})
+    axes: Any  # a grid here, a list of panels below
     fig, axes = plt.subplots(1, len(tenants), figsize=(5 * len(tenants) + 2, 4), squeeze=False)
     for ax, t in zip(axes[0], tenants, strict=True):
         for r in results:

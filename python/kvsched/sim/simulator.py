@@ -541,7 +541,7 @@ def simulate(
     if progress is not None:
         progress(n, n)
     return SimResult(name, records, now, time.perf_counter() - t0, steps, errors, timeline,
-                     sched.stats(now=now), gaps)  # fmt: skip
+                     dict(sched.stats(now=now)), gaps)  # fmt: skip
 
 
 class _TokenLog:

@@ -51,7 +51,7 @@ def bundled(name: str) -> Traversable:
     from a checkout."""
     if name not in BUNDLED:
         raise ValueError(f"no bundled trace {name!r}; known: {', '.join(sorted(BUNDLED))}")
-    return resources.files("kvsched").joinpath("data", "traces", BUNDLED[name])
+    return resources.files("kvsched") / "data" / "traces" / BUNDLED[name]
 
 
 @contextmanager
