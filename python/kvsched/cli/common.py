@@ -4,11 +4,12 @@ bar, the output-file check."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 
-def progress():
+def progress() -> tuple[Any, Callable[[str, int, int], None]]:
     """A rich progress bar keyed by scenario (plain text without rich)."""
     try:
         from rich.progress import Progress
