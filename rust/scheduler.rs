@@ -664,17 +664,24 @@ impl Scheduler {
                 sampled.len()
             )));
         }
-        let samples = |k: usize| k < num_decode || pending.seqs[k - num_decode].samples;
-        let bad =
-            |out: &dyn Fn(i32) -> bool| (0..num_seqs).find(|&k| samples(k) && out(sampled[k]));
-        if let Some(k) = bad(&|tok| tok < 0) {
+        // The first sampled id `out` refuses among those the plan uses: every
+        // decode's (a plain scan), then the chunks that sample.
+        let bad = |out: fn(i32, i64) -> bool, vocab: i64| {
+            let (decoded, chunked) = sampled.split_at(num_decode);
+            decoded.iter().position(|&tok| out(tok, vocab)).or_else(|| {
+                let mut chunks = pending.seqs.iter().zip(chunked);
+                let j = chunks.position(|(s, &tok)| s.samples && out(tok, vocab))?;
+                Some(num_decode + j)
+            })
+        };
+        if let Some(k) = bad(|tok, _| tok < 0, 0) {
             return Err(KvError::InvalidState(format!(
                 "sampled id {} of sequence {k} is negative",
                 sampled[k]
             )));
         }
         if let Some(vocab) = self.config.vocab_size {
-            if let Some(k) = bad(&|tok| i64::from(tok) >= i64::from(vocab)) {
+            if let Some(k) = bad(|tok, vocab| i64::from(tok) >= vocab, i64::from(vocab)) {
                 return Err(KvError::InvalidState(format!(
                     "sampled id {} of sequence {k} is outside the vocabulary of {vocab}",
                     sampled[k]
