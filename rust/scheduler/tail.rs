@@ -58,8 +58,7 @@ impl Tail {
         };
         Tail {
             last_at: r.last_token_at,
-            // max_tokens is bounded by max_seq_len, far below u32::MAX.
-            left: u32::try_from(r.max_tokens.saturating_sub(r.generated())).unwrap_or(u32::MAX),
+            left: left(r, r.generated()),
             n: 0,
             num_stops,
             stops,
@@ -77,9 +76,8 @@ impl Tail {
     pub(super) fn agrees_with(&self, r: &Request) -> bool {
         let mut settled = *self;
         settled.n = 0;
-        let generated = r.generated() + usize::from(self.n);
         let expected = Tail {
-            left: u32::try_from(r.max_tokens.saturating_sub(generated)).unwrap_or(u32::MAX),
+            left: left(r, r.generated() + usize::from(self.n)),
             last_at: if self.n > 0 {
                 self.last_at
             } else {
@@ -102,6 +100,12 @@ impl Tail {
             self.n = 0;
         }
     }
+}
+
+/// Tokens `r` may still sample once it has generated `generated` (max_tokens
+/// is bounded by max_seq_len, far below u32::MAX).
+fn left(r: &Request, generated: usize) -> u32 {
+    u32::try_from(r.max_tokens.saturating_sub(generated)).unwrap_or(u32::MAX)
 }
 
 impl Scheduler {
