@@ -169,6 +169,98 @@ def test_a_step_runs_every_logged_input_in_order_and_digests_each_step():
         m.step(1.0)
 
 
+def test_a_follower_replaying_every_kind_of_input_stays_in_step_with_process_0(tmp_path):
+    """Tenant removal, reconfiguration, drain, updates and refusals as a second
+    process sees them: decoded from process 0's broadcast and replayed on a
+    scheduler built the same way. Every step's digest row (the replayed
+    outcomes, the plan, the tokens) equals process 0's, and so do the tenants,
+    the knobs and how the drain ends."""
+    m0 = one_process(digest_every=10**6)
+    # The follower: the same scheduler, no input of its own (it replays process 0's
+    # add_tenant("t") with the rest).
+    m1 = mh.MultiHost(mh.SchedulerRunner(kvsched.Scheduler(m0.runner.scheduler.config)),
+                      digest_every=10**6)  # fmt: skip
+    sent: list[list[mh.Op]] = []
+    broadcast = m0._broadcast
+
+    def capture(now, stop):
+        got = broadcast(now, stop)
+        sent.append(got[1])  # the ops as decoded from the bytes every process receives
+        return got
+
+    m0._broadcast = capture
+    ended: dict[int, list] = {0: [], 1: []}
+
+    def step(now: float) -> None:
+        res0 = m0.step(now)
+        for op in sent[-1]:
+            m1._replay(op)
+        res1 = m1.runner.step(now)
+        m1._record(res1)
+        m1.step_no += 1
+        assert m1._rows[-1].tolist() == m0._rows[-1].tolist(), f"step {m0.step_no - 1}"
+        for pid, res in ((0, res0), (1, res1)):
+            if res is not None:
+                ended[pid] += [(f.request_id, f.reason, f.output_ids.tolist())
+                               for f in res.events.finished]  # fmt: skip
+
+    p = SamplingParams(max_tokens=6)
+    a = {"tier": 1, "kv_floor_blocks": 8, "kv_cap_blocks": 200, "max_concurrent": 4,
+         "rate_tokens_per_s": 5000.0, "burst_tokens": 900.5, "weight": 0.75,
+         "max_step_tokens": 24, "prefix_namespace": "ns"}  # every knob away from its default
+    m0.add_tenant(kvsched.TenantConfig("a", **a))
+    m0.add_tenant(kvsched.TenantConfig("b"))
+    for i in range(4):
+        m0.submit("a", np.arange(1 + i, 20 + i, dtype=np.int32), p, now=0.0)
+    rb = m0.submit("b", np.arange(3, 30, dtype=np.int32), p, now=0.0)
+    step(0.0)
+    m0.update_tenant(kvsched.TenantConfig("a", **{**a, "weight": 3.0, "max_concurrent": 5}),
+                     now=0.1)  # fmt: skip
+    with pytest.raises(kvsched.TenantInUse):  # refused alike on every process
+        m0.remove_tenant("b")
+    m0.reconfigure(max_batched_tokens=16, long_prefill_chunk=8,
+                   ladder=[{"signal": "queue_depth", "engage": 50, "release": 10,
+                            "action": "reject_fast"}])  # fmt: skip
+    with pytest.raises(kvsched.RestartRequired):
+        m0.reconfigure(num_blocks=64)
+    step(0.1)
+    m0.cancel(rb, now=0.2)
+    step(0.2)
+    m0.remove_tenant("b")  # its only request is gone: removed everywhere
+    with pytest.raises(kvsched.UnknownTenant):
+        m0.submit("b", np.arange(1, 5, dtype=np.int32), now=0.3)
+    m0.submit("a", np.arange(40, 60, dtype=np.int32), SamplingParams(max_tokens=40), now=0.3)
+    step(0.3)
+    m0.drain(1.0)
+    with pytest.raises(kvsched.Rejected):
+        m0.submit("a", np.arange(1, 5, dtype=np.int32), now=0.4)
+    for t in (0.4, 0.5, 0.6, 0.7, 0.8, 1.0):
+        step(t)
+    s0, s1 = m0.runner.scheduler, m1.runner.scheduler
+    assert s0.lifecycle == s1.lifecycle == "drained"
+    for s in (s0, s1):
+        with pytest.raises(kvsched.UnknownTenant):
+            s.tenant("b")
+    for k in mh._TENANT_KNOBS:
+        assert getattr(s1.tenant("a"), k) == getattr(s0.tenant("a"), k), k
+    assert s0.tenant("a").weight == 3.0 and s0.tenant("a").max_concurrent == 5
+    assert repr(s1.config) == repr(s0.config) and s0.config.max_batched_tokens == 16
+    assert s0.config.ladder and s0.config.num_blocks == 512
+    assert ended[1] == ended[0]
+    reasons = sorted(r for _, r, _ in ended[0])
+    assert reasons[0] == "cancelled" and set(reasons[1:]) == {"length"}
+    # What the drain handed back, as each process would checkpoint it.
+    (tmp_path / "p0").mkdir()
+    (tmp_path / "p1").mkdir()
+    counts = [s.checkpoint(tmp_path / f"p{i}" / "ck.jsonl") for i, s in enumerate((s0, s1))]
+    assert counts[1] == counts[0] and counts[0]["in_flight"] >= 1
+    records = [checkpoint.read(tmp_path / f"p{i}" / "ck.jsonl").records for i in (0, 1)]
+    assert records[1] == records[0]
+    handed_back = {r["request_id"] for r in records[0] if r["kind"] == "in_flight"}
+    assert handed_back | {rid for rid, _, _ in ended[0]} == set(range(1, 7)), "none lost"
+    m0.close()
+
+
 # -- two processes ------------------------------------------------------------------------
 
 
