@@ -205,9 +205,17 @@ def test_a_follower_replaying_every_kind_of_input_stays_in_step_with_process_0(t
                                for f in res.events.finished]  # fmt: skip
 
     p = SamplingParams(max_tokens=6)
-    a = {"tier": 1, "kv_floor_blocks": 8, "kv_cap_blocks": 200, "max_concurrent": 4,
-         "rate_tokens_per_s": 5000.0, "burst_tokens": 900.5, "weight": 0.75,
-         "max_step_tokens": 24, "prefix_namespace": "ns"}  # every knob away from its default
+    a = {
+        "tier": 1,
+        "kv_floor_blocks": 8,
+        "kv_cap_blocks": 200,
+        "max_concurrent": 4,
+        "rate_tokens_per_s": 5000.0,
+        "burst_tokens": 900.5,
+        "weight": 0.75,
+        "max_step_tokens": 24,
+        "prefix_namespace": "ns",
+    }  # every knob away from its default
     m0.add_tenant(kvsched.TenantConfig("a", **a))
     m0.add_tenant(kvsched.TenantConfig("b"))
     for i in range(4):
