@@ -80,8 +80,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]] | None:
     ap.add_argument("--processes", type=int)
     ap.add_argument("--coordinator", help="HOST:PORT of process 0's coordination service")
     ap.add_argument("--model", choices=["tiny", "smollm2"], default="tiny",
-                    help="smollm2: SmolLM2-135M-Instruct (3 KV heads: a device count "
-                    "dividing 3, e.g. --local 3 --devices-per-process 1)")  # fmt: skip
+                    help="smollm2: SmolLM2-135M-Instruct (9 query / 3 KV heads, MLP "
+                    "1536: a device count dividing 3, e.g. --local 3 "
+                    "--devices-per-process 1)")  # fmt: skip
     ap.add_argument("--device", choices=["cpu", "tpu", "gpu"], default="cpu")
     ap.add_argument("--devices-per-process", type=int, default=2, help="CPU only (forced)")
     ap.add_argument("--requests", type=int, default=40)
@@ -117,6 +118,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]] | None:
     from kvsched.engine.mesh import make_mesh
     from kvsched.engine.model import LlamaConfig, init_params
     from kvsched.engine.runner import Engine
+    from kvsched.engine.sharding import kv_replicas
 
     ex = _engine_example()
     p0 = jax.process_index() == 0
@@ -135,9 +137,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]] | None:
     else:
         args.quiet = not p0
         model, params, gg = ex.build_model(args, say)
-        if model.n_kv_heads % n_dev:
-            sys.exit(f"{model.name}: {model.n_kv_heads} KV heads do not split over {n_dev} "
-                     "devices (use a device count that divides it)")  # fmt: skip
+        try:
+            kv_replicas(model, n_dev)
+        except kvsched.InvalidConfig as e:
+            sys.exit(str(e))
     sched_config = kvsched.SchedulerConfig(
         num_blocks=1025, block_size=16, max_num_seqs=16, max_batched_tokens=256,
         max_seq_len=512, long_prefill_chunk=128, max_waiting=64, ladder="default",
@@ -149,7 +152,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]] | None:
     )  # fmt: skip
     warm = engine.warmup(progress=False)
     say(f"{jax.process_count()} processes, {n_dev} devices ({len(jax.local_devices())} per "
-        f"process); KV heads {model.n_kv_heads} split over all; warmup {warm:.1f} s")  # fmt: skip
+        f"process); KV heads {model.n_kv_heads} split over all"
+        f"{f' ({engine.kv_replicas} copies each)' if engine.kv_replicas > 1 else ''}; "
+        f"warmup {warm:.1f} s")  # fmt: skip
     m = mh.MultiHost(engine, digest_every=args.digest_every, timeout_s=args.timeout,
                      checkpoint_path=args.checkpoint)  # fmt: skip
 

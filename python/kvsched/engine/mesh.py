@@ -9,7 +9,9 @@ other engine module.
 One 1-D mesh over one host's devices, axis `AXIS`: query, key and value
 projections split by head, the output and down projections by their input; the
 KV cache splits on its combined-head axis (K and V of a head stay together:
-heads [i*Hkv/n, (i+1)*Hkv/n) on device i). The step plan is replicated.
+heads [i*Hkv/n, (i+1)*Hkv/n) on device i; with more devices than KV heads,
+the engine first copies each head to the devices that read it, see
+kvsched.engine.sharding). The step plan is replicated.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ engine's default sampling (`temperature`, `seed`) and get no outputs.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -230,12 +231,20 @@ class Engine:
                 "[.., 2*kv_heads, head_dim], and a packed cache would be relaid out on "
                 "every layer of every step (use kv_layout='auto' or 'split')"
             )
+        # With more devices than KV heads each head is copied to the devices that
+        # read it (sharding.kv_replicas): the program runs a model with that many
+        # more KV heads. `model` stays the model as given (its name, its heads);
+        # the checksum is of the weights as given.
+        self.kv_replicas = 1 if self.mesh is None else sharding.check_divisible(
+            self.model, self.mesh)  # fmt: skip
+        self.checksum = weights_checksum(self.params)
+        program_model, self.params = sharding.replicate_kv_heads(
+            self.model, self.params, self.kv_replicas)  # fmt: skip
         spec = KVCacheSpec(
-            cfg.num_blocks, cfg.block_size, self.model.n_kv_heads, self.model.head_dim,
+            cfg.num_blocks, cfg.block_size, program_model.n_kv_heads, self.model.head_dim,
             jnp.dtype(self.kv_dtype), packed=packed,
         )  # fmt: skip
         self.spec = spec
-        self.checksum = weights_checksum(self.params)
         if spec.quantized:
             if self.backend != "reference":
                 raise UnsupportedKVDtype(
@@ -255,7 +264,6 @@ class Engine:
         self.caches = init_caches(spec, self.model.n_layers)
         jit_kw: dict[str, Any] = {}
         if self.mesh is not None:
-            sharding.check_divisible(self.model, self.mesh)
             self.params = sharding.shard_params(self.params, self.mesh)
             cs = sharding.cache_sharding(self.mesh)
             self.caches = jax.device_put(self.caches, cs)
@@ -265,7 +273,7 @@ class Engine:
             raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}]")
         self._live: dict[int, _Live] = {}
         self._default = SamplingParams(temperature=self.temperature)
-        model, backend, mesh, n_lp = self.model, self.backend, self.mesh, self.max_logprobs
+        model, backend, mesh, n_lp = program_model, self.backend, self.mesh, self.max_logprobs
 
         n_inputs = StepInputs.num_arrays()
 
@@ -306,7 +314,10 @@ class Engine:
         mesh = kw.get("mesh")
         shards = 1 if mesh is None else mesh.devices.size
         devices = None if mesh is None else list(mesh.devices.flat)
-        sizing = size_pool(model, sched_config, kv_dtype, device, shards=shards, devices=devices)
+        # Each device holds its share of the KV heads, copies included (kv_replicas).
+        replicas = 1 if mesh is None else sharding.check_divisible(model, mesh)
+        stored = dataclasses.replace(model, n_kv_heads=model.n_kv_heads * replicas)
+        sizing = size_pool(stored, sched_config, kv_dtype, device, shards=shards, devices=devices)
         changes: dict[str, Any] = {"num_blocks": sizing.num_blocks, "require_warmup": True}
         if sched_config.vocab_size is None:
             # The core refuses ids outside the vocabulary too, whoever submits.
