@@ -2,7 +2,8 @@
 //! request may displace when the live-request cap or the pool would refuse it
 //! (see `Scheduler::displacement`; the caller ends them with `end_displaced`).
 
-use std::collections::HashMap;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::ops::ControlFlow;
 
 use super::{Place, Scheduler};
 use crate::admission::{self, Capacity};
@@ -42,32 +43,6 @@ impl Scheduler {
         root: BlockKey,
     ) -> Option<Vec<usize>> {
         let tier = self.tenants.get(tid).config.tier;
-        let preempt = self.config.preempt_lower_tiers;
-        let mut candidates: Vec<(std::cmp::Reverse<u32>, bool, std::cmp::Reverse<u64>, usize)> =
-            Vec::new();
-        for (_, t) in self.tenants.iter().filter(|(_, t)| t.config.tier > tier) {
-            let lower = std::cmp::Reverse(t.config.tier);
-            for &slab in &t.waiting {
-                let r = self.requests.get(slab);
-                let started = r.first_scheduled.is_some();
-                if preempt || !started {
-                    candidates.push((lower, started, std::cmp::Reverse(r.id), slab));
-                }
-            }
-        }
-        if preempt {
-            for (slab, r) in self.requests.iter() {
-                let t = self.tenants.get(r.tenant);
-                if t.config.tier > tier && !matches!(r.place, Place::Queued) {
-                    let lower = std::cmp::Reverse(t.config.tier);
-                    candidates.push((lower, true, std::cmp::Reverse(r.id), slab));
-                }
-            }
-        }
-        if candidates.is_empty() {
-            return None;
-        }
-        candidates.sort_unstable();
         // Per victim tenant: (reservation given back, pages referenced).
         let mut freed: HashMap<TenantId, (usize, usize)> = HashMap::new();
         let mut victims = Vec::new();
@@ -80,7 +55,7 @@ impl Scheduler {
                 self.kv.lookup_at_submit(tid, prompt, &mut hits, &mut chain)
             })
         };
-        for (_, _, _, slab) in candidates {
+        let outcome = self.each_displaceable(tier, |slab| {
             let r = self.requests.get(slab);
             let e = freed.entry(r.tenant).or_default();
             e.0 += r.reserved_blocks;
@@ -111,12 +86,94 @@ impl Scheduler {
                 |_| None,
             );
             match decision {
-                Ok(_) => return Some(victims),
+                Ok(_) => ControlFlow::Break(true),
                 Err(r)
-                    if matches!(r.reason, RejectReason::Concurrency | RejectReason::PoolFull) => {}
-                Err(_) => return None,
+                    if matches!(r.reason, RejectReason::Concurrency | RejectReason::PoolFull) =>
+                {
+                    ControlFlow::Continue(())
+                }
+                Err(_) => ControlFlow::Break(false),
+            }
+        });
+        (outcome == Some(true)).then_some(victims)
+    }
+
+    /// Calls `visit` with each request a request of `tier` may displace, in
+    /// displacement order, until it breaks (returning its value; None when the
+    /// candidates ran out). The order: lowest tier (largest number) first;
+    /// within a tier, the queued requests that never ran, newest first; then,
+    /// with `preempt_lower_tiers`, the running and preempted ones, newest first.
+    ///
+    /// Lazily, because a submit usually needs one or two victims and the
+    /// queues may hold tens of thousands (sorting them all cost about 7 ns a
+    /// waiting request per displacing submit): a tenant's queue holds requests
+    /// that never ran, in id order (check_invariants checks both), so each
+    /// tier's never-run requests are a merge of its tenants' queues read from
+    /// the back. The running and preempted ones of a tier are gathered and
+    /// sorted only when a submit gets that far.
+    pub(super) fn each_displaceable<B>(
+        &self,
+        tier: u32,
+        mut visit: impl FnMut(usize) -> ControlFlow<B>,
+    ) -> Option<B> {
+        let mut lower: Vec<u32> = (self.tenants.iter())
+            .map(|(_, t)| t.config.tier)
+            .filter(|&t| t > tier)
+            .collect();
+        lower.sort_unstable_by(|a, b| b.cmp(a));
+        lower.dedup();
+        for v in lower {
+            let queues: Vec<&VecDeque<usize>> = (self.tenants.iter())
+                .filter(|(_, t)| t.config.tier == v)
+                .map(|(_, t)| &t.waiting)
+                .collect();
+            // (id, queue, index) of each queue's newest request not yet visited.
+            let newest = |k: usize, i: usize| (self.requests.get(queues[k][i]).id, k, i);
+            let mut heads: BinaryHeap<(u64, usize, usize)> = (queues.iter().enumerate())
+                .filter(|(_, q)| !q.is_empty())
+                .map(|(k, q)| newest(k, q.len() - 1))
+                .collect();
+            while let Some((_, k, i)) = heads.pop() {
+                if let ControlFlow::Break(b) = visit(queues[k][i]) {
+                    return Some(b);
+                }
+                if i > 0 {
+                    heads.push(newest(k, i - 1));
+                }
+            }
+            if self.config.preempt_lower_tiers {
+                let mut started: Vec<(u64, usize)> = (self.requests.iter())
+                    .filter(|(_, r)| !matches!(r.place, Place::Queued))
+                    .filter(|(_, r)| self.tenants.get(r.tenant).config.tier == v)
+                    .map(|(slab, r)| (r.id, slab))
+                    .collect();
+                started.sort_unstable_by(|a, b| b.cmp(a));
+                for (_, slab) in started {
+                    if let ControlFlow::Break(b) = visit(slab) {
+                        return Some(b);
+                    }
+                }
             }
         }
         None
+    }
+
+    /// The displacement order as it is defined, by sorting every candidate:
+    /// what `each_displaceable` must visit, for check_invariants in tests.
+    #[cfg(test)]
+    pub(super) fn displaceable_by_sort(&self, tier: u32) -> Vec<usize> {
+        use std::cmp::Reverse;
+        let preempt = self.config.preempt_lower_tiers;
+        let mut candidates: Vec<(Reverse<u32>, bool, Reverse<u64>, usize)> = Vec::new();
+        for (slab, r) in self.requests.iter() {
+            let t = self.tenants.get(r.tenant).config.tier;
+            let started = r.first_scheduled.is_some();
+            let queued = matches!(r.place, Place::Queued);
+            if t > tier && (preempt || (queued && !started)) {
+                candidates.push((Reverse(t), started, Reverse(r.id), slab));
+            }
+        }
+        candidates.sort_unstable();
+        candidates.into_iter().map(|c| c.3).collect()
     }
 }

@@ -213,6 +213,35 @@ impl Scheduler {
         if queued + self.running.len() != self.requests.len() {
             return Err("queues and running set do not cover the live requests".into());
         }
+        // A tenant's queue holds requests that never ran, oldest (smallest id)
+        // first: the displacement order reads it from the back (displace.rs).
+        for (_, t) in self.tenants.iter() {
+            let mut last = 0;
+            for &slab in &t.waiting {
+                let r = self.requests.get(slab);
+                if r.first_scheduled.is_some() || r.id <= last {
+                    return Err(format!(
+                        "tenant {:?}'s queue: request {} ran or is out of id order",
+                        t.config.name, r.id
+                    ));
+                }
+                last = r.id;
+            }
+        }
+        #[cfg(test)]
+        {
+            let (top, bottom) = self.tier_range();
+            for tier in top..bottom.min(top.saturating_add(8)) {
+                let mut lazy = Vec::new();
+                self.each_displaceable(tier, |slab| {
+                    lazy.push(slab);
+                    std::ops::ControlFlow::<()>::Continue(())
+                });
+                if lazy != self.displaceable_by_sort(tier) {
+                    return Err(format!("displacement order for tier {tier} differs"));
+                }
+            }
+        }
         let usable = self.usable_blocks();
         let mut committed = 0;
         for (id, t) in self.tenants.iter() {

@@ -376,8 +376,20 @@ impl Scheduler {
         let (tid, place) = (r.tenant, r.place);
         match place {
             Place::Queued => {
+                // The queue is in id order (check_invariants): a binary search,
+                // so that displacing the newest of a long queue does not scan it.
+                let id = r.id;
+                let requests = &self.requests;
                 let t = self.tenants.get_mut(tid);
-                let i = t.waiting.iter().position(|&s| s == slab).expect("queued");
+                let found = t
+                    .waiting
+                    .binary_search_by_key(&id, |&s| requests.get(s).id)
+                    .ok()
+                    .filter(|&i| t.waiting[i] == slab);
+                debug_assert!(found.is_some(), "queue {:?} out of id order", t.config.name);
+                let i = found
+                    .or_else(|| t.waiting.iter().position(|&s| s == slab))
+                    .expect("queued");
                 t.waiting.remove(i);
             }
             Place::Resuming(tier) => {
