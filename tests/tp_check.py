@@ -20,6 +20,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kvsched  # noqa: E402
+from kvsched.engine import runner  # noqa: E402
 from kvsched.engine.mesh import make_mesh  # noqa: E402
 from kvsched.engine.model import (  # noqa: E402
     LlamaConfig,
@@ -27,7 +28,6 @@ from kvsched.engine.model import (  # noqa: E402
     init_params,
     weights_checksum,
 )
-from kvsched.engine import runner  # noqa: E402
 from kvsched.engine.runner import Engine  # noqa: E402
 
 backend = sys.argv[1]
