@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import kvsched
@@ -223,7 +225,7 @@ def test_devices_past_the_kv_heads_each_still_hold_a_whole_head():
     devices holds ceil(8 / n) of Llama-3-8B's 8 KV heads, 1/n of the weights, and
     fits floor(its free HBM / its bytes per token) tokens (whole pages of 16)."""
     m = MODELS["llama-3-8b"]
-    for n in (1, 2, 4, 8, 16, 32, 3):
+    for n in (1, 2, 4, 8, 16, 32):
         heads = -(-8 // n)
         per_device_token = 2 * 32 * heads * 128 * 2  # K and V, 32 layers, bf16
         free = 80e9 * 0.9 - 8.03e9 * 2 / n
@@ -239,3 +241,33 @@ def test_devices_past_the_kv_heads_each_still_hold_a_whole_head():
     # Hosts count as devices of the one replica.
     assert (capacity("llama-3-70b", "h100", devices=8, hosts=2).kv_bytes_per_token
             == 2 * MODELS["llama-3-70b"].kv_bytes_per_token(2))  # fmt: skip
+
+
+def test_a_device_count_the_model_cannot_split_over_is_refused_with_the_counts_that_can():
+    """Tensor parallelism splits the query heads and the MLP evenly, and the KV
+    heads evenly or in whole copies: other counts were priced as if they ran."""
+    cases = [
+        (
+            "llama-3-8b",
+            3,
+            1,
+            r"query heads \(32\) cannot split evenly over 3 ",
+            "1, 2, 4, 8, 16, 32",
+        ),
+        ("qwen2.5-7b", 8, 1, r"query heads \(28\) cannot split evenly over 8 ", "1, 2, 4)"),
+        # 28 devices would split the heads (7 copies of each KV head), not the MLP.
+        ("qwen2.5-7b", 14, 2, r"MLP width \(18944\) cannot split evenly over 28 ", "1, 2, 4)"),
+        ("smollm2-135m", 2, 1, r"query heads \(9\) cannot split evenly over 2 ", "1, 3)"),
+        ("llama-3-70b", 3, 4, r"query heads \(64\) cannot split evenly over 12 ", "32, 64"),
+    ]
+    for model, devices, hosts, why, counts in cases:
+        with pytest.raises(CapacityError, match=why) as e:
+            capacity(model, "h100", devices=devices, hosts=hosts)
+        assert counts in str(e.value), e.value
+    # Past the KV heads in whole copies runs, and so does an unknown shape.
+    assert MODELS["llama-3-70b"].tensor_parallel_error(16) is None
+    assert MODELS["gemma-2-27b"].tensor_parallel_error(32) is None
+    unknown = dataclasses.replace(MODELS["llama-3-8b"], query_heads=0, ffn=0)
+    assert unknown.tensor_parallel_error(24) is None  # 3 copies of each KV head
+    six = dataclasses.replace(MODELS["llama-3-8b"], kv_heads=6, query_heads=0, ffn=0)
+    assert "6 KV heads neither split over 4" in (six.tensor_parallel_error(4) or "")

@@ -18,7 +18,9 @@ always split). Past that each device still holds at least one whole KV head:
 n devices over h KV heads store n x ceil(h / n) heads (`ModelShape.kv_copies`),
 so 16 devices serving 8 KV heads hold every head twice, and a token's KV costs
 twice the formula's bytes (as in vLLM, which replicates KV heads when the
-tensor-parallel size exceeds them). Its latency,
+tensor-parallel size exceeds them). A device count that cannot run the model
+is refused (`ModelShape.tensor_parallel_error`: query heads and MLP split
+evenly, KV heads evenly or in whole copies), as the engine refuses it. Its latency,
 the all-reduces between devices, is the step-cost model's
 (kvsched.sim.simulator.StepCost), from each preset's interconnect figures.
 
@@ -79,6 +81,10 @@ class ModelShape:
     # Width of the residual stream: what a tensor-parallel all-reduce carries per
     # token per layer (the step-cost model's collectives). 0: unknown.
     hidden: int = 0
+    # Query heads and the MLP's width: which tensor-parallel device counts can
+    # run the model (`tensor_parallel_error`). 0: unknown, not checked.
+    query_heads: int = 0
+    ffn: int = 0
 
     def kv_bytes_per_sequence(
         self, context: int, dtype_bytes: float = 2, *, kv_dtype: str | None = None,
@@ -104,6 +110,31 @@ class ModelShape:
             raise CapacityError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
         element, scale = KV_DTYPES[kv_dtype]
         return kv_bytes(self.layers, self.kv_heads, self.head_dim, element, scale)
+
+    def tensor_parallel_error(self, devices: int) -> str | None:
+        """Why `devices` tensor-parallel devices cannot run this model, or None.
+        The query heads and the MLP must split evenly over them; the KV heads
+        must either split evenly or divide the device count (each head is then
+        copied to devices / kv_heads devices). What kvsched's engine
+        (kvsched.engine.sharding.kv_replicas) accepts, and vLLM. Unknown query
+        heads or MLP width (0) are not checked."""
+        why = self._tensor_parallel_why(devices)
+        if why is None:
+            return None
+        limit = self.query_heads or 2 * self.kv_heads
+        fits = [n for n in range(1, limit + 1) if self._tensor_parallel_why(n) is None]
+        return f"{why} (device counts that run it: {', '.join(map(str, fits))})"
+
+    def _tensor_parallel_why(self, devices: int) -> str | None:
+        for what, value in (("query heads", self.query_heads), ("MLP width", self.ffn)):
+            if value and value % devices:
+                return f"{self.name}'s {what} ({value}) cannot split evenly over {devices} devices"
+        if self.kv_heads % devices and devices % self.kv_heads:
+            return (
+                f"{self.name}'s {self.kv_heads} KV heads neither split over {devices} devices "
+                "nor divide them (for a copy of each head per device)"
+            )
+        return None
 
     def kv_copies(self, devices: int) -> float:
         """How many times its KV is stored over `devices` tensor-parallel devices:
@@ -154,17 +185,24 @@ KV_DTYPES: dict[str, tuple[int, int]] = {
 MODELS: dict[str, ModelShape] = {
     m.name: m
     for m in (
-        ModelShape("llama-3-8b", 32, 8, 128, 8.03e9, 128256, hidden=4096),
-        ModelShape("llama-3-70b", 80, 8, 128, 70.6e9, 128256, hidden=8192),
-        ModelShape("mistral-7b", 32, 8, 128, 7.25e9, 32768, hidden=4096),
-        ModelShape("qwen2.5-7b", 28, 4, 128, 7.62e9, 152064, hidden=3584),
+        ModelShape("llama-3-8b", 32, 8, 128, 8.03e9, 128256, hidden=4096, query_heads=32,
+                   ffn=14336),
+        ModelShape("llama-3-70b", 80, 8, 128, 70.6e9, 128256, hidden=8192, query_heads=64,
+                   ffn=28672),
+        ModelShape("mistral-7b", 32, 8, 128, 7.25e9, 32768, hidden=4096, query_heads=32,
+                   ffn=14336),
+        ModelShape("qwen2.5-7b", 28, 4, 128, 7.62e9, 152064, hidden=3584, query_heads=28,
+                   ffn=18944),
         # Gemma-2 alternates local (4,096-token sliding window) and global layers.
-        ModelShape("gemma-2-9b", 42, 8, 256, 9.24e9, 256000, 4096, 21, hidden=3584),
-        ModelShape("gemma-2-27b", 46, 16, 128, 27.2e9, 256000, 4096, 23, hidden=4608),
+        ModelShape("gemma-2-9b", 42, 8, 256, 9.24e9, 256000, 4096, 21, hidden=3584,
+                   query_heads=16, ffn=14336),
+        ModelShape("gemma-2-27b", 46, 16, 128, 27.2e9, 256000, 4096, 23, hidden=4608,
+                   query_heads=32, ffn=36864),
         # the main job's model
-        ModelShape("smollm2-135m", 30, 3, 64, 134.5e6, 49152, hidden=576),
+        ModelShape("smollm2-135m", 30, 3, 64, 134.5e6, 49152, hidden=576, query_heads=9,
+                   ffn=1536),
     )
-}
+}  # fmt: skip
 
 # Interconnect: half the bidirectional per-device figure of the datasheet, as
 # the bandwidth a ring all-reduce moves per device: Cloud TPU's system
@@ -273,6 +311,9 @@ def capacity(
     weights = m.weight_bytes(precision)
     usable = hosts * devices * a.hbm_bytes * (1 - overhead_reserve) - weights
     where = f"{hosts} hosts x {devices}" if hosts > 1 else f"{devices}"
+    why = m.tensor_parallel_error(hosts * devices)
+    if why is not None:
+        raise CapacityError(f"{where} x {a.name}: {why}")
     if usable <= 0:
         raise CapacityError(
             f"{m.name} at {precision} ({weights / 1e9:.1f} GB) does not fit {where} x "

@@ -145,7 +145,8 @@ def model_shape(config: LlamaConfig, params: Any) -> ModelShape:
 
     n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     return ModelShape(config.name, config.n_layers, config.n_kv_heads, config.head_dim,
-                      float(n), config.vocab_size, hidden=config.dim)  # fmt: skip
+                      float(n), config.vocab_size, hidden=config.dim,
+                      query_heads=config.n_heads, ffn=config.ffn_dim)  # fmt: skip
 
 
 class Bench:
