@@ -67,7 +67,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     m = load_model(args.model, max_seq_len=args.max_seq_len, max_num_seqs=args.max_num_seqs,
                    num_blocks=args.num_blocks, max_batched_tokens=args.max_batched_tokens,
                    max_logprobs=args.max_logprobs, backend=args.backend,
-                   seed=args.seed)  # fmt: skip
+                   seed=args.seed, devices=args.devices, dtype=args.dtype)  # fmt: skip
     checkpoint = (
         Path(args.checkpoint) if args.checkpoint else cache_dir() / "serve-checkpoint.jsonl"
     )
@@ -76,6 +76,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server = OpenAIServer(engine, tenants, model_name=m.model_name, encode_chat=m.encode_chat,
                           aliases=m.aliases, max_body_bytes=args.max_body_bytes,
                           drain_seconds=args.drain_seconds, end_at=end_at)  # fmt: skip
+    replicas = m.engine.kv_replicas
+    if args.devices > 1:
+        print(f"tensor parallel over {args.devices} {m.engine.mesh.devices.flat[0].platform} "
+              f"devices{f', each KV head on {replicas}' if replicas > 1 else ''}",
+              flush=True)  # fmt: skip
     print(f"serving {m.model_name} to {len(tenants.names)} tenant(s) on "
           f"http://{args.host}:{args.port}/v1 (checkpoint {checkpoint})", flush=True)  # fmt: skip
     return server.run(args.host, args.port, log_level=args.log_level)
@@ -98,10 +103,16 @@ def add_parsers(sub: Any) -> None:
     v = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
     v.add_argument(
         "--model",
-        choices=["smollm2", "tiny"],
         default="smollm2",
-        help="SmolLM2-135M-Instruct, or a random tiny model without a tokenizer (default smollm2)",
+        help="smollm2 (SmolLM2-135M-Instruct), tiny (random weights, no tokenizer), or the "
+        "path of a Llama-architecture GGUF file, served with its own tokenizer and chat "
+        "template (default smollm2)",
     )
+    v.add_argument("--devices", type=int, default=1,
+                   help="tensor parallel over this many local devices "
+                   "(count; default 1)")  # fmt: skip
+    v.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="weights and activations (default float32)")  # fmt: skip
     v.add_argument("--tenants", required=True, help="the tenants TOML file (names, API keys)")
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     v.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")

@@ -3,6 +3,7 @@ and the `--end-at` time format."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,13 +32,40 @@ def load_model(
     backend: str = "reference",
     seed: int = 0,
     max_waiting: int = 64,
+    devices: int = 1,
+    dtype: str = "float32",
 ) -> LoadedModel:
-    """A cold Engine for `kvsched serve`: SmolLM2-135M-Instruct from its GGUF file
-    (tokenizer and chat template included), or `tiny`, a random-weight model with
-    no tokenizer (completions by token ids only)."""
+    """A cold Engine for `kvsched serve`. `which`: "smollm2" (SmolLM2-135M-Instruct
+    from its GGUF file, fetched once into the cache), "tiny" (a random-weight
+    model with no tokenizer: completions by token ids only), or the path of a
+    Llama-architecture GGUF file (its tokenizer, chat template and end-of-text
+    token come from the file; served under the file's general.name, or its
+    name without the extension, with its file name as an alias). `devices` > 1:
+    tensor parallelism over the first `devices` local devices
+    (kvsched.engine.sharding); `dtype` is the weights' and activations'
+    ("float32" or "bfloat16"). A bad choice is kvsched.InvalidConfig before
+    anything loads."""
+    from pathlib import Path
+
+    import jax
+
     from kvsched.engine.model import LlamaConfig, init_params
     from kvsched.engine.runner import Engine
+    from kvsched.engine.sharding import make_mesh
 
+    path = None if which in ("smollm2", "tiny") else Path(which)
+    if path is not None and not path.is_file():
+        raise kvsched.InvalidConfig(
+            f"--model: smollm2, tiny or the path of a GGUF file; {which!r} is none of them"
+        )
+    if dtype not in ("float32", "bfloat16"):
+        raise kvsched.InvalidConfig(f"--dtype: float32 or bfloat16, not {dtype!r}")
+    if not 1 <= devices <= len(jax.devices()):
+        raise kvsched.InvalidConfig(
+            f"--devices {devices}: this machine has {len(jax.devices())} "
+            f"{jax.default_backend()} device(s)"
+        )
+    mesh = make_mesh(devices) if devices > 1 else None
     block = 16
     if num_blocks is None:  # every sequence at full length, plus the null page
         num_blocks = max_num_seqs * (-(-max_seq_len // block)) + 1
@@ -47,21 +75,26 @@ def load_model(
         long_prefill_chunk=min(max_batched_tokens, 256), max_waiting=max_waiting,
         overhead_reserve=0.0, ladder="default",
     )  # fmt: skip
+    common: dict[str, Any] = {"backend": backend, "max_logprobs": max_logprobs, "seed": seed,
+                              "mesh": mesh}  # fmt: skip
     if which == "tiny":
-        model = LlamaConfig()
-        engine = Engine.create(model, init_params(model, seed=seed), cfg, backend=backend,
-                               max_logprobs=max_logprobs, seed=seed)  # fmt: skip
+        model = LlamaConfig(dtype=dtype)
+        engine = Engine.create(model, init_params(model, seed=seed), cfg, **common)
         return LoadedModel(engine, model.name, ("tiny",), None)
-    if which != "smollm2":
-        raise ValueError(f"--model: smollm2 or tiny, not {which!r}")
     from kvsched import model_files
     from kvsched.engine.loaders.gguf_llama import load_gguf
 
-    gg = load_gguf(model_files.fetch())
+    gg = load_gguf(model_files.fetch() if path is None else path, dtype=dtype)
+    if path is not None and "general.name" not in gg.metadata:
+        gg.config = dataclasses.replace(gg.config, name=path.stem)
     eos = () if gg.eos_token_id is None else (gg.eos_token_id,)
-    engine = Engine.create(gg.config, gg.params, cfg, backend=backend, tokenizer=gg.tokenizer,
-                           eos_token_ids=eos, max_logprobs=max_logprobs, seed=seed)  # fmt: skip
-    return LoadedModel(engine, SMOLLM2_ID, ("smollm2", gg.config.name), gg.encode_chat)
+    engine = Engine.create(gg.config, gg.params, cfg, tokenizer=gg.tokenizer,
+                           eos_token_ids=eos, **common)  # fmt: skip
+    if path is None:
+        return LoadedModel(engine, SMOLLM2_ID, ("smollm2", gg.config.name), gg.encode_chat)
+    aliases = tuple(dict.fromkeys(a for a in (path.name, path.stem) if a != gg.config.name))
+    encode_chat = gg.encode_chat if gg.chat_template else None
+    return LoadedModel(engine, gg.config.name, aliases, encode_chat)
 
 
 def parse_end_at(value: str) -> float:

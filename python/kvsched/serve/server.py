@@ -472,8 +472,8 @@ class OpenAIServer:
         """Token ids of the prompt and the parameter they came from."""
         if kind == "chat":
             if self.encode_chat is None:
-                raise bad_request("this model has no tokenizer (no chat template): use "
-                                  "/v1/completions with token ids", param="messages",
+                raise bad_request("this model has no chat template (or no tokenizer): use "
+                                  "/v1/completions", param="messages",
                                   code="no_tokenizer")  # fmt: skip
             if not req.messages:
                 raise bad_request("messages: must not be empty", param="messages")
