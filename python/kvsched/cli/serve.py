@@ -104,8 +104,9 @@ def add_parsers(sub: Any) -> None:
     v.add_argument(
         "--model",
         default="smollm2",
-        help="smollm2 (SmolLM2-135M-Instruct), tiny (random weights, no tokenizer), or the "
-        "path of a Llama-architecture GGUF file, served with its own tokenizer and chat "
+        help="smollm2 (SmolLM2-135M-Instruct), tiny (random weights, no tokenizer), the "
+        "path of a Llama-architecture GGUF file, or of a Hugging Face Llama model directory "
+        "(config.json, safetensors, tokenizer.json), served with its own tokenizer and chat "
         "template (default smollm2)",
     )
     v.add_argument("--devices", type=int, default=1,

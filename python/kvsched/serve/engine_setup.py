@@ -40,7 +40,9 @@ def load_model(
     model with no tokenizer: completions by token ids only), or the path of a
     Llama-architecture GGUF file (its tokenizer, chat template and end-of-text
     token come from the file; served under the file's general.name, or its
-    name without the extension, with its file name as an alias). `devices` > 1:
+    name without the extension, with its file name as an alias), or of a Hugging
+    Face Llama model directory (kvsched.engine.loaders.hf_dir; served under the
+    directory's name). `devices` > 1:
     tensor parallelism over the first `devices` local devices
     (kvsched.engine.sharding); `dtype` is the weights' and activations'
     ("float32" or "bfloat16"). A bad choice is kvsched.InvalidConfig before
@@ -54,9 +56,10 @@ def load_model(
     from kvsched.engine.sharding import make_mesh
 
     path = None if which in ("smollm2", "tiny") else Path(which)
-    if path is not None and not path.is_file():
+    if path is not None and not (path.is_file() or (path / "config.json").is_file()):
         raise kvsched.InvalidConfig(
-            f"--model: smollm2, tiny or the path of a GGUF file; {which!r} is none of them"
+            f"--model: smollm2, tiny, the path of a GGUF file or of a Hugging Face model "
+            f"directory (with its config.json); {which!r} is none of them"
         )
     if dtype not in ("float32", "bfloat16"):
         raise kvsched.InvalidConfig(f"--dtype: float32 or bfloat16, not {dtype!r}")
@@ -81,6 +84,14 @@ def load_model(
         model = LlamaConfig(dtype=dtype)
         engine = Engine.create(model, init_params(model, seed=seed), cfg, **common)
         return LoadedModel(engine, model.name, ("tiny",), None)
+    if path is not None and path.is_dir():
+        from kvsched.engine.loaders.hf_dir import load_hf_dir
+
+        hf = load_hf_dir(path, dtype=dtype)
+        engine = Engine.create(hf.config, hf.params, cfg, tokenizer=hf.tokenizer,
+                               eos_token_ids=hf.eos_token_ids, **common)  # fmt: skip
+        return LoadedModel(engine, hf.config.name, (),
+                           hf.encode_chat if hf.chat_template else None)  # fmt: skip
     from kvsched import model_files
     from kvsched.engine.loaders.gguf_llama import load_gguf
 

@@ -5,6 +5,8 @@ implement is an error naming it, never silently ignored.
 - `safetensors_llama`: a Hugging Face Llama checkpoint (config.json + safetensors).
 - `gguf_llama`: a GGUF file (weights dequantized by the `gguf` package, tokenizer
   and chat template from its metadata).
+- `hf_dir`: a Hugging Face model directory (config.json, one or several
+  safetensors files, tokenizer.json, the chat template and end-of-text ids).
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -32,11 +33,23 @@ LAYER_KEYS = {
 }
 
 
-def load_llama_safetensors(path: str | Path, config: LlamaConfig) -> Params:
-    """Weights from a Llama-format safetensors file (float32, bfloat16 or
-    float16 tensors), as params in `config.dtype`. Shapes are checked against
-    `config`; a tensor the config does not describe is refused."""
-    t = read_safetensors(path)
+def load_llama_safetensors(path: str | Path | Sequence[str | Path], config: LlamaConfig) -> Params:
+    """Weights from a Llama-format safetensors file, or the shards of one
+    checkpoint (a sequence of files; a tensor in two of them is refused),
+    float32, bfloat16 or float16 tensors, as params in `config.dtype`. Shapes
+    are checked against `config`; a tensor the config does not describe is
+    refused."""
+    if isinstance(path, str | Path):
+        t = read_safetensors(path)
+    else:
+        files, t = list(path), {}
+        for f in files:
+            shard = read_safetensors(f)
+            both = sorted(set(shard) & set(t))
+            if both:
+                raise ValueError(f"{f}: tensor {both[0]!r} is in another shard too")
+            t.update(shard)
+        path = f"{Path(files[0]).parent} ({len(files)} shards)" if files else "no shards"
 
     def get(name: str, shape: tuple[int, ...], transpose: bool = False) -> np.ndarray:
         if name not in t:
