@@ -97,3 +97,22 @@ def test_the_file_names_the_model_and_a_file_without_a_chat_template_serves_comp
     plain = load_model(str(bare), max_num_seqs=2, max_seq_len=64)
     assert plain.encode_chat is None
     assert (plain.model_name, plain.aliases) == ("bare", ("bare.gguf",)), "no general.name"
+
+
+def test_num_blocks_is_the_pool_wherever_it_runs_and_memory_sizes_it_otherwise(monkeypatch):
+    """On an accelerator (faked here: 1 MiB free) the pool was always sized
+    from memory, so `--num-blocks` was silently ignored there."""
+    from kvsched.engine import runner
+
+    monkeypatch.setattr(runner, "measured_free_bytes", lambda device: 1 << 20)
+    # The tiny model: 2 layers x 2 KV heads x 32 x f32, K and V: 1 KiB a token.
+    auto = load_model("tiny", max_num_seqs=2, max_seq_len=64)
+    assert auto.engine.sizing.source == "measured"
+    assert auto.engine.scheduler.config.num_blocks == (1 << 20) // (16 << 10)
+    fixed = load_model("tiny", max_num_seqs=2, max_seq_len=64, num_blocks=20, block_size=32)
+    assert fixed.engine.sizing.source == "configured"
+    cfg = fixed.engine.scheduler.config
+    assert (cfg.num_blocks, cfg.block_size) == (20, 32)
+    assert fixed.engine.caches.shape[1:3] == (20, 32)
+    with pytest.raises(kvsched.InvalidConfig, match="num_blocks=100: the free memory"):
+        load_model("tiny", max_num_seqs=2, max_seq_len=64, num_blocks=100)

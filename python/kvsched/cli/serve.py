@@ -67,7 +67,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     m = load_model(args.model, max_seq_len=args.max_seq_len, max_num_seqs=args.max_num_seqs,
                    num_blocks=args.num_blocks, max_batched_tokens=args.max_batched_tokens,
                    max_logprobs=args.max_logprobs, backend=args.backend,
-                   seed=args.seed, devices=args.devices, dtype=args.dtype)  # fmt: skip
+                   seed=args.seed, devices=args.devices, dtype=args.dtype,
+                   block_size=args.block_size)  # fmt: skip
     checkpoint = (
         Path(args.checkpoint) if args.checkpoint else cache_dir() / "serve-checkpoint.jsonl"
     )
@@ -137,8 +138,11 @@ def add_parsers(sub: Any) -> None:
     v.add_argument(
         "--num-blocks",
         type=int,
-        help="KV pages (count; default: every sequence at full length)",
+        help="KV pages, on any device (count; default: as many as an accelerator's free "
+        "memory holds, every sequence at full length on CPU)",
     )
+    v.add_argument("--block-size", type=int, default=16,
+                   help="tokens per KV page (default 16; 64 or 128 suit TPUs)")  # fmt: skip
     v.add_argument("--max-logprobs", type=int, default=5,
                    help="top logprobs a request may ask (count; default 5)")  # fmt: skip
     v.add_argument("--max-body-bytes", type=int, default=1 << 20,

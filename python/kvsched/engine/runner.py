@@ -306,10 +306,17 @@ class Engine:
         *,
         kv_dtype: str = "float32",
         device: jax.Device | None = None,
+        pool: str = "memory",
         **kw: Any,
     ) -> Engine:
         """Size the pool from the device (after the weights are resident), build a
-        cold scheduler over it, and the engine."""
+        cold scheduler over it, and the engine. `pool="memory"`: as many blocks
+        as the free memory holds where the backend reports it (the configured
+        num_blocks elsewhere, e.g. on CPU); `pool="configured"`: the configured
+        num_blocks, kvsched.InvalidConfig if a device's free memory cannot hold
+        its share."""
+        if pool not in ("memory", "configured"):
+            raise kvsched.InvalidConfig(f"pool: 'memory' or 'configured', not {pool!r}")
         device = device or jax.devices()[0]
         mesh = kw.get("mesh")
         shards = 1 if mesh is None else mesh.devices.size
@@ -318,6 +325,16 @@ class Engine:
         replicas = 1 if mesh is None else sharding.check_divisible(model, mesh)
         stored = dataclasses.replace(model, n_kv_heads=model.n_kv_heads * replicas)
         sizing = size_pool(stored, sched_config, kv_dtype, device, shards=shards, devices=devices)
+        if pool == "configured" and sizing.source == "measured":
+            if sched_config.num_blocks > sizing.num_blocks:
+                free = sizing.measured_free_bytes or 0
+                raise kvsched.InvalidConfig(
+                    f"num_blocks={sched_config.num_blocks}: the free memory ({free / 2**30:.2f} "
+                    f"GiB a device, {sched_config.overhead_reserve:.0%} held back) holds "
+                    f"{sizing.num_blocks} blocks of {sched_config.block_size} tokens"
+                )
+            sizing = dataclasses.replace(sizing, num_blocks=sched_config.num_blocks,
+                                         source="configured")  # fmt: skip
         changes: dict[str, Any] = {"num_blocks": sizing.num_blocks, "require_warmup": True}
         if sched_config.vocab_size is None:
             # The core refuses ids outside the vocabulary too, whoever submits.

@@ -34,6 +34,7 @@ def load_model(
     max_waiting: int = 64,
     devices: int = 1,
     dtype: str = "float32",
+    block_size: int = 16,
 ) -> LoadedModel:
     """A cold Engine for `kvsched serve`. `which`: "smollm2" (SmolLM2-135M-Instruct
     from its GGUF file, fetched once into the cache), "tiny" (a random-weight
@@ -69,17 +70,20 @@ def load_model(
             f"{jax.default_backend()} device(s)"
         )
     mesh = make_mesh(devices) if devices > 1 else None
-    block = 16
-    if num_blocks is None:  # every sequence at full length, plus the null page
-        num_blocks = max_num_seqs * (-(-max_seq_len // block)) + 1
+    # --num-blocks is the pool's size wherever it runs; without it, an
+    # accelerator's free memory sizes the pool (every sequence at full length,
+    # plus the null page, on CPU).
+    pool = "memory" if num_blocks is None else "configured"
+    if num_blocks is None:
+        num_blocks = max_num_seqs * (-(-max_seq_len // block_size)) + 1
     cfg = kvsched.SchedulerConfig(
-        num_blocks=num_blocks, block_size=block, max_num_seqs=max_num_seqs,
+        num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
         max_batched_tokens=max_batched_tokens, max_seq_len=max_seq_len,
         long_prefill_chunk=min(max_batched_tokens, 256), max_waiting=max_waiting,
         overhead_reserve=0.0, ladder="default",
     )  # fmt: skip
     common: dict[str, Any] = {"backend": backend, "max_logprobs": max_logprobs, "seed": seed,
-                              "mesh": mesh}  # fmt: skip
+                              "mesh": mesh, "pool": pool}  # fmt: skip
     if which == "tiny":
         model = LlamaConfig(dtype=dtype)
         engine = Engine.create(model, init_params(model, seed=seed), cfg, **common)
