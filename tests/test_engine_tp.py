@@ -32,7 +32,9 @@ def test_kv_heads_shard_over_four_devices_and_generation_is_unchanged(backend):
     assert r["programs"] == r["buckets"]
 
 
-@pytest.mark.parametrize(("backend", "kv_heads"), [("reference", 2), ("pallas", 1)])
+# Each backend once with 2 KV heads, where a copy in the wrong place (heads tiled
+# rather than repeated) would be read by the wrong query heads.
+@pytest.mark.parametrize(("backend", "kv_heads"), [("reference", 1), ("pallas", 2)])
 def test_fewer_kv_heads_than_devices_are_copied_and_generation_is_unchanged(backend, kv_heads):
     """2 KV heads (GQA) or 1 (MQA) on 4 devices: each device holds one copy of
     the KV head its query heads read, and greedy tokens equal the dense
@@ -50,6 +52,8 @@ def test_fewer_kv_heads_than_devices_are_copied_and_generation_is_unchanged(back
     assert all(r["equal_dense"]), "tokens equal dense"
     assert r["checksum_as_given"], "the engine's checksum names the weights as loaded"
     assert r["programs"] == r["buckets"]
+    # 6 KV heads on the 4 devices: refused, typed, before a pool is sized.
+    assert r["refused"] == ["InvalidConfig", False], r["refused"]
 
 
 def test_a_mesh_the_heads_cannot_use_is_refused_typed_before_anything_is_built():

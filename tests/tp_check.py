@@ -52,9 +52,21 @@ while eng.scheduler.live_requests:
     for f in eng.step(now=0.0).events.finished:
         out[f.request_id] = f.output_ids.tolist()
 equal = [out[i] == greedy_dense(params, model, p, 6) for i, p in zip(ids, prompts, strict=True)]
+refused = None
+if kv_heads < 4:
+    sized = []
+    real_size_pool = runner.size_pool
+    runner.size_pool = lambda *a, **k: sized.append(1) or real_size_pool(*a, **k)
+    six = LlamaConfig(vocab_size=256, dim=64, n_layers=1, n_heads=12, n_kv_heads=6,
+                      head_dim=16, ffn_dim=128)  # fmt: skip
+    try:
+        Engine.create(six, init_params(six), cfg, mesh=make_mesh(4), backend=backend)
+    except kvsched.InvalidConfig as e:
+        refused = [type(e).__name__, bool(sized)]
 print(json.dumps({
     "devices": len(jax.devices()),
     "kv_replicas": eng.kv_replicas,
+    "refused": refused,
     "pool_source": eng.sizing.source,
     "cache_bytes_per_device": eng.caches.addressable_shards[0].data.nbytes,
     "checksum_as_given": eng.checksum == weights_checksum(params),
