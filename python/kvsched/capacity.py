@@ -65,6 +65,21 @@ def kv_bytes(
     return tokens * 2 * layers * kv_heads * (head_dim * element_bytes + scale_bytes)
 
 
+def tensor_parallel_misfit(query_heads: int, kv_heads: int, ffn: int, devices: int) -> str | None:
+    """Which part of a model cannot be split over `devices` tensor-parallel
+    devices: "query_heads" or "ffn" (they must split evenly; 0 is unknown and
+    not checked), "kv_heads" (they must split evenly or divide the device count,
+    each head then copied to devices / kv_heads devices), or None. The one rule
+    the engine (kvsched.engine.sharding.kv_replicas) and the capacity model
+    both apply."""
+    for part, value in (("query_heads", query_heads), ("ffn", ffn)):
+        if value and value % devices:
+            return part
+    if kv_heads % devices and devices % kv_heads:
+        return "kv_heads"
+    return None
+
+
 @dataclass(frozen=True)
 class ModelShape:
     name: str
@@ -126,14 +141,16 @@ class ModelShape:
         return f"{why} (device counts that run it: {', '.join(map(str, fits))})"
 
     def _tensor_parallel_why(self, devices: int) -> str | None:
-        for what, value in (("query heads", self.query_heads), ("MLP width", self.ffn)):
-            if value and value % devices:
-                return f"{self.name}'s {what} ({value}) cannot split evenly over {devices} devices"
-        if self.kv_heads % devices and devices % self.kv_heads:
+        part = tensor_parallel_misfit(self.query_heads, self.kv_heads, self.ffn, devices)
+        if part == "kv_heads":
             return (
                 f"{self.name}'s {self.kv_heads} KV heads neither split over {devices} devices "
                 "nor divide them (for a copy of each head per device)"
             )
+        if part is not None:
+            what, value = (("query heads", self.query_heads) if part == "query_heads"
+                           else ("MLP width", self.ffn))  # fmt: skip
+            return f"{self.name}'s {what} ({value}) cannot split evenly over {devices} devices"
         return None
 
     def kv_copies(self, devices: int) -> float:

@@ -323,7 +323,7 @@ class Engine:
         devices = None if mesh is None else list(mesh.devices.flat)
         # Each device holds its share of the KV heads, copies included (kv_replicas).
         replicas = 1 if mesh is None else sharding.check_divisible(model, mesh)
-        stored = dataclasses.replace(model, n_kv_heads=model.n_kv_heads * replicas)
+        stored = sharding.widened(model, replicas)
         sizing = size_pool(stored, sched_config, kv_dtype, device, shards=shards, devices=devices)
         if pool == "configured" and sizing.source == "measured":
             if sched_config.num_blocks > sizing.num_blocks:

@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import kvsched
+from kvsched.capacity import tensor_parallel_misfit
 from kvsched.engine.config import LlamaConfig
 from kvsched.engine.mesh import AXIS, CACHE_SPEC, LAYER_SPECS, STACKED_CACHE_SPEC, make_mesh
 from kvsched.engine.model import Params
@@ -40,7 +41,7 @@ from kvsched.engine.model import Params
 # users build a mesh as kvsched.engine.sharding.make_mesh(n) (the README does).
 __all__ = [
     "cache_sharding", "check_divisible", "kv_replicas", "make_mesh", "replicate_kv_heads",
-    "shard_params",
+    "shard_params", "widened",
 ]  # fmt: skip
 
 
@@ -49,27 +50,33 @@ def kv_replicas(model: LlamaConfig, devices: int) -> int:
     KV heads split evenly over them, devices / n_kv_heads when the devices are
     a multiple of the KV heads. Anything else (e.g. 6 KV heads on 4 devices) is
     kvsched.InvalidConfig, as are query heads or an MLP that do not split."""
-    for what, value in (("n_heads", model.n_heads), ("ffn_dim", model.ffn_dim)):
-        if value % devices:
-            raise kvsched.InvalidConfig(
-                f"{model.name}: {what}={value} does not split over {devices} devices "
-                "(tensor parallelism splits the query heads and the MLP evenly)"
-            )
     hkv = model.n_kv_heads
-    if hkv % devices == 0:
-        return 1
-    if devices % hkv == 0:
-        return devices // hkv
-    raise kvsched.InvalidConfig(
-        f"{model.name}: {hkv} KV heads over {devices} devices: the device count must divide "
-        f"the KV heads (each device holds its share) or be a multiple of them (each head is "
-        f"copied to the devices whose query heads read it)"
-    )
+    part = tensor_parallel_misfit(model.n_heads, hkv, model.ffn_dim, devices)
+    if part == "kv_heads":
+        raise kvsched.InvalidConfig(
+            f"{model.name}: {hkv} KV heads over {devices} devices: the device count must "
+            f"divide the KV heads (each device holds its share) or be a multiple of them "
+            f"(each head is copied to the devices whose query heads read it)"
+        )
+    if part is not None:
+        what, value = (("n_heads", model.n_heads) if part == "query_heads"
+                       else ("ffn_dim", model.ffn_dim))  # fmt: skip
+        raise kvsched.InvalidConfig(
+            f"{model.name}: {what}={value} does not split over {devices} devices "
+            "(tensor parallelism splits the query heads and the MLP evenly)"
+        )
+    return 1 if hkv % devices == 0 else devices // hkv
 
 
 def check_divisible(model: LlamaConfig, mesh: Mesh) -> int:
     """`kv_replicas` for this mesh (kvsched.InvalidConfig if it cannot run the model)."""
     return kv_replicas(model, mesh.shape[AXIS])
+
+
+def widened(model: LlamaConfig, replicas: int) -> LlamaConfig:
+    """The model as the engine runs it with each KV head copied `replicas`
+    times: what the pool stores and the program computes."""
+    return dataclasses.replace(model, n_kv_heads=model.n_kv_heads * replicas)
 
 
 def replicate_kv_heads(
@@ -90,8 +97,7 @@ def replicate_kv_heads(
 
     layers = dict(params["layers"])
     layers["wk"], layers["wv"] = repeat(layers["wk"]), repeat(layers["wv"])
-    wide = dataclasses.replace(model, n_kv_heads=hkv * replicas)
-    return wide, Params(embed=params["embed"], layers=layers,
+    return widened(model, replicas), Params(embed=params["embed"], layers=layers,
                         final_norm=params["final_norm"], lm_head=params["lm_head"])  # fmt: skip
 
 
