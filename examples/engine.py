@@ -137,7 +137,7 @@ def build_model(
     except model_files.ModelFetchError as e:
         sys.exit(f"cannot fetch the model: {e}\n(`--model tiny` runs a random model offline)")
     t0 = time.perf_counter()
-    gg = load_gguf(path)
+    gg = load_gguf(path, name=model_files.SMOLLM2_135M.model_name)
     say(f"loaded {path.name} in {time.perf_counter() - t0:.1f} s: {gg.config.n_layers} layers, "
         f"{gg.config.n_heads}/{gg.config.n_kv_heads} heads of {gg.config.head_dim}, vocab "
         f"{gg.config.vocab_size}")  # fmt: skip
@@ -337,4 +337,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except ModuleNotFoundError as e:  # kvsched names the extra that brings it
+        print(f"examples/engine.py: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -14,14 +14,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def start_serve(args: list[str], *, cwd=None, timeout: float = 120.0):
+def start_serve(args: list[str], *, cwd=None, timeout: float = 120.0, env_extra=None):
     """(process, base url) of `kvsched serve <args> --port <free>`, ready. Its
-    stdout and stderr are one text pipe (read it when it fails)."""
+    stdout and stderr are one text pipe (read it when it fails); `env_extra`
+    adds to its environment."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT / "python")}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT / "python"),
+           **(env_extra or {})}  # fmt: skip
     proc = subprocess.Popen([sys.executable, "-m", "kvsched", "serve", *args, "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, cwd=cwd)  # fmt: skip

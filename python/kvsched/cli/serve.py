@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 from typing import Any
+
+# OpenAI's sampling defaults, named here without importing the server (FastAPI).
+OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
 
 
 def cmd_fetch_model(args: argparse.Namespace) -> int:
@@ -47,13 +51,19 @@ def cmd_eval_kv(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """The OpenAI-compatible server (kvsched.serve.server) until SIGTERM drains it."""
+    """The OpenAI-compatible server (kvsched.serve.server) until SIGTERM drains it.
+
+    What can be refused is refused before the model loads: the tenants file,
+    the options, a checkpoint another live server holds, a port in use."""
     import logging
+    import os
+    import signal
+    import sys
     import time
 
     from kvsched.model_files import cache_dir
-    from kvsched.serve import AsyncEngine
-    from kvsched.serve.server import OpenAIServer, load_model, parse_end_at
+    from kvsched.serve import process
+    from kvsched.serve.engine_setup import parse_end_at
     from kvsched.serve.tenants import TenantRegistry
 
     tenants = TenantRegistry.from_file(args.tenants)  # a bad file fails before the model loads
@@ -62,29 +72,84 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--end-at {args.end_at} is in the past")
     if args.drain_seconds < 0:
         raise ValueError("--drain-seconds must be >= 0")
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    checkpoint = (Path(args.checkpoint) if args.checkpoint
+                  else process.default_checkpoint(cache_dir(), args.port))  # fmt: skip
+    lock = process.CheckpointLock(checkpoint).acquire()
+    sock = process.bind_socket(args.host, args.port)
+    process.configure_logging(args.log_level)
+    process.quiet_probes(not args.access_log_probes)
+    log = logging.getLogger("kvsched.serve")
+
+    def before_serving(sig: int, _frame: object) -> None:
+        # Before uvicorn runs (it takes SIGTERM / SIGINT to drain, SIGHUP to
+        # reload): nothing is admitted yet, so stop cleanly.
+        if sig == signal.SIGHUP:
+            log.info("SIGHUP while loading: ignored (send it again once serving to reread "
+                     "the tenants file)")  # fmt: skip
+            return
+        print(f"kvsched serve: {signal.Signals(sig).name} while loading the model: nothing "
+              "was admitted; exiting", file=sys.stderr, flush=True)  # fmt: skip
+        # At once: an exception raised here could land inside an import or a lock
+        # of the loader and hang the exit. Nothing is owed to anyone yet, and
+        # the kernel frees the port and the checkpoint's lock.
+        os._exit(0)
+
+    signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    for sig in signals:
+        signal.signal(sig, before_serving)
+    try:
+        with process.LoadingResponder(sock):  # answers "loading" until uvicorn takes over
+            server = _load(args, tenants, end_at, checkpoint, log)
+        try:
+            return int(server.run(args.host, args.port, sock=sock, log_level=args.log_level))
+        finally:
+            # Drained: the exit status is decided. A signal now, or while the
+            # interpreter shuts down (which resets Python's handlers, not an
+            # ignored signal), must not kill the process on its way out.
+            for sig in signals:
+                signal.signal(sig, signal.SIG_IGN)
+    finally:
+        sock.close()
+        lock.release()
+
+
+def _load(args: argparse.Namespace, tenants: Any, end_at: float | None, checkpoint: Path,
+          log: Any) -> Any:  # fmt: skip
+    """The OpenAIServer over the loaded model (cold: it warms up once serving)."""
+    from kvsched.serve import AsyncEngine
+    from kvsched.serve.server import OpenAIServer, load_model
+
+    what = {"smollm2": "SmolLM2-135M-Instruct", "tiny": "the tiny random model"}
+    log.info("loading %s", what.get(args.model, args.model))
+    t0 = time.perf_counter()
     m = load_model(args.model, max_seq_len=args.max_seq_len, max_num_seqs=args.max_num_seqs,
                    num_blocks=args.num_blocks, max_batched_tokens=args.max_batched_tokens,
                    max_logprobs=args.max_logprobs, backend=args.backend,
                    seed=args.seed, devices=args.devices, dtype=args.dtype,
                    block_size=args.block_size)  # fmt: skip
-    checkpoint = (
-        Path(args.checkpoint) if args.checkpoint else cache_dir() / "serve-checkpoint.jsonl"
-    )
-    checkpoint.parent.mkdir(parents=True, exist_ok=True)
+    names = args.served_model_name or [m.model_name, *m.aliases]
+    log.info("loaded %s in %.1f s", m.model_name, time.perf_counter() - t0)
+    defaults = m.sampling_defaults
+    log.info("sampling defaults: %s (%s)",
+             ", ".join(f"{k} {v}" for k, v in {**OPENAI_SAMPLING, **defaults}.items()),
+             "the model's generation_config.json" if defaults
+             else "OpenAI's: the model sets none")  # fmt: skip
     engine = AsyncEngine(m.engine, checkpoint_path=str(checkpoint))
-    server = OpenAIServer(engine, tenants, model_name=m.model_name, encode_chat=m.encode_chat,
-                          aliases=m.aliases, max_body_bytes=args.max_body_bytes,
-                          drain_seconds=args.drain_seconds, end_at=end_at)  # fmt: skip
+    server = OpenAIServer(engine, tenants, model_name=names[0], encode_chat=m.encode_chat,
+                          aliases=names[1:], max_body_bytes=args.max_body_bytes,
+                          drain_seconds=args.drain_seconds, end_at=end_at,
+                          sampling_defaults=defaults)  # fmt: skip
     replicas = m.engine.kv_replicas
     if args.devices > 1:
         print(f"tensor parallel over {args.devices} {m.engine.mesh.devices.flat[0].platform} "
               f"devices{f', each KV head on {replicas}' if replicas > 1 else ''}",
               flush=True)  # fmt: skip
-    print(f"serving {m.model_name} to {len(tenants.names)} tenant(s) on "
-          f"http://{args.host}:{args.port}/v1 (checkpoint {checkpoint})", flush=True)  # fmt: skip
-    return server.run(args.host, args.port, log_level=args.log_level)
+    server.listening_message = (
+        f"serving {names[0]} to {len(tenants.names)} tenant(s) on "
+        f"http://{args.host}:{args.port}/v1 (checkpoint {checkpoint}); warming up, /ready "
+        "answers 200 once warm"
+    )
+    return server
 
 
 def add_parsers(sub: Any) -> None:
@@ -116,6 +181,11 @@ def add_parsers(sub: Any) -> None:
     v.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="weights and activations (default float32)")  # fmt: skip
     v.add_argument("--tenants", required=True, help="the tenants TOML file (names, API keys)")
+    v.add_argument(
+        "--served-model-name", nargs="+", metavar="NAME",
+        help="the name clients send as `model` and responses carry (the first; the others "
+        "are accepted too); default: the model's own, e.g. SmolLM2-135M-Instruct",
+    )  # fmt: skip
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     v.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     v.add_argument(
@@ -127,7 +197,8 @@ def add_parsers(sub: Any) -> None:
     v.add_argument("--end-at", help="drain and exit by this time (ISO 8601 or Unix seconds)")
     v.add_argument(
         "--checkpoint",
-        help="where the drain writes the scheduler checkpoint (default: the kvsched cache folder)",
+        help="where the drain writes the scheduler checkpoint, one live server per file "
+        "(default: serve-checkpoint-PORT.jsonl in the kvsched cache folder)",
     )
     v.add_argument("--max-seq-len", type=int, default=1024,
                    help="longest prompt + output in tokens (default 1024)")  # fmt: skip
@@ -154,6 +225,8 @@ def add_parsers(sub: Any) -> None:
         "default reference",
     )  # fmt: skip
     v.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    v.add_argument("--access-log-probes", action="store_true",
+                   help="access-log /health, /ready and /metrics too (default: not)")  # fmt: skip
     v.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="log level (default info)")  # fmt: skip

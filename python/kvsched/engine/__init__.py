@@ -1,7 +1,7 @@
 """The JAX side: paged KV cache arrays and attention backends that consume
 kvsched step plans.
 
-Needs `jax` (`pip install "kvsched[engine]"`). Backends take the plan's arrays
+Needs `jax` (`pip install -e ".[engine]"`). Backends take the plan's arrays
 as they come out of `Scheduler.step()`:
 
 - `reference`: pure jnp with static shapes; runs anywhere; checked against a
@@ -28,6 +28,10 @@ tests/test_engine_imports.py checks the package has no import cycle):
   produce an int8 KV report) and `multihost` (one Engine per process of JAX's
   multi-controller runtime, fed the same inputs).
 """
+
+from kvsched._extras import require
+
+require("kvsched.engine", "engine", modules=("jax",))  # one line naming the extra, if missing
 
 from kvsched.engine.attention import paged_attention
 from kvsched.engine.inputs import AttentionInputs

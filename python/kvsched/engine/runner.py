@@ -587,10 +587,12 @@ class Engine:
 
     # -- warmup ---------------------------------------------------------------------
 
-    def warmup(self, *, progress: bool = True) -> float:
+    def warmup(self, *, progress: bool | Callable[[int, int, str], None] = True) -> float:
         """Compile every token bucket, run one synthetic request end to end through
         a scratch scheduler of the same shape, then mark the scheduler ready.
-        Returns the seconds it took."""
+        Returns the seconds it took. `progress`: a bar (True), nothing (False), or
+        a callback `(done, total, what)` after each of the len(token_buckets) + 1
+        parts (it may raise to stop the warmup; the scheduler then stays warming)."""
         t0 = time.perf_counter()
         if self.scheduler.lifecycle == "cold":
             self.scheduler.begin_warmup()
@@ -605,7 +607,7 @@ class Engine:
                 StepInputs.padding(t, s, pps, pad_slot),
                 SamplingBatch.build([], np.zeros(0, np.int32), s, []),
             )
-            bar(f"compiled bucket {t}")
+            bar(f"compiled the {t}-token program")
         scratch = kvsched.Scheduler(
             self.scheduler.config.replace(require_warmup=False, prefix_caching=False)
         )
@@ -632,8 +634,17 @@ class Engine:
         return {"name": self.model.name, "checksum": self.checksum}
 
 
-def _progress(enabled: bool, total: int) -> Callable[[str], None]:
-    """A progress callback: rich's bar when enabled and available, else silent."""
+def _progress(enabled: bool | Callable[[int, int, str], None], total: int) -> Callable[[str], None]:
+    """A progress callback: the caller's, rich's bar when enabled and available,
+    else silent."""
+    if callable(enabled):
+        done_parts = [0]
+
+        def report(msg: str) -> None:
+            done_parts[0] += 1
+            enabled(done_parts[0], total, msg)
+
+        return report
     if not enabled:
         return lambda _msg: None
     try:

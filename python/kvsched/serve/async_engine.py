@@ -174,12 +174,16 @@ class AsyncEngine:
 
     # -- lifecycle ----------------------------------------------------------------------
 
-    def start(self, *, warmup: bool = True) -> None:
-        """Warm the engine up if it is not ready, then start the step loop."""
+    def start(
+        self, *, warmup: bool = True, progress: Callable[[int, int, str], None] | None = None
+    ) -> None:
+        """Warm the engine up if it is not ready, then start the step loop.
+        `progress(done, total, what)` hears of each part of the warmup
+        (Engine.warmup; if it raises, the warmup stops and so does this)."""
         if self._thread is not None:
             return
         if warmup and not self.scheduler.ready():
-            self.engine.warmup(progress=False)
+            self.engine.warmup(progress=progress or False)
         self._thread = threading.Thread(target=self._run, name="kvsched-engine", daemon=True)
         self._thread.start()
 
@@ -209,6 +213,15 @@ class AsyncEngine:
                 summary["checkpoint"] = self.scheduler.checkpoint(self.checkpoint_path)
         self.stop()
         return summary
+
+    def end_drain_now(self) -> None:
+        """During a drain: move its deadline to now, so the next step hands every
+        unfinished request back ("drain_deadline") and `shutdown` goes on to end
+        the streams and write the checkpoint (a second SIGTERM, say)."""
+        if self.scheduler.lifecycle == "draining":
+            self.scheduler.drain(time.monotonic())
+            with self._wake:
+                self._wake.notify()
 
     def stop(self) -> None:
         """Stop the loop thread (streams still open are ended as cancelled, and

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import kvsched
+from kvsched.model_files import SMOLLM2_135M
 
-SMOLLM2_ID = "SmolLM2-135M-Instruct"
+SMOLLM2_ID = SMOLLM2_135M.model_name
 
 
 @dataclass
@@ -19,6 +20,9 @@ class LoadedModel:
     model_name: str
     aliases: tuple[str, ...]
     encode_chat: Callable[[list[dict[str, str]]], list[int]] | None
+    # The model's own defaults for what a request leaves out (temperature, top_p,
+    # top_k): a Hugging Face directory's generation_config.json; none for GGUF.
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
 
 
 def load_model(
@@ -95,18 +99,22 @@ def load_model(
         engine = Engine.create(hf.config, hf.params, cfg, tokenizer=hf.tokenizer,
                                eos_token_ids=hf.eos_token_ids, **common)  # fmt: skip
         return LoadedModel(engine, hf.config.name, (),
-                           hf.encode_chat if hf.chat_template else None)  # fmt: skip
+                           hf.encode_chat if hf.chat_template else None,
+                           dict(hf.sampling_defaults))  # fmt: skip
     from kvsched import model_files
     from kvsched.engine.loaders.gguf_llama import load_gguf
 
-    gg = load_gguf(model_files.fetch() if path is None else path, dtype=dtype)
+    if path is None:  # named as its model card and this README name it, not by general.name
+        gg = load_gguf(model_files.fetch(), dtype=dtype, name=SMOLLM2_ID)
+    else:
+        gg = load_gguf(path, dtype=dtype)
     if path is not None and "general.name" not in gg.metadata:
         gg.config = dataclasses.replace(gg.config, name=path.stem)
     eos = () if gg.eos_token_id is None else (gg.eos_token_id,)
     engine = Engine.create(gg.config, gg.params, cfg, tokenizer=gg.tokenizer,
                            eos_token_ids=eos, **common)  # fmt: skip
     if path is None:
-        return LoadedModel(engine, SMOLLM2_ID, ("smollm2", gg.config.name), gg.encode_chat)
+        return LoadedModel(engine, SMOLLM2_ID, ("smollm2",), gg.encode_chat)
     aliases = tuple(dict.fromkeys(a for a in (path.name, path.stem) if a != gg.config.name))
     encode_chat = gg.encode_chat if gg.chat_template else None
     return LoadedModel(engine, gg.config.name, aliases, encode_chat)

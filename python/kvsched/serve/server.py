@@ -41,9 +41,22 @@ Draining (SIGTERM or SIGINT, `OpenAIServer.begin_drain()`, or `end_at`): /ready
 turns 503 and new requests get 503 (code "draining", Retry-After); running
 requests go on until `drain_seconds`, then every stream ends with a final chunk
 (finish_reason "length", kvsched_finish_reason "drain_deadline") and [DONE]; the
-engine writes its checkpoint and the process exits 0. A second signal during the
-drain exits at once (status 1). SIGHUP rereads the tenants file
-(`OpenAIServer.reload()`).
+engine writes its checkpoint and the process exits 0. A second SIGTERM or SIGINT
+during the drain moves its deadline to now: the running requests are handed
+back at the next step, every stream still gets its final chunk, the checkpoint
+is still written and the exit status is still 0 (orchestrators send a second
+signal; that must not lose anything). A signal during the warmup stops it after
+the program being compiled (nothing was admitted). SIGHUP rereads the tenants
+file (`OpenAIServer.reload()`).
+
+/ready's 503 body says why: {"status": "warming", "warmup": {"done", "total",
+"elapsed_s"}} while the programs compile (the log says the same, part by part),
+"draining" or the scheduler's lifecycle otherwise.
+
+Sampling defaults, for a request that leaves temperature, top_p or top_k out:
+the model's own (`sampling_defaults`, from a Hugging Face directory's
+generation_config.json, as vLLM does), else OpenAI's (temperature 1, top_p 1,
+no top_k).
 
 With `end_at` (a wall-clock time) the drain starts by itself, as late as the
 running requests allow: when what they still have to generate (their remaining
@@ -59,10 +72,11 @@ import contextlib
 import logging
 import math
 import signal
+import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,6 +117,12 @@ log = logging.getLogger("kvsched.serve")
 
 MAX_BODY_BYTES = 1 << 20
 OPENAI_FINISH = {"stop": "stop", "length": "length"}
+# What OpenAI's API does with a sampling parameter left out (top_k 0: off).
+OPENAI_SAMPLING: dict[str, float] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+
+
+class _WarmupStopped(Exception):
+    """Raised from the warmup's progress callback when a drain began."""
 
 
 def openai_finish_reason(reason: str | None) -> str:
@@ -169,6 +189,7 @@ class OpenAIServer:
         drain_seconds: float = 30.0,
         end_at: float | None = None,
         graceful_exit_s: float = 10.0,
+        sampling_defaults: Mapping[str, float] | None = None,
     ) -> None:
         self.engine = engine
         self.scheduler = engine.scheduler
@@ -195,8 +216,12 @@ class OpenAIServer:
         self._itl = 0.0  # a running estimate of the seconds between a stream's tokens
         self._warm_error: BaseException | None = None
         self._warm_thread: threading.Thread | None = None
+        self.sampling_defaults = {**OPENAI_SAMPLING, **(sampling_defaults or {})}
+        self.warmup_progress: dict[str, Any] | None = None  # while warming: done, total, elapsed
+        self.listening_message: str | None = None  # printed once the socket listens
         self.registry = CollectorRegistry()
-        self.registry.register(SchedulerCollector(self.scheduler, model=engine.engine.model_info()))
+        info = {**engine.engine.model_info(), "name": model_name}
+        self.registry.register(SchedulerCollector(self.scheduler, model=info))
         self.registry.register(EngineLoopCollector(engine))
         self.tenants.apply(self.scheduler)  # the file's tenants, before any request
         self.app = self._build_app()
@@ -213,17 +238,10 @@ class OpenAIServer:
                                                  daemon=True)  # fmt: skip
             self._warm_thread.start()
         housekeeping = asyncio.ensure_future(self._housekeeping())
-        hup = False
-        if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGHUP"):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                self._loop.add_signal_handler(signal.SIGHUP, self._reload_logged)
-                hup = True
         try:
             yield
         finally:
             housekeeping.cancel()
-            if hup:
-                self._loop.remove_signal_handler(signal.SIGHUP)
             if self._drain_task is None and self.engine.ready():
                 # Stopped without a drain (uvicorn saw every connection close).
                 with contextlib.suppress(Exception):
@@ -233,10 +251,25 @@ class OpenAIServer:
                     await self._drain_task
 
     def _warm(self) -> None:
+        t0 = time.perf_counter()
+        parts = len(self.scheduler.token_buckets) + 1
+        self.warmup_progress = {"done": 0, "total": parts, "elapsed_s": 0.0}
+        log.info("warming up: %d programs to compile (one per token bucket), then one "
+                 "synthetic request; /ready answers 200 once warm", parts - 1)  # fmt: skip
+
+        def progress(done: int, total: int, what: str) -> None:
+            elapsed = round(time.perf_counter() - t0, 1)
+            self.warmup_progress = {"done": done, "total": total, "elapsed_s": elapsed}
+            log.info("warmup %d/%d: %s (%.1f s)", done, total, what, elapsed)
+            if self.draining:
+                raise _WarmupStopped
+
         try:
-            t0 = time.perf_counter()
-            self.engine.start()
+            self.engine.start(progress=progress)
+            self.warmup_progress = None
             log.info("warm in %.1f s: ready", time.perf_counter() - t0)
+        except _WarmupStopped:
+            log.info("warmup stopped by the drain")
         except BaseException as e:  # noqa: BLE001 - /health reports it
             self._warm_error = e
             log.exception("warmup failed")
@@ -272,6 +305,10 @@ class OpenAIServer:
         summary: dict[str, Any] = {}
         try:
             if self._warm_thread is not None and self._warm_thread.is_alive():
+                # It stops after the program it is compiling; the process must not
+                # exit while XLA runs on that thread.
+                await asyncio.to_thread(self._warm_thread.join)
+            if not self.engine.ready():
                 summary = {"lifecycle": "warming: nothing was admitted"}
             else:
                 summary = await self.engine.shutdown(deadline_s)
@@ -326,24 +363,38 @@ class OpenAIServer:
         self._uvicorn = _DrainingUvicorn(cfg, self)
         return self._uvicorn
 
-    def run(self, host: str = "127.0.0.1", port: int = 8000, **config: Any) -> int:
-        """Serve until drained; the exit status (0 after a clean drain)."""
+    def run(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        *,
+        sock: socket.socket | None = None,
+        **config: Any,
+    ) -> int:
+        """Serve until drained; the exit status (0 after a clean drain). `sock`: a
+        socket already bound to (host, port) (kvsched.serve.process.bind_socket),
+        listened on once the app has started."""
         server = self.uvicorn_server(host, port, **config)
-        server.run()
+        server.run(sockets=None if sock is None else [sock])
         if not server.started:
             return 1
         return self.exit_code
 
     def _on_signal(self, sig: int) -> None:
-        """On the loop: the first SIGTERM / SIGINT drains, a second exits now."""
+        """On the loop: the first SIGTERM / SIGINT drains; another one ends the
+        drain now (its requests handed back, streams ended, checkpoint written);
+        once drained, the server is already on its way out."""
+        name = signal.Signals(sig).name
         if self._drain_task is None:
-            self.begin_drain(why=signal.Signals(sig).name)
-        else:
-            log.warning("%s during the drain: exiting now", signal.Signals(sig).name)
-            self.exit_code = 1
-            if self._uvicorn is not None:
-                self._uvicorn.should_exit = True
-                self._uvicorn.force_exit = True
+            self.begin_drain(why=name)
+            return
+        if self._drain_task.done():
+            log.info("%s: drained already, exiting", name)
+            return
+        log.warning("%s during the drain: ending the running requests now (each stream "
+                    "gets its final chunk; the checkpoint is written)", name)  # fmt: skip
+        self.drain_deadline = time.monotonic()
+        self.engine.end_drain_now()
 
     # -- the app ---------------------------------------------------------------------------------
 
@@ -382,8 +433,15 @@ class OpenAIServer:
         async def ready() -> JSONResponse:
             if self.ready():
                 return JSONResponse({"status": "ready"})
-            state = "draining" if self.draining else self.scheduler.lifecycle
-            return JSONResponse({"status": state}, status_code=503)
+            body: dict[str, Any] = {"status": "draining" if self.draining else "warming"}
+            warming = self.warmup_progress
+            if warming is not None and not self.draining:
+                body["warmup"] = dict(warming)
+            elif not self.draining and self._warm_error is None:
+                body["status"] = self.scheduler.lifecycle
+            if self._warm_error is not None:
+                body["status"], body["error"] = "failed", f"warmup failed: {self._warm_error}"
+            return JSONResponse(body, status_code=503)
 
         @app.get("/metrics")
         async def metrics() -> Response:
@@ -529,12 +587,13 @@ class OpenAIServer:
         else:
             logprobs = req.logprobs
         try:
+            default = self.sampling_defaults
             return SamplingParams(
                 max_tokens=max_tokens,
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=max(0, req.top_k or 0), seed=req.seed, stop=req.stop or (),
-                logprobs=logprobs, ignore_eos=req.ignore_eos,
+                temperature=default["temperature"] if req.temperature is None else req.temperature,
+                top_p=default["top_p"] if req.top_p is None else req.top_p,
+                top_k=int(default["top_k"]) if req.top_k is None else max(0, req.top_k),
+                seed=req.seed, stop=req.stop or (), logprobs=logprobs, ignore_eos=req.ignore_eos,
             )  # fmt: skip
         except kvsched.InvalidRequest as e:
             raise _invalid(e, kind) from None
@@ -776,22 +835,44 @@ def _invalid(e: kvsched.Rejected, kind: str) -> APIError:
 
 
 class _DrainingUvicorn(uvicorn.Server):
-    """uvicorn, except that SIGTERM / SIGINT start the server's drain instead of
-    stopping at once (and are not re-raised at exit, so a drained server exits 0)."""
+    """uvicorn, except that SIGTERM / SIGINT drain the server (OpenAIServer._on_signal)
+    instead of stopping it, whatever their number and order, and are not re-raised
+    at exit (a drained server exits 0); SIGHUP rereads the tenants file. Never a
+    forced exit: that would cut the streams' last chunks and skip the checkpoint."""
 
     def __init__(self, config: uvicorn.Config, owner: OpenAIServer) -> None:
         super().__init__(config)
         self.owner = owner
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and self.owner.listening_message:
+            print(self.owner.listening_message, flush=True)  # listening now, not before
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        hup = getattr(signal, "SIGHUP", None)
+        if hup is None or threading.current_thread() is not threading.main_thread():
+            with super().capture_signals():
+                yield
+            return
+        previous = signal.signal(hup, self.handle_exit)
+        try:
+            with super().capture_signals():
+                yield
+        finally:
+            signal.signal(hup, previous)
+
     def handle_exit(self, sig: int, frame: Any) -> None:
         loop = self.owner._loop
-        if sig in (signal.SIGTERM, signal.SIGINT) and loop is not None and not self.should_exit:
-            loop.call_soon_threadsafe(self.owner._on_signal, sig)
+        if sig == getattr(signal, "SIGHUP", None):
+            if loop is not None:
+                loop.call_soon_threadsafe(self.owner._reload_logged)
             return
-        if loop is None:  # before startup: nothing to drain
+        if loop is None:  # before the app started: nothing admitted, nothing to drain
             self.should_exit = True
             return
-        self.force_exit = True
+        loop.call_soon_threadsafe(self.owner._on_signal, sig)
 
 
 __all__ = ["LoadedModel", "OpenAIServer", "load_model", "openai_finish_reason", "parse_end_at"]

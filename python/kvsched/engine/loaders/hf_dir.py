@@ -16,12 +16,16 @@ and the chat template.
 - End of text: generation_config.json's `eos_token_id` (an id or a list),
   else config.json's, else tokenizer_config.json's `eos_token` looked up in the
   vocabulary. Every one of them stops a request.
+- Sampling defaults: generation_config.json's `temperature`, `top_p` and
+  `top_k`, the ones the engine implements, as vLLM reads them (its
+  `do_sample` is not read: the values are the model's recommendation); a
+  server uses them for a request that leaves them out.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +46,7 @@ class HFModel:
     eos_token_ids: tuple[int, ...]
     bos_token: str
     eos_token: str
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of the conversation, ready for the assistant's reply."""
@@ -127,7 +132,8 @@ def load_hf_dir(path: str | Path, *, dtype: str | None = None, name: str | None 
     if template is not None and not isinstance(template, str):
         raise ValueError(f"{directory}: chat_template is neither a string nor named templates")
     bos, eos = _token_text(tok_cfg.get("bos_token")), _token_text(tok_cfg.get("eos_token"))
-    ids: Any = _json(directory / "generation_config.json").get("eos_token_id")
+    generation = _json(directory / "generation_config.json")
+    ids: Any = generation.get("eos_token_id")
     if ids is None:
         ids = cfg.get("eos_token_id")
     if ids is None and eos:
@@ -135,5 +141,27 @@ def load_hf_dir(path: str | Path, *, dtype: str | None = None, name: str | None 
     ids = [] if ids is None else [ids] if isinstance(ids, int) else ids
     if not all(isinstance(i, int) and 0 <= i < config.vocab_size for i in ids):
         raise ValueError(f"{directory}: eos_token_id {ids!r} is not a list of token ids")
+    defaults = sampling_defaults(generation, directory / "generation_config.json")
     params = load_llama_safetensors(weight_files(directory), config)
-    return HFModel(config, params, tokenizer, template, tuple(dict.fromkeys(ids)), bos, eos)
+    return HFModel(config, params, tokenizer, template, tuple(dict.fromkeys(ids)), bos, eos,
+                   defaults)  # fmt: skip
+
+
+def sampling_defaults(generation: dict[str, Any], where: Path) -> dict[str, float]:
+    """temperature, top_p and top_k from a generation config, checked: a value
+    the sampler would refuse for every request is refused here, naming it."""
+    out: dict[str, float] = {}
+    for key in ("temperature", "top_p", "top_k"):
+        value = generation.get(key)
+        if value is None:
+            continue
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        ok = number and (
+            (key == "temperature" and 0 <= value < float("inf"))
+            or (key == "top_p" and 0 < value <= 1)
+            or (key == "top_k" and value == int(value) and value >= 0)
+        )
+        if not ok:
+            raise ValueError(f"{where}: {key} = {value!r} is not a usable sampling default")
+        out[key] = int(value) if key == "top_k" else float(value)
+    return out

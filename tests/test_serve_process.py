@@ -1,0 +1,291 @@
+"""`kvsched serve` as a process, as a newcomer and an orchestrator meet it (tiny
+model, real subprocesses on localhost): what is refused before the model loads
+(a port in use, a checkpoint another server holds), what it says while it loads
+and warms up, what it logs and does not, and signals in any number and order:
+every stream still ends with its final chunk, the checkpoint is written, the
+exit status is 0 and nothing aborts."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("jax")
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+
+from serve_helpers import ROOT, start_serve  # noqa: E402
+
+KEY = "sk-proc"
+
+
+@pytest.fixture
+def tenants(tmp_path: Path) -> Path:
+    path = tmp_path / "tenants.toml"
+    path.write_text(f'[[tenant]]\nname = "gold"\napi_key = "{KEY}"\n')
+    return path
+
+
+def serve_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kvsched", "serve", "--model", "tiny", *args]
+
+
+def env(tmp_path: Path) -> dict[str, str]:
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT / "python"),
+            "KVSCHED_CACHE": str(tmp_path / "cache")}  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_a_port_in_use_is_refused_before_the_model_loads(tmp_path, tenants):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        t0 = time.monotonic()
+        done = subprocess.run(serve_cmd("--tenants", str(tenants), "--port", str(port)),
+                              capture_output=True, text=True, env=env(tmp_path),
+                              timeout=120)  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode == 2, out
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr and "--port" in done.stderr
+    assert "loading" not in out and "serving" not in out, "nothing loads or is announced"
+    assert time.monotonic() - t0 < 30
+
+
+def test_two_servers_never_share_a_checkpoint(tmp_path, tenants):
+    """The default checkpoint is per port; a second live server given the first
+    one's file is refused, naming the holder, before its model loads."""
+    proc, url = start_serve(["--model", "tiny", "--tenants", str(tenants)],
+                            env_extra={"KVSCHED_CACHE": str(tmp_path / "cache")})  # fmt: skip
+    try:
+        port = url.rsplit(":", 1)[1]
+        mine = tmp_path / "cache" / f"serve-checkpoint-{port}.jsonl"
+        assert (tmp_path / "cache" / f"{mine.name}.lock").exists()
+        second = subprocess.run(
+            serve_cmd("--tenants", str(tenants), "--port", str(free_port()),
+                      "--checkpoint", str(mine)),
+            capture_output=True, text=True, env=env(tmp_path), timeout=120,
+        )  # fmt: skip
+        assert second.returncode == 2, second.stdout + second.stderr
+        assert f"belongs to another live kvsched serve (pid {proc.pid})" in second.stderr
+        assert "loading" not in second.stdout + second.stderr
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        assert mine.exists(), "the first server's drain wrote its own file"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    # Its lock went with it: the file is free for the next server.
+    again, _ = start_serve(["--model", "tiny", "--tenants", str(tenants), "--checkpoint",
+                            str(mine)])  # fmt: skip
+    again.send_signal(signal.SIGTERM)
+    assert again.wait(60) == 0
+
+
+def test_it_says_what_it_is_doing_and_logs_no_probe_nor_jax_info(tmp_path, tenants):
+    """/ready answers "loading" while the model loads and the warmup's progress
+    while it compiles; the log shows each warmup part; the serving line comes
+    only once the socket serves; /health, /ready and /metrics polls are not
+    access-logged (a /v1 request is); no JAX INFO line (libtpu on CPU)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        serve_cmd("--tenants", str(tenants), "--port", str(port), "--max-batched-tokens",
+                  "512"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(tmp_path),
+    )  # fmt: skip
+    seen: list[dict] = []
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline
+            try:
+                status, body = get(f"{url}/ready")
+            except OSError:
+                time.sleep(0.05)
+                continue
+            seen.append(body)
+            if status == 200:
+                break
+            for probe in ("/health", "/metrics"):
+                with contextlib.suppress(OSError):
+                    urllib.request.urlopen(url + probe, timeout=2).read()
+            time.sleep(0.05)
+        models = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+        assert models.status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = proc.stdout.read()
+    statuses = [b["status"] for b in seen]
+    assert statuses[-1] == "ready"
+    assert "loading" in statuses or "warming" in statuses, statuses
+    warming = [b["warmup"] for b in seen if b["status"] == "warming" and "warmup" in b]
+    assert warming and all(w["total"] == 7 for w in warming), warming  # 6 buckets + 1
+    assert [f"warmup {i}/7:" in out for i in range(1, 8)] == [True] * 7, out
+    assert out.index("Application startup complete") < out.index("serving tiny-llama")
+    assert '"GET /v1/models HTTP/1.1" 200' in out
+    for probe in ("/health", "/ready", "/metrics"):
+        assert f'"GET {probe} HTTP' not in out, f"{probe} was access-logged"
+    assert "libtpu" not in out and "jax._src" not in out, out
+
+
+SEQUENCES = {
+    "term-term-int-hup-term-int": [
+        signal.SIGTERM,
+        signal.SIGTERM,
+        signal.SIGINT,
+        signal.SIGHUP,
+        signal.SIGTERM,
+        signal.SIGINT,
+    ],  # fmt: skip
+    "int-hup-int-term-hup-term-term": [
+        signal.SIGINT,
+        signal.SIGHUP,
+        signal.SIGINT,
+        signal.SIGTERM,
+        signal.SIGHUP,
+        signal.SIGTERM,
+        signal.SIGTERM,
+    ],  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("sequence", list(SEQUENCES))
+def test_signals_in_any_order_still_drain_every_stream_and_write_the_checkpoint(
+    tmp_path, tenants, sequence
+):
+    """The second SIGTERM / SIGINT ends a 60 s drain now; later signals, SIGHUP
+    among them, change nothing: every stream ends with a final chunk and [DONE],
+    the checkpoint holds each one, the process exits 0 with no traceback and no
+    native abort. (A second SIGTERM aborted the process with exit 134.)"""
+    ckpt = tmp_path / "ckpt.jsonl"
+    proc, url = start_serve(
+        ["--model", "tiny", "--tenants", str(tenants), "--drain-seconds", "60",
+         "--checkpoint", str(ckpt), "--max-seq-len", "2048", "--max-num-seqs", "4",
+         "--max-batched-tokens", "64", "--num-blocks", "1000"],
+    )  # fmt: skip
+    ends: dict[int, list[str]] = {}
+
+    def run(i: int) -> None:
+        body = {"model": "tiny-llama", "prompt": [5, 17, 99, 3 + i], "stream": True,
+                "max_tokens": 2000}  # fmt: skip
+        events = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=90,
+                          headers={"Authorization": f"Bearer {KEY}"}) as r:  # fmt: skip
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+        ends[i] = events[-2:]
+
+    try:
+        threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(6)]
+        for t in threads:
+            t.start()
+        time.sleep(1.5)  # four run, two wait behind max_num_seqs
+        t0 = time.monotonic()
+        for sig in SEQUENCES[sequence]:
+            proc.send_signal(sig)
+            time.sleep(0.1)
+        for t in threads:
+            t.join(60)
+        assert proc.wait(60) == 0
+        assert time.monotonic() - t0 < 30, "the second signal ended the 60 s drain"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = proc.stdout.read()
+    assert len(ends) == 6
+    for events in ends.values():
+        assert events[-1] == "[DONE]"
+        final = json.loads(events[0])["choices"][0]
+        assert final["finish_reason"] == "length"
+        assert final["kvsched_finish_reason"] == "drain_deadline"
+    lines = ckpt.read_text().splitlines()
+    assert len(lines) == 6 + 2, "header, the six handed back, trailer"
+    assert "Traceback" not in out and "terminate called" not in out, out
+
+
+@pytest.mark.parametrize("while_", ["loading", "warming"])
+def test_a_signal_while_loading_or_warming_up_exits_zero_at_once(tmp_path, tenants, while_):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        serve_cmd("--tenants", str(tenants), "--port", str(port), "--max-batched-tokens",
+                  "1024", "--checkpoint", str(tmp_path / "ck.jsonl")),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(tmp_path),
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, f"never {while_}"
+            try:
+                if get(f"{url}/ready")[1]["status"] == while_:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = proc.stdout.read()
+    assert "Traceback" not in out and "terminate called" not in out, out
+    if while_ == "loading":
+        assert "SIGTERM while loading the model: nothing was admitted" in out
+    else:
+        assert "warmup stopped by the drain" in out
+
+
+def test_served_model_name_replaces_the_models_names(tmp_path, tenants):
+    proc, url = start_serve(["--model", "tiny", "--tenants", str(tenants),
+                             "--served-model-name", "my-model", "also-me"])  # fmt: skip
+    auth = {"Authorization": f"Bearer {KEY}"}
+    try:
+        models = httpx.get(f"{url}/v1/models", headers=auth).json()
+        assert [m["id"] for m in models["data"]] == ["my-model"]
+        for name, status in (("my-model", 200), ("also-me", 200), ("tiny-llama", 404)):
+            r = httpx.post(f"{url}/v1/completions", headers=auth, timeout=30,
+                           json={"model": name, "prompt": [1, 2, 3], "max_tokens": 2})  # fmt: skip
+            assert r.status_code == status, (name, r.text)
+            if status == 200:
+                assert r.json()["model"] == name
+        assert 'kvsched_model_info{checksum="' in (metrics := httpx.get(f"{url}/metrics").text)
+        assert 'name="my-model"' in metrics
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
