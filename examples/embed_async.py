@@ -34,7 +34,7 @@ def build(model: str) -> tuple[AsyncEngine, object]:
         from kvsched import model_files
         from kvsched.engine.loaders.gguf_llama import load_gguf
 
-        gg = load_gguf(model_files.fetch())
+        gg = load_gguf(model_files.fetch(), name=model_files.SMOLLM2_135M.model_name)
         engine = Engine.create(gg.config, gg.params, cfg, tokenizer=gg.tokenizer,
                                eos_token_ids=(gg.eos_token_id,))  # fmt: skip
     ae = AsyncEngine(engine)

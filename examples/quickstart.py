@@ -118,10 +118,15 @@ def main(seed: int = 0, n_requests: int = 300, quiet: bool = False) -> dict[str,
             f"{n_requests} requests, {steps} steps, {now:.2f} s of virtual time; "
             f"pool {pool['usable']} usable blocks of {pool['total']}"
         )
-        print(
-            f"ladder: level {stats['ladder']['level']} at the end, climbs "
-            f"{[r['climbs'] for r in stats['ladder']['rungs']]}"
-        )
+        # The overload ladder: which rungs engaged (how often), and whether all of
+        # them were released again by the end.
+        ladder = stats["ladder"]
+        engaged = [f"{r['action']} engaged {r['climbs']} time(s)"
+                   for r in ladder["rungs"] if r["climbs"]]  # fmt: skip
+        rest = ("all released by the end" if ladder["level"] == 0
+                else f"still {ladder['level']} rung(s) up at the end")  # fmt: skip
+        print(f"degradation ladder: {', '.join(engaged)}; {rest}" if engaged
+              else "degradation ladder: never engaged")  # fmt: skip
         head = (f"{'tenant':<7}{'tier':>5}{'done':>6}  {'TTFT p50/p99 (s)':>17}  "
                 f"{'ITL p50/p99 (ms)':>17}{'tok/s':>8}{'cached':>8}  rejected")  # fmt: skip
         print(head)

@@ -17,7 +17,7 @@ def _load():
         path = model_files.fetch(quiet=True)
     except model_files.ModelFetchError as e:
         return None, str(e)
-    return load_gguf(path), None
+    return load_gguf(path, name=model_files.SMOLLM2_135M.model_name), None
 
 
 def smollm2():

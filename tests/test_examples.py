@@ -40,18 +40,26 @@ def test_the_example_engine_accounts_for_every_request_and_never_recompiles():
     assert table["chat"]["cached_share"] > 0.3, "chat's system prompt is served from the cache"
 
 
-def test_the_example_engine_serves_the_real_model_in_real_text():
+def test_the_main_job_serves_the_real_model_in_real_text_and_prints_what_the_readme_shows(
+    capsys,
+):
+    """The README's first command as it stands (`python examples/engine.py`): every
+    request ends, real answers, and its output is the README's, line by line
+    (figures aside)."""
     import pytest
+
+    from readme_output import assert_shows, text_block
 
     pytest.importorskip("jax")
     pytest.importorskip("gguf")
     from smollm2_helpers import smollm2
 
     smollm2()  # skips with the reason when the model cannot be fetched
-    table = load("engine").main(["--requests", "10", "--seconds", "0.5", "--quiet"])
+    table = load("engine").main([])
+    assert_shows(text_block("loaded SmolLM2"), capsys.readouterr().out)
     run = table.pop("_run")
     ended = sum(row["finished"] + sum(row["rejected"].values()) for row in table.values())
-    assert ended == 10, "every request ends finished or refused with a reason"
+    assert ended == 24, "every request ends finished or refused with a reason"
     assert run["programs_after"] == run["programs"]
     texts, labels = run["texts"], run["labels"]
     assert set(run["ended"]) == set(texts), "every admitted request's stream ended"

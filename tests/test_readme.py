@@ -1,22 +1,34 @@
-"""The README's code blocks run as written.
+"""The README's code blocks run as written, and print what they show.
 
 Python blocks run in order in one namespace (as a reader pastes them into one
-session). Bash blocks: every `kvsched ...` command runs (through `python -m
+session); a comment after a `print(...)` is what it prints (`<...>` a figure
+that varies, `e.g.` an illustration of a branch not taken), checked against
+what the block printed, and a bare expression with such a comment (which would
+print nothing in a script) is refused. `text` blocks that show a command's
+output match a real run of it (tests/readme_output.py; the main job's in
+tests/test_examples.py). Bash blocks: every `kvsched ...` command runs (through `python -m
 kvsched`, in a scratch directory), every `python examples/...` command too (from the
 repository root); the install, test and example commands are
 what `.ci/run` and tests/test_examples.py run themselves, so they are checked
-to be exactly those. `text` blocks are printed output, not commands.
+to be exactly those.
 """
 
 from __future__ import annotations
 
+import ast
+import contextlib
+import io
+import os
 import re
 import shlex
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 import pytest
+
+from readme_output import assert_shows, text_block
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 BLOCK = re.compile(r"^```(\w+)\n(.*?)^```", re.S | re.M)
@@ -49,6 +61,48 @@ def commands(body: str) -> list[str]:
     return out
 
 
+def shown_prints(body: str) -> list[re.Pattern[str]]:
+    """What the block's prints show, as patterns, in order; a bare expression
+    whose comment shows an output is an error (a script prints nothing)."""
+    comments = {
+        tok.start[0]: tok.string[1:].strip()
+        for tok in tokenize.generate_tokens(io.StringIO(body).readline)
+        if tok.type == tokenize.COMMENT
+    }
+    shown = []
+    for node in ast.walk(ast.parse(body)):
+        if not isinstance(node, ast.Expr) or node.end_lineno not in comments:
+            continue
+        comment = comments[node.end_lineno]
+        call = node.value
+        is_print = (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
+                    and call.func.id == "print")  # fmt: skip
+        assert is_print, (
+            f"line {node.lineno}: {ast.unparse(node)!r} shows {comment!r} but prints nothing"
+        )
+        if not comment.startswith("e.g."):
+            shown.append((node.lineno, comment))
+    return [_shown_pattern(c) for _, c in sorted(shown)]
+
+
+def _shown_pattern(comment: str) -> re.Pattern[str]:
+    out, pos = [], 0
+    for m in re.finditer(r"<[^>]*>|\.\.\.", comment):
+        out.append(re.escape(comment[pos : m.start()]))
+        out.append(".+?")
+        pos = m.end()
+    out.append(re.escape(comment[pos:]))
+    return re.compile("".join(out))
+
+
+def test_shown_prints_reads_comments_and_refuses_bare_expressions():
+    pats = shown_prints('x = 1  # not shown\nprint(x, 2)  # 1 2\nprint("a")  # e.g. b\n')
+    assert [p.pattern for p in pats] == ["1\\ 2"]
+    assert _shown_pattern("max rate: <m>x = ... req/s").fullmatch("max rate: 0.5x = 3 req/s")
+    with pytest.raises(AssertionError, match="prints nothing"):
+        shown_prints("stats = {}\nstats  # pool, tenants\n")
+
+
 def test_the_readme_has_python_and_bash_blocks():
     assert len(blocks("python")) >= 2 and len(blocks("bash")) >= 3
 
@@ -66,7 +120,14 @@ def test_python_blocks_run_as_written(tmp_path, monkeypatch):
                 if server is None:
                     server, url = start_readme_server(tmp_path)
                 body = body.replace("http://127.0.0.1:8000", url)
-            exec(compile(body, str(README), "exec"), namespace)  # noqa: S102
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed):
+                exec(compile(body, str(README), "exec"), namespace)  # noqa: S102
+            out, at = printed.getvalue(), 0
+            for shown in shown_prints(body):
+                m = shown.search(out, at)
+                assert m, f"the README shows {shown.pattern!r}; the block printed:\n{out}"
+                at = m.end()
     finally:
         if server is not None:
             server.terminate()
@@ -88,6 +149,39 @@ def start_readme_server(tmp_path):
         cwd=tmp_path,
         timeout=300,
     )
+
+
+TEXT_BLOCKS = {
+    "submit ": "the route map, not output",
+    "loaded SmolLM2": "tests/test_examples.py runs the main job and checks it",
+    "int8 KV vs float32 KV": "test_the_eval_kv_output_is_what_kvsched_eval_kv_prints",
+}
+
+
+def test_every_text_block_is_the_route_map_or_checked_output():
+    for body in blocks("text"):
+        assert body.startswith(tuple(TEXT_BLOCKS)), f"a text block no test checks: {body[:80]!r}"
+
+
+def test_the_eval_kv_output_is_what_kvsched_eval_kv_prints(tmp_path):
+    """`kvsched eval-kv` (one prompt, a few tokens: the same lines) in a home of
+    its own, so its report lands there and its path reads as the README's."""
+    for name in ("jax", "gguf"):
+        pytest.importorskip(name)
+    from kvsched import model_files
+
+    from smollm2_helpers import smollm2
+
+    smollm2()  # skips with the reason when the model cannot be fetched
+    cache = tmp_path / ".cache" / "kvsched"
+    cache.mkdir(parents=True)
+    (cache / model_files.SMOLLM2_135M.name).symlink_to(model_files.fetch(quiet=True))
+    env = {k: v for k, v in os.environ.items() if k not in ("KVSCHED_CACHE", "XDG_CACHE_HOME")}
+    done = subprocess.run([sys.executable, "-m", "kvsched", "eval-kv", "--prompts", "1",
+                           "--tokens", "4"], capture_output=True, text=True, timeout=600,
+                          env={**env, "HOME": str(tmp_path), "JAX_PLATFORMS": "cpu"})  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert_shows(text_block("int8 KV vs float32 KV"), done.stdout.replace(str(tmp_path), "~"))
 
 
 def test_bash_blocks_are_covered_or_run(tmp_path):

@@ -51,7 +51,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         from kvsched import model_files
         from kvsched.engine.loaders.gguf_llama import load_gguf
 
-        gg = load_gguf(model_files.fetch())
+        gg = load_gguf(model_files.fetch(), name=model_files.SMOLLM2_135M.model_name)
         model, params = gg.config, gg.params
         name = "smollm2-135m"  # the capacity preset of the same model
     print(f"calibrating {name or model.name} on {cal.device_name()}: {len(points)} points, "

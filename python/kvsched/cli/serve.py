@@ -27,7 +27,7 @@ def cmd_eval_kv(args: argparse.Namespace) -> int:
     from kvsched.engine import kv_eval
     from kvsched.engine.loaders.gguf_llama import load_gguf
 
-    gg = load_gguf(model_files.fetch())
+    gg = load_gguf(model_files.fetch(), name=model_files.SMOLLM2_135M.model_name)
     prompts = [gg.encode_chat([{"role": "user", "content": p}])
                for p in kv_eval.EVAL_PROMPTS[: args.prompts]]  # fmt: skip
     # Judged by the engine's default thresholds; an engine configured with others
