@@ -74,6 +74,17 @@ def test_the_file_is_the_records_one_a_line(tmp_path) -> None:
     assert other.read_bytes() == path.read_bytes()
 
 
+def test_the_file_is_readable_by_its_owner_only(tmp_path) -> None:
+    """It holds every tenant's prompts and generated tokens (it was 0644)."""
+    sched, _, _ = drained_with_both_kinds()
+    old = os.umask(0o022)
+    try:
+        sched.checkpoint(tmp_path / "ckpt.jsonl")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "ckpt.jsonl").stat().st_mode & 0o777 == 0o600
+
+
 def test_restore_round_trips_through_the_file(tmp_path) -> None:
     sched, short, long = drained_with_both_kinds()
     path = tmp_path / "ckpt.jsonl"

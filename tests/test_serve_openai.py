@@ -196,6 +196,74 @@ def test_generation_config_sampling_defaults_are_read_and_checked(tmp_path):
             sampling_defaults(bad, where)
 
 
+def metric_label_sets(url: str) -> set[str]:
+    text = httpx.get(f"{url}/metrics").text
+    return {line.split(" ")[0] for line in text.splitlines()
+            if line.startswith("kvsched_http_requests_total{")}  # fmt: skip
+
+
+def test_metrics_labels_stay_a_closed_set_whatever_methods_and_paths_clients_send(tiny):
+    """Every label value comes from a closed set: 600 distinct methods and paths
+    (long ones) add no label set beyond "other", and a second flood of new ones
+    leaves /metrics the size it was (2,000 such requests made it 85 MB)."""
+
+    def flood(start: int) -> int:
+        with httpx.Client(base_url=tiny.url) as c:
+            for i in range(start, start + 150):
+                c.request(f"X{i}{'Y' * 200}", "/v1/completions")
+                c.get(f"/nowhere/{i}/{'z' * 200}")
+        metric_label_sets(tiny.url)  # the scrape itself is counted from the next one on
+        return len(httpx.get(f"{tiny.url}/metrics").text)
+
+    metric_label_sets(tiny.url)
+    before = metric_label_sets(tiny.url)
+    size = flood(0)
+    new = metric_label_sets(tiny.url) - before
+    assert all('method="other"' in s or 'route="other"' in s for s in new), new
+    assert len(new) <= 4, new
+    assert abs(flood(1000) - size) < 300, "a second flood of new names grew /metrics"
+
+
+def test_a_client_that_disconnects_mid_upload_is_no_server_error(tiny, caplog):
+    """A body cut short is a 499 in the metrics, logged at debug: it was an
+    ERROR with two tracebacks and a 500 each."""
+    import logging
+
+    caplog.set_level(logging.WARNING)
+    for _ in range(5):
+        with socket.create_connection(("127.0.0.1", tiny.port)) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                         + KEY.encode() + b"\r\nContent-Length: 5000\r\n"
+                         b"Content-Type: application/json\r\n\r\n{\"model\": ")  # fmt: skip
+            time.sleep(0.2)
+    time.sleep(0.5)
+    text = httpx.get(f"{tiny.url}/metrics").text
+    assert 'route="/v1/completions",status="500"' not in text.replace('method="POST",', "")
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+def test_a_request_while_warming_up_is_503_not_ready_with_retry_after():
+    """(It was 503 "engine_down", "AsyncEngine.start() first", no Retry-After.)"""
+    m = load_model("tiny", max_seq_len=CONTEXT, max_num_seqs=4, max_batched_tokens=64)
+    eng = AsyncEngine(m.engine)  # not started: the server warms it up in the background
+    reg = TenantRegistry(parse_tenants(TENANTS))
+    running = Running(OpenAIServer(eng, reg, model_name=m.model_name, aliases=m.aliases))
+    try:
+        r = httpx.post(f"{running.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                       json={"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 2})  # fmt: skip
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "not_ready"
+        assert int(r.headers["retry-after"]) >= 1
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{running.url}/ready").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        ok = running.client().completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=2)
+        assert len(ok.choices[0].model_extra["token_ids"]) == 2
+    finally:
+        running.stop()
+
+
 def test_completion_logprobs(tiny):
     r = tiny.client().completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=3,
                                          logprobs=2, temperature=0)  # fmt: skip

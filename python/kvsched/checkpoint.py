@@ -356,7 +356,8 @@ def _temporary_name(path: str) -> str:
 def _write_durably(path: str, data: bytes) -> None:
     tmp = _temporary_name(path)
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        # 0600: it holds every tenant's prompts and generated tokens.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         with os.fdopen(fd, "wb") as f:
             # Held until the rename: a cleaner never removes a live writer's file.
             fcntl.flock(f.fileno(), fcntl.LOCK_EX)

@@ -16,6 +16,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 HTTP_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 ROUTES = ("/v1/models", "/v1/models/{model_id}", "/v1/completions", "/v1/chat/completions",
           "/health", "/ready", "/metrics")  # fmt: skip
+# Label values come from closed sets whatever a client sends (a method is any
+# token HTTP allows, a path anything): anything else is "other".
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 
 
 def sse_event(obj: Any) -> bytes:
@@ -24,8 +27,9 @@ def sse_event(obj: Any) -> bytes:
 
 class HTTPMetrics:
     """Pure ASGI middleware: request counts and latencies by route template,
-    method and status (unknown paths are one route, "other"). For a stream the
-    latency is the whole stream."""
+    method and status, each label from a closed set (unknown paths and methods
+    are "other"; statuses are the server's own). For a stream the latency is the
+    whole stream."""
 
     def __init__(self, app: ASGIApp, requests: Counter, latency: Histogram) -> None:
         self.app = app
@@ -50,7 +54,8 @@ class HTTPMetrics:
             route = scope.get("route")
             path = getattr(route, "path", None) or scope.get("path", "")
             label = path if path in ROUTES else "other"
-            labels = (label, scope.get("method", ""), str(status[0]))
+            method = scope.get("method", "")
+            labels = (label, method if method in METHODS else "other", str(status[0]))
             self.requests.labels(*labels).inc()
             self.latency.labels(*labels).observe(time.perf_counter() - t0)
 

@@ -93,6 +93,7 @@ from prometheus_client import (
     generate_latest,
 )
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 import kvsched
 from kvsched.engine.runner import RequestOutput, TokenLogprob
@@ -418,6 +419,13 @@ class OpenAIServer:
         async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
             return JSONResponse(bad_request(str(exc.errors()[0].get("msg"))).body(), 400)
 
+        @app.exception_handler(ClientDisconnect)
+        async def client_gone(request: Request, exc: ClientDisconnect) -> Response:
+            # The client left mid-upload: not a server error, nothing to log loudly,
+            # and nobody reads this answer (499: nginx's "client closed request").
+            log.debug("client disconnected on %s", request.url.path)
+            return Response(status_code=499)
+
         @app.exception_handler(Exception)
         async def internal_error(request: Request, exc: Exception) -> JSONResponse:
             log.exception("internal error on %s", request.url.path)
@@ -519,6 +527,18 @@ class OpenAIServer:
         if self.draining:
             raise APIError(503, "the server is draining and admits no new requests",
                            code="draining", headers=self._drain_retry_after())  # fmt: skip
+        if self.scheduler.lifecycle in ("cold", "warming") and self._warm_error is None:
+            raise APIError(503, "the server is warming up (compiling its programs) and "
+                           "admits requests once /ready answers 200", code="not_ready",
+                           headers={"Retry-After": str(self._warm_retry_after())})  # fmt: skip
+
+    def _warm_retry_after(self) -> int:
+        """Whole seconds the warmup still needs at its pace so far (at least 1)."""
+        p = self.warmup_progress
+        if not p or not p["done"]:
+            return 5
+        left = p["elapsed_s"] / p["done"] * (p["total"] - p["done"])
+        return max(1, math.ceil(left))
 
     def _drain_retry_after(self) -> dict[str, str]:
         left = (self.drain_deadline or time.monotonic()) - time.monotonic()
