@@ -264,6 +264,32 @@ def test_a_request_while_warming_up_is_503_not_ready_with_retry_after():
         running.stop()
 
 
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"top_k": -5}, "top_k", "must be a positive count, or 0 or -1"),
+        ({"prompt": [5, 2**64]}, "prompt", "token id 18446744073709551616 is outside"),
+        ({"prompt": [512]}, "prompt", "outside this model's vocabulary (0 to 511)"),
+        ({"prompt": [-1]}, "prompt", "token id -1 is outside"),
+    ],
+)
+def test_out_of_range_values_are_400s_that_say_so(tiny, body, param, words):
+    before = settled(tiny.server.scheduler)
+    r = httpx.post(f"{tiny.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"model": "tiny-llama", "prompt": PROMPT, **body})  # fmt: skip
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"], err
+    assert settled(tiny.server.scheduler)["tenants"] == before["tenants"]
+
+
+def test_a_lone_surrogate_escape_is_named_as_such(tiny):
+    r = httpx.post(f"{tiny.url}/v1/completions", content=b'{"model": "tiny", "prompt": "a\\ud800"}',
+                   headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
+    assert r.status_code == 400
+    assert "surrogate without its pair" in r.json()["error"]["message"]
+
+
 def test_completion_logprobs(tiny):
     r = tiny.client().completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=3,
                                          logprobs=2, temperature=0)  # fmt: skip
@@ -396,6 +422,28 @@ def test_reload_applies_tenant_changes_live(tiny, tmp_path):
         srv.tenants.apply(srv.scheduler, parse_tenants(TENANTS))
         srv.tenants.path = old_path
     assert tiny.client("sk-test-solo").models.list().data
+
+
+def test_a_reload_applied_in_part_is_a_warning_naming_what_was_not(tiny, tmp_path, caplog):
+    import logging
+
+    srv = tiny.server
+    path = tmp_path / "tenants.toml"
+    path.write_text(f'[[tenant]]\nname = "gold"\napi_key = "{KEY}"\nkv_floor_blocks = 2\n'
+                    '[[tenant]]\nname = "solo"\napi_key = "sk-test-solo"\ntier = 1\n'
+                    "kv_floor_blocks = 1000000000\n")  # fmt: skip
+    old_path, srv.tenants.path = srv.tenants.path, path
+    caplog.set_level(logging.INFO, logger="kvsched.serve")
+    try:
+        srv._reload_logged()  # what SIGHUP runs
+        (record,) = [r for r in caplog.records if "tenants reloaded" in r.getMessage()]
+        assert record.levelno == logging.WARNING
+        assert "in part" in record.getMessage() and "solo not applied" in record.getMessage()
+        assert srv.scheduler.tenant("gold").kv_floor_blocks == 2
+        assert srv.scheduler.tenant("solo").kv_floor_blocks == 0, "solo kept its settings"
+    finally:
+        srv.tenants.apply(srv.scheduler, parse_tenants(TENANTS))
+        srv.tenants.path = old_path
 
 
 def test_end_at_drains_on_schedule():

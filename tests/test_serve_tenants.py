@@ -69,6 +69,11 @@ def test_the_documented_shape_becomes_tenant_configs(tmp_path):
          ["'a'", "twice"]),
         ('[[tenant]]\nname = "a"\napi_key = "k"\n[[tenant]]\nname = "b"\napi_key = "k"\n',
          ["'b'", "also a key of tenant 'a'"]),
+        ('[[tenant]]\nname = "a"\napi_key = "k\u00e9y"\n', ["'a'", "printable ASCII",
+                                                         "character 2"]),
+        ('[[tenant]]\nname = "a"\napi_keys = ["ok", "k\\t"]\n', ["printable ASCII"]),
+        ('[[tenant]]\nname = "a"\napi_key = "k "\n', ["'a'", "begin or end with a space"]),
+        ('[[tenant]]\nname = "a"\napi_key = " k"\n', ["begin or end with a space"]),
         ('tenants = 1\n', ["unknown top-level key 'tenants'"]),
         ("", ["no tenants"]),
         ("[[tenant]\n", ["not valid TOML"]),
@@ -80,6 +85,16 @@ def test_mistakes_are_refused_naming_the_field(tmp_path, toml, words):
     for w in words:
         assert w in str(err.value)
     assert '"k"' not in str(err.value) and "'k'" not in str(err.value), "no key in messages"
+
+
+def test_a_reload_that_only_changes_keys_says_so(tmp_path):
+    path = write(tmp_path, '[[tenant]]\nname = "a"\napi_key = "sk-old"\n')
+    sched = scheduler()
+    reg = TenantRegistry.from_file(path)
+    reg.apply(sched)
+    write(tmp_path, '[[tenant]]\nname = "a"\napi_keys = ["sk-new"]\n')
+    assert reg.reload(sched).summary() == "API keys changed a"  # was "no changes"
+    assert reg.authenticate("sk-new") == "a" and reg.authenticate("sk-old") is None
 
 
 def test_keys_authenticate_their_own_tenant_only():

@@ -131,7 +131,12 @@ _UNION_HINTS = {
 def _describe(err: ValidationError) -> APIError:
     e = err.errors(include_url=False)[0]
     if e["type"] == "json_invalid":
-        return bad_request(f"the body is not valid JSON: {e['msg']}", code="invalid_json")
+        msg = e["msg"]
+        if "hex escape" in msg and "surrogate" not in msg or "lone" in msg:
+            # The parser's words for a \\uD800-\\uDFFF escape with no partner.
+            msg += (" (a \\u escape cut short, or a UTF-16 surrogate without its pair: "
+                    "neither is a character)")  # fmt: skip
+        return bad_request(f"the body is not valid JSON: {msg}", code="invalid_json")
     if e["type"] == "model_type" and not e["loc"]:
         return bad_request("the body must be a JSON object")
     # Union branches show up in `loc` as type names ("str", "list[int]"); keep fields.
@@ -174,6 +179,9 @@ def check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
         refuse("frequency_penalty", "a frequency penalty")
     if req.logit_bias:
         refuse("logit_bias", "logit_bias")
+    if req.top_k is not None and req.top_k < -1:
+        raise bad_request(f"top_k: must be a positive count, or 0 or -1 for none; got "
+                          f"{req.top_k}", param="top_k")  # fmt: skip
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > MAX_STOP_STRINGS:
         raise bad_request(f"stop: at most {MAX_STOP_STRINGS} stop strings", param="stop")

@@ -199,6 +199,7 @@ class OpenAIServer:
         self.model_ids = {model_name, *aliases}
         self.encode_chat = encode_chat
         self.tokenizer = engine.tokenizer
+        self.vocab_size = engine.engine.model.vocab_size
         self.max_body_bytes = max_body_bytes
         self.drain_seconds = float(drain_seconds)
         self.end_at = end_at
@@ -332,15 +333,23 @@ class OpenAIServer:
 
     def _reload_logged(self) -> None:
         try:
-            log.info("tenants reloaded: %s", self.reload())
+            report = self.tenants.reload(self.scheduler)
         except TenantsError as e:
-            log.error("tenants not reloaded: %s", e)
+            log.error("tenants not reloaded (the old ones stay): %s", e)
+            return
+        if report.errors:  # the rest was applied: say loudly what was not
+            log.warning("tenants reloaded in part: %s", report.summary())
+        else:
+            log.info("tenants reloaded: %s", report.summary())
 
     async def _housekeeping(self) -> None:
         while True:
             await asyncio.sleep(0.25)
             with contextlib.suppress(Exception):
-                self.tenants.retry_removals(self.scheduler)
+                done = self.tenants.retry_removals(self.scheduler)
+                if done.removed:
+                    log.info("tenants removed once their last request ended: %s",
+                             ", ".join(done.removed))  # fmt: skip
             if self.end_at is not None and self._drain_task is None:
                 left = self.end_at - time.time()
                 if left <= min(self.drain_seconds, self._needed_s()):
@@ -578,6 +587,11 @@ class OpenAIServer:
             ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
         else:
             ids = list(prompt)
+            vocab = self.vocab_size
+            bad = next((i for i in ids if not 0 <= i < vocab), None)
+            if bad is not None:
+                raise bad_request(f"prompt: token id {bad} is outside this model's vocabulary "
+                                  f"(0 to {vocab - 1})", param="prompt")  # fmt: skip
         if not ids:
             raise bad_request("prompt: must not be empty", param="prompt")
         return ids, "prompt"

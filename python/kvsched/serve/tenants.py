@@ -123,6 +123,8 @@ def _entry(i: int, table: Any) -> TenantEntry:
         raise TenantsError(f"{where}: api_key is missing")
     if any(not k for k in keys):
         raise TenantsError(f"{where}: api_key must not be empty")
+    for k in keys:
+        _check_key(where, k)
     kw: dict[str, Any] = {}
     for key, (types, word) in FIELDS.items():
         if key in table:
@@ -182,6 +184,20 @@ def load_tenants(path: str | Path) -> list[TenantEntry]:
         raise TenantsError(f"{path}: {e}") from None
 
 
+def _check_key(where: str, key: str) -> None:
+    """A key a client can send as given: printable ASCII (an HTTP header's bytes
+    are not UTF-8, so a non-ASCII key matched only a client that sent Latin-1),
+    with no space at either end (the server strips the one it receives, so such
+    a key never matched)."""
+    bad = next((i for i, c in enumerate(key) if not " " <= c <= "~"), None)
+    if bad is not None:  # its position only: an error never shows a key
+        raise TenantsError(f"{where}: an api_key must be printable ASCII; character "
+                           f"{bad + 1} of one is not")  # fmt: skip
+    if key != key.strip():
+        raise TenantsError(f"{where}: an api_key must not begin or end with a space "
+                           "(clients' keys are read without them)")  # fmt: skip
+
+
 @dataclass
 class ReloadReport:
     """What `apply` / `reload` changed in the scheduler."""
@@ -191,11 +207,12 @@ class ReloadReport:
     removed: list[str] = field(default_factory=list)
     pending_removal: list[str] = field(default_factory=list)  # still has live requests
     errors: dict[str, str] = field(default_factory=dict)  # tenant -> why it was not applied
+    keys_changed: list[str] = field(default_factory=list)  # API keys added or revoked
 
     def summary(self) -> str:
         parts = [f"{k} {', '.join(v)}" for k, v in (
             ("added", self.added), ("updated", self.updated), ("removed", self.removed),
-            ("removal pending", self.pending_removal),
+            ("removal pending", self.pending_removal), ("API keys changed", self.keys_changed),
         ) if v]  # fmt: skip
         parts += [f"{name} not applied: {why}" for name, why in self.errors.items()]
         return "; ".join(parts) or "no changes"
@@ -255,6 +272,8 @@ class TenantRegistry:
                     elif current != e.config:
                         scheduler.update_tenant(e.config, now=now)
                         report.updated.append(e.name)
+                    if old is not None and old.key_digests != e.key_digests:
+                        report.keys_changed.append(e.name)
                     self._pending.discard(e.name)
                     new[e.name] = e
                 except (kvsched.KvSchedError, ValueError) as err:
