@@ -76,6 +76,9 @@ fn reject(
         retry_after,
         tenant: Some(tenant.config.name.clone()),
         message,
+        // What is wrong with the request itself stays wrong; a limit it can never
+        // fit is marked at its site (`Rejection::forever`).
+        permanent: matches!(reason, RejectReason::Invalid | RejectReason::TooLong),
     }
 }
 
@@ -261,7 +264,7 @@ pub fn decide(
         } else {
             room_wait(Room::TenantBlocks(held + blocks - tenant_cap))
         };
-        return Err(reject(
+        let refusal = reject(
             tenant,
             TenantBudget,
             wait,
@@ -273,7 +276,8 @@ pub fn decide(
                     tenant.reserved_blocks
                 )
             },
-        ));
+        );
+        return Err(if never { refusal.forever() } else { refusal });
     }
 
     if cap.overcommit_watermark_blocks.is_some() && final_blocks > cap.usable_blocks {
@@ -288,7 +292,8 @@ pub fn decide(
                  {} usable blocks of the pool",
                 cap.usable_blocks
             ),
-        ));
+        )
+        .forever());
     }
 
     if let Some(max) = tenant.config.max_concurrent {
@@ -345,7 +350,12 @@ pub fn decide(
                     "request asks for {final_len} tokens, more than tenant {name:?}'s burst allows"
                 ),
             };
-            return Err(reject(tenant, RateLimited, wait, message));
+            let refusal = reject(tenant, RateLimited, wait, message);
+            return Err(if wait.is_none() {
+                refusal.forever()
+            } else {
+                refusal
+            });
         }
     }
 

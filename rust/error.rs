@@ -76,6 +76,20 @@ pub struct Rejection {
     pub retry_after: Option<f64>,
     pub tenant: Option<String>,
     pub message: String,
+    /// No change in load can lift it, only new configuration: the request
+    /// itself (invalid, too long), an unknown tenant, or a request its tenant's
+    /// configured limits can never hold (over its cap, over its rate burst,
+    /// over-committed past the whole pool). A server answers it as a client
+    /// error, with no Retry-After (a retry loop would never end).
+    pub permanent: bool,
+}
+
+impl Rejection {
+    /// This refusal, marked permanent (see the field).
+    pub fn forever(mut self) -> Self {
+        self.permanent = true;
+        self
+    }
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -139,6 +153,10 @@ impl KvError {
             retry_after,
             tenant: tenant.map(str::to_owned),
             message: message.into(),
+            permanent: matches!(
+                reason,
+                RejectReason::Invalid | RejectReason::TooLong | RejectReason::UnknownTenant
+            ),
         })
     }
 

@@ -378,6 +378,7 @@ impl Scheduler {
                     retry_after: None,
                     tenant: Some(tenant.to_owned()),
                     message: format!("no tenant named {tenant:?}"),
+                    permanent: true,
                 },
             ));
         };
@@ -394,6 +395,7 @@ impl Scheduler {
                     retry_after,
                     tenant: Some(tenant.to_owned()),
                     message: why.to_owned(),
+                    permanent: false,
                 },
             ));
         }

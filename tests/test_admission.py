@@ -255,3 +255,36 @@ def test_default_config_matches_design():
         2048,
     )
     assert (c.max_seq_len, c.overhead_reserve) == (8192, 0.10)
+
+
+def test_refusals_no_load_change_can_lift_are_marked_permanent():
+    """Over the tenant's cap or rate burst, too long, invalid, unknown: permanent,
+    no retry_after. The same reasons while the limit is merely in use: not
+    permanent, with a retry_after (a server answers the first kind 400, the
+    second 429 + Retry-After)."""
+    s = kvsched.Scheduler(
+        kvsched.SchedulerConfig(num_blocks=101, block_size=16, max_seq_len=512, max_waiting=4)
+    )
+    s.add_tenant(kvsched.TenantConfig("capped", kv_cap_blocks=8))
+    s.add_tenant(kvsched.TenantConfig("rated", rate_tokens_per_s=10, burst_tokens=200))
+
+    def refusal(tenant, n_prompt, max_tokens):
+        with pytest.raises(kvsched.Rejected) as err:
+            s.submit(tenant, ids(n_prompt), max_tokens, now=0.0)
+        return err.value.reason, err.value.permanent, err.value.retry_after
+
+    assert refusal("capped", 100, 140) == ("tenant_budget", True, None)  # 15 blocks > 8
+    assert refusal("rated", 100, 331) == ("rate_limited", True, None)  # 431 > burst 200
+    assert refusal("rated", 100, 500)[:2] == ("too_long", True)
+    assert refusal("nobody", 10, 10)[:2] == ("unknown_tenant", True)
+    # Within the limits, only for now: not permanent.
+    s.submit("capped", ids(100), 20, now=0.0)  # 8 blocks: the whole cap
+    s.submit("rated", ids(100), 90, now=0.0)  # 190 of the 200
+    s.step(now=0.0)  # running now: the estimate counts running requests
+    reason, permanent, wait = refusal("capped", 10, 10)
+    assert (reason, permanent) == ("tenant_budget", False) and wait is not None
+    reason, permanent, wait = refusal("rated", 10, 10)
+    assert (reason, permanent) == ("rate_limited", False) and wait > 0
+    with pytest.raises(kvsched.InvalidRequest) as err:
+        s.submit("capped", ids(0), 10, now=0.0)
+    assert err.value.permanent

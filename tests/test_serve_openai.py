@@ -446,6 +446,39 @@ def test_a_reload_applied_in_part_is_a_warning_naming_what_was_not(tiny, tmp_pat
         srv.tenants.path = old_path
 
 
+def test_a_refusal_that_can_never_pass_is_a_400_without_retry_after(tiny):
+    """Over the tenant's cap, or over its rate burst: 400 naming the limit, no
+    Retry-After (it was 429 + Retry-After: 1, and clients that retry 429s
+    retried forever). Within the limits but busy stays a 429."""
+    srv = tiny.server
+    limited = {"tenant": [*TENANTS["tenant"],
+                          {"name": "capped", "api_key": "sk-capped", "kv_cap_blocks": 8},
+                          {"name": "rated", "api_key": "sk-rated", "rate_tokens_per_s": 1,
+                           "burst_tokens": 200}]}  # fmt: skip
+    srv.tenants.apply(srv.scheduler, parse_tenants(limited))
+    try:
+        for key, max_tokens, code, words in (
+            ("sk-capped", 234, "tenant_budget", 'more than tenant "capped"\'s cap of 8'),
+            ("sk-rated", 425, "rate_limited", 'more than tenant "rated"\'s burst allows'),
+        ):
+            body = {"model": "tiny", "prompt": PROMPT, "max_tokens": max_tokens}
+            r = httpx.post(f"{tiny.url}/v1/completions", json=body,
+                           headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+            assert r.status_code == 400, r.text
+            assert "retry-after" not in r.headers
+            err = r.json()["error"]
+            assert err["code"] == code and words in err["message"], err
+        # The rate is spent by a request within the burst: the next one waits.
+        ok = {"model": "tiny", "prompt": PROMPT, "max_tokens": 150}
+        auth = {"Authorization": "Bearer sk-rated"}
+        assert httpx.post(f"{tiny.url}/v1/completions", headers=auth, json=ok).status_code == 200
+        busy = httpx.post(f"{tiny.url}/v1/completions", headers=auth, json=ok)
+        assert busy.status_code == 429 and int(busy.headers["retry-after"]) >= 1
+    finally:
+        settled(srv.scheduler)
+        srv.tenants.apply(srv.scheduler, parse_tenants(TENANTS))
+
+
 def test_end_at_drains_on_schedule():
     """With end_at the server drains by itself: a running stream ends with a final
     chunk by end_at, new requests are refused, and the server stops."""

@@ -314,11 +314,15 @@ class Rejected(KvSchedError):
     kvsched.REJECT_REASONS), `retry_after` when a retry makes sense (seconds: exact for
     rate_limited, the ladder's for shed, the configured hint for draining and not_ready, an
     estimate from the running requests for pool_full, tenant_budget and concurrency; None
-    where the request cannot pass as things stand), `tenant` whose request it was."""
+    where the request cannot pass as things stand), `tenant` whose request it was,
+    `permanent` when no change in load can lift it, only new configuration (the request
+    itself, an unknown tenant, a request over its tenant's cap or rate burst): answer it
+    as a client error, without a Retry-After."""
 
     reason: _RejectReason | None
     retry_after: float | None
     tenant: str | None
+    permanent: bool
 
 class InvalidRequest(Rejected):
     """The request can never be valid as given (empty prompt, max_tokens < 1, negative token ids,

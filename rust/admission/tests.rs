@@ -83,6 +83,10 @@ fn refused(a: &Asked) -> (RejectReason, Option<f64>) {
     (r.reason, r.retry_after)
 }
 
+fn permanent(a: &Asked) -> bool {
+    a.result.as_ref().unwrap_err().permanent
+}
+
 // ---------------------------------------------------------------------------
 // check_request
 
@@ -313,6 +317,7 @@ fn a_cap_counts_every_reservation_and_an_exact_fit_passes() {
     assert_eq!(blocks(&t, &c, 8, 8), 2, "3 + 2 = the cap");
     let a = decide_with(&t, &c, 8, 9, 0);
     assert_eq!(refused(&a), (RejectReason::TenantBudget, Some(4.5)));
+    assert!(!permanent(&a), "it fits once its own requests end");
     assert_eq!(a.room, Some(Room::TenantBlocks(1)), "one block over");
     assert!(!a.shared_asked);
 }
@@ -325,6 +330,7 @@ fn a_request_larger_than_the_cap_is_refused_for_ever() {
     assert_eq!(blocks(&t, &cap(), 20, 20), 5);
     let a = decide_with(&t, &cap(), 20, 21, 0);
     assert_eq!(refused(&a), (RejectReason::TenantBudget, None));
+    assert!(permanent(&a));
     assert_eq!(a.room, None);
 }
 
@@ -549,6 +555,7 @@ fn the_rate_limit_charges_the_final_length_and_a_full_burst_is_an_exact_fit() {
         (RejectReason::RateLimited, None),
         "more than the burst"
     );
+    assert!(permanent(&a));
     assert_eq!(a.room, None);
 }
 

@@ -23,7 +23,10 @@ create_exception!(
      kvsched.REJECT_REASONS), `retry_after` when a retry makes sense (seconds: exact for \
      rate_limited, the ladder's for shed, the configured hint for draining and not_ready, \
      an estimate from the running requests for pool_full, tenant_budget and concurrency; \
-     None where the request cannot pass as things stand), `tenant` whose request it was."
+     None where the request cannot pass as things stand), `tenant` whose request it was, \
+     `permanent` when no change in load can lift it, only new configuration (the request \
+     itself, an unknown tenant, a request over its tenant's cap or rate burst): answer it \
+     as a client error, without a Retry-After."
 );
 create_exception!(
     kvsched,
@@ -121,6 +124,7 @@ fn rejected(
     retry_after: Option<f64>,
     tenant: Option<&str>,
     message: String,
+    permanent: bool,
 ) -> PyErr {
     let err = match reason {
         RejectReason::Invalid => InvalidRequest::new_err(message),
@@ -133,6 +137,7 @@ fn rejected(
     let _ = value.setattr(intern!(py, "reason"), reason.as_str());
     let _ = value.setattr(intern!(py, "retry_after"), retry_after);
     let _ = value.setattr(intern!(py, "tenant"), tenant);
+    let _ = value.setattr(intern!(py, "permanent"), permanent);
     err
 }
 
@@ -141,15 +146,25 @@ impl From<KvError> for PyErr {
         Python::attach(|py| {
             let message = err.to_string();
             match err {
-                KvError::Rejected(r) => {
-                    rejected(py, r.reason, r.retry_after, r.tenant.as_deref(), r.message)
-                }
+                KvError::Rejected(r) => rejected(
+                    py,
+                    r.reason,
+                    r.retry_after,
+                    r.tenant.as_deref(),
+                    r.message,
+                    r.permanent,
+                ),
                 KvError::InvalidRequest(_) => {
-                    rejected(py, RejectReason::Invalid, None, None, message)
+                    rejected(py, RejectReason::Invalid, None, None, message, true)
                 }
-                KvError::UnknownTenant(name) => {
-                    rejected(py, RejectReason::UnknownTenant, None, Some(&name), message)
-                }
+                KvError::UnknownTenant(name) => rejected(
+                    py,
+                    RejectReason::UnknownTenant,
+                    None,
+                    Some(&name),
+                    message,
+                    true,
+                ),
                 KvError::UnknownRequest(_) => UnknownRequest::new_err(message),
                 KvError::InvalidConfig(_) => InvalidConfig::new_err(message),
                 KvError::TenantExists(_) => TenantExists::new_err(message),
@@ -181,7 +196,7 @@ fn checkpoint_error(py: Python<'_>, message: String, refused: &[(u64, String)]) 
 
 /// A malformed argument caught at the boundary (wrong type, dtype or shape).
 pub fn invalid(message: impl Into<String>) -> PyErr {
-    Python::attach(|py| rejected(py, RejectReason::Invalid, None, None, message.into()))
+    Python::attach(|py| rejected(py, RejectReason::Invalid, None, None, message.into(), true))
 }
 
 /// Register the exceptions on the module and give the `Rejected` family class-level
@@ -208,6 +223,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     rejected_ty.setattr("reason", py.None())?;
     rejected_ty.setattr("retry_after", py.None())?;
     rejected_ty.setattr("tenant", py.None())?;
+    rejected_ty.setattr("permanent", false)?;
     py.get_type::<CheckpointError>()
         .setattr("refused", py.None())?;
     py.get_type::<InvalidRequest>()
