@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from pathlib import Path
 from typing import Any
@@ -128,6 +129,9 @@ def _load(args: argparse.Namespace, tenants: Any, end_at: float | None, checkpoi
                    seed=args.seed, devices=args.devices, dtype=args.dtype,
                    block_size=args.block_size)  # fmt: skip
     names = args.served_model_name or [m.model_name, *m.aliases]
+    encode_chat = m.encode_chat
+    if encode_chat is not None and args.special_tokens_in_content:
+        encode_chat = functools.partial(encode_chat, content_as_text=False)
     log.info("loaded %s in %.1f s", m.model_name, time.perf_counter() - t0)
     defaults = m.sampling_defaults
     log.info("sampling defaults: %s (%s)",
@@ -135,7 +139,7 @@ def _load(args: argparse.Namespace, tenants: Any, end_at: float | None, checkpoi
              "the model's generation_config.json" if defaults
              else "OpenAI's: the model sets none")  # fmt: skip
     engine = AsyncEngine(m.engine, checkpoint_path=str(checkpoint))
-    server = OpenAIServer(engine, tenants, model_name=names[0], encode_chat=m.encode_chat,
+    server = OpenAIServer(engine, tenants, model_name=names[0], encode_chat=encode_chat,
                           aliases=names[1:], max_body_bytes=args.max_body_bytes,
                           drain_seconds=args.drain_seconds, end_at=end_at,
                           sampling_defaults=defaults)  # fmt: skip
@@ -225,6 +229,10 @@ def add_parsers(sub: Any) -> None:
         "default reference",
     )  # fmt: skip
     v.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    v.add_argument("--special-tokens-in-content", action="store_true",
+                   help="control tokens written in a chat message's content (<|im_end|>...) "
+                   "act as control tokens, as transformers does; default: they are text, so "
+                   "a user cannot end their turn and fake a system one")  # fmt: skip
     v.add_argument("--access-log-probes", action="store_true",
                    help="access-log /health, /ready and /metrics too (default: not)")  # fmt: skip
     v.add_argument("--log-level", default="info",

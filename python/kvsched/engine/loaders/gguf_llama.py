@@ -17,6 +17,7 @@ tokenizer kind this engine does not implement is an error naming it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -83,11 +84,86 @@ class GGUFModel:
             bos_token=names.get(self.bos_token_id, ""), eos_token=names.get(self.eos_token_id, ""),
         )  # fmt: skip
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of the conversation, ready for the assistant's reply."""
-        text = self.apply_chat_template(messages)
-        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False).ids
+    def encode_chat(
+        self, messages: list[dict[str, str]], *, content_as_text: bool = True
+    ) -> list[int]:
+        """Token ids of the conversation, ready for the assistant's reply;
+        control tokens inside a message's content are text (see `encode_chat`)."""
+        return encode_chat(self.tokenizer, self.apply_chat_template, messages,
+                           content_as_text=content_as_text)  # fmt: skip
+
+
+def encode_chat(
+    tokenizer: Any,
+    render: Callable[[list[dict[str, str]]], str],
+    messages: list[dict[str, str]],
+    *,
+    content_as_text: bool = True,
+) -> list[int]:
+    """Token ids of `messages` rendered by `render` (a chat template).
+
+    With `content_as_text` (the default) a control token written inside a
+    message's content ("<|im_end|>", "<|im_start|>system") is encoded as the
+    text it is, not as the control token, so a user cannot close their turn
+    and open a system one. Messages without such text are encoded exactly as
+    `tokenizer.encode(render(messages))` (transformers' apply_chat_template
+    does the same); the others are rendered with a marker in place of each
+    content, and the template's text around the markers is encoded with its
+    control tokens while each content is encoded with none. A template that
+    rewrites content so that the markers do not survive is refused (ValueError)
+    rather than encoded unsafely. `content_as_text=False` is transformers'
+    behaviour: control tokens in content are control tokens."""
+    special = _special_texts(tokenizer)
+    contents = [m.get("content") for m in messages]
+    risky = content_as_text and any(
+        isinstance(c, str) and any(t in c for t in special) for c in contents
+    )
+    if not risky:
+        ids: list[int] = tokenizer.encode(render(messages), add_special_tokens=False).ids
         return ids
+    markers = [f"\x00kvsched-content-{i}\x00" for i in range(len(messages))]
+    marked = [{**m, "content": markers[i]} if isinstance(m.get("content"), str) else m
+              for i, m in enumerate(messages)]  # fmt: skip
+    text = render(marked)
+    plain = _plain_tokenizer(tokenizer)
+    out: list[int] = []
+    for i, marker in enumerate(markers):
+        content = contents[i]
+        if not isinstance(content, str):
+            continue
+        before, found, text = text.partition(marker)
+        if not found or marker in text:
+            raise ValueError(
+                f"message {i}'s content holds a control token of this model "
+                f"({next((t for t in special if t in content), '?')!r}), and this chat template "
+                "rewrites content, so it cannot be encoded as text safely"
+            )
+        out += tokenizer.encode(before, add_special_tokens=False).ids
+        out += plain.encode(content, add_special_tokens=False).ids
+    out += tokenizer.encode(text, add_special_tokens=False).ids
+    return out
+
+
+def _special_texts(tokenizer: Any) -> tuple[str, ...]:
+    """The texts of the tokenizer's special (control) tokens."""
+    decoder = tokenizer.get_added_tokens_decoder()
+    return tuple(t.content for t in decoder.values() if t.special and t.content)
+
+
+_PLAIN: dict[int, Any] = {}
+
+
+def _plain_tokenizer(tokenizer: Any) -> Any:
+    """A copy of `tokenizer` that encodes control-token text as text (one per
+    tokenizer, made once: toggling the shared one would race other encodes)."""
+    key = id(tokenizer)
+    if key not in _PLAIN:
+        from tokenizers import Tokenizer
+
+        copy = Tokenizer.from_str(tokenizer.to_str())
+        copy.encode_special_tokens = True
+        _PLAIN[key] = copy
+    return _PLAIN[key]
 
 
 def _field(reader: Any, key: str) -> Any:

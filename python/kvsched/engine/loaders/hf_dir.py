@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from kvsched.engine.config import LlamaConfig, UnsupportedConfig
-from kvsched.engine.loaders.gguf_llama import render_chat_template
+from kvsched.engine.loaders.gguf_llama import encode_chat, render_chat_template
 from kvsched.engine.loaders.safetensors_llama import load_llama_safetensors
 from kvsched.engine.model import Params
 
@@ -48,14 +48,21 @@ class HFModel:
     eos_token: str
     sampling_defaults: dict[str, float] = field(default_factory=dict)
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of the conversation, ready for the assistant's reply."""
+    def encode_chat(
+        self, messages: list[dict[str, str]], *, content_as_text: bool = True
+    ) -> list[int]:
+        """Token ids of the conversation, ready for the assistant's reply;
+        control tokens inside a message's content are text (gguf_llama.encode_chat)."""
         if self.chat_template is None:
             raise UnsupportedConfig(f"{self.config.name} has no chat template")
-        text = render_chat_template(self.chat_template, messages, add_generation_prompt=True,
-                                    bos_token=self.bos_token, eos_token=self.eos_token)  # fmt: skip
-        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False).ids
-        return ids
+        template = self.chat_template
+
+        def render(msgs: list[dict[str, str]]) -> str:
+            return render_chat_template(template, msgs, add_generation_prompt=True,
+                                        bos_token=self.bos_token,
+                                        eos_token=self.eos_token)  # fmt: skip
+
+        return encode_chat(self.tokenizer, render, messages, content_as_text=content_as_text)
 
 
 def _json(path: Path) -> dict[str, Any]:
