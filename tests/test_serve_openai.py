@@ -616,6 +616,51 @@ def test_control_tokens_in_message_content_are_text_not_control(smol):
     assert r.usage.prompt_tokens == len(safe) > len(unsafe)
 
 
+def test_a_text_past_the_context_is_refused_untokenized_and_tokenizing_is_off_the_loop(smol):
+    """A 1 MB prompt cannot fit 512 tokens of at most 81 characters each: a 400
+    before any tokenizing (it held the event loop for half a second each);
+    prompts that may fit are tokenized on a worker thread, never the loop's."""
+    gg, running = smol
+    srv = running.server
+    calls: list[threading.Thread] = []
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __call__(self, *a, **k):
+            calls.append(threading.current_thread())
+            return self.inner(*a, **k)
+
+    class CountingTokenizer:
+        def __init__(self, inner):
+            self.inner, self.encode = inner, Counting(inner.encode)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    real_tok, real_chat = srv.tokenizer, srv.encode_chat
+    srv.tokenizer, srv.encode_chat = CountingTokenizer(real_tok), Counting(real_chat)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    try:
+        big = "word " * 200_000
+        chat = {"messages": [{"role": "user", "content": big}]}
+        for path, body in (("completions", {"prompt": big}), ("chat/completions", chat)):
+            r = httpx.post(f"{running.url}/v1/{path}", headers=auth, timeout=30,
+                           json={"model": "SmolLM2", "max_tokens": 1, **body})  # fmt: skip
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["code"] == "context_length_exceeded"
+            assert "1000000 characters cannot fit this model's context of 512" in err["message"]
+        assert calls == [], "refused before tokenizing"
+        c = running.client()
+        c.completions.create(model="SmolLM2", prompt="Hello", max_tokens=1)
+        c.chat.completions.create(model="SmolLM2", messages=QUESTION, max_tokens=1)
+        assert len(calls) == 2 and running.thread not in calls, "tokenized off the loop"
+    finally:
+        srv.tokenizer, srv.encode_chat = real_tok, real_chat
+
+
 def test_smollm2_chat_answers_paris_with_usage_and_logprobs(smol):
     gg, running = smol
     r = running.client().chat.completions.create(

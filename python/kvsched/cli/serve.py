@@ -131,7 +131,8 @@ def _load(args: argparse.Namespace, tenants: Any, end_at: float | None, checkpoi
     names = args.served_model_name or [m.model_name, *m.aliases]
     encode_chat = m.encode_chat
     if encode_chat is not None and args.special_tokens_in_content:
-        encode_chat = functools.partial(encode_chat, content_as_text=False)
+        loader_encode: Any = encode_chat  # the loaders' encode_chat takes content_as_text
+        encode_chat = functools.partial(loader_encode, content_as_text=False)
     log.info("loaded %s in %.1f s", m.model_name, time.perf_counter() - t0)
     defaults = m.sampling_defaults
     log.info("sampling defaults: %s (%s)",

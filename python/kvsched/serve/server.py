@@ -206,6 +206,12 @@ class OpenAIServer:
         self.graceful_exit_s = graceful_exit_s
         self.created = int(time.time())
         self.token_text = TokenText(self.tokenizer)
+        # The most characters one token can stand for (an upper bound: a
+        # vocabulary entry is never shorter than the text it decodes to).
+        self.max_token_chars: int | None = (
+            None if self.tokenizer is None
+            else max(1, max(map(len, self.tokenizer.get_vocab()), default=1))
+        )  # fmt: skip
         self.draining = False
         self.drain_deadline: float | None = None  # time.monotonic()
         self.drain_summary: dict[str, Any] | None = None
@@ -555,6 +561,32 @@ class OpenAIServer:
 
     # -- requests ----------------------------------------------------------------------------
 
+    def _refuse_text_past_the_context(self, req: Any, kind: str) -> None:
+        """A text longer than the context could hold at the vocabulary's longest
+        token is refused without being tokenized (it cannot fit, whatever its
+        tokens: each token covers at most `max_token_chars` characters)."""
+        if self.max_token_chars is None:
+            return
+        if kind == "chat":
+            text_len = sum(len(m.content) if isinstance(m.content, str)
+                           else sum(len(p.text or "") for p in m.content or ())
+                           for m in req.messages)  # fmt: skip
+            param = "messages"
+        else:
+            prompt = req.prompt
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                prompt = prompt[0]
+            if not isinstance(prompt, str):
+                return
+            text_len, param = len(prompt), "prompt"
+        ctx = self.scheduler.config.max_seq_len
+        if text_len > ctx * self.max_token_chars:
+            raise bad_request(
+                f"{param}: {text_len} characters cannot fit this model's context of {ctx} "
+                f"tokens (its longest token is {self.max_token_chars} characters)",
+                param=param, code="context_length_exceeded",
+            )  # fmt: skip
+
     def _prompt_ids(self, req: Any, kind: str) -> tuple[list[int], str]:
         """Token ids of the prompt and the parameter they came from."""
         if kind == "chat":
@@ -640,7 +672,10 @@ class OpenAIServer:
         self._check_model(req.model)
         check_unsupported(req)
         self._refuse_if_draining()
-        ids, prompt_param = self._prompt_ids(req, kind)
+        self._refuse_text_past_the_context(req, kind)  # before any tokenizing
+        # Templates and tokenizers run off the event loop: a long prompt must not
+        # stall every other request, /health included.
+        ids, prompt_param = await asyncio.to_thread(self._prompt_ids, req, kind)
         params = self._sampling(req, kind, len(ids), prompt_param)
         try:
             stream = await self.engine.generate(tenant, ids, params)
