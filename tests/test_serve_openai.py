@@ -11,6 +11,7 @@ strings, logprobs, usage as its tokenizer counts.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import socket
@@ -288,6 +289,53 @@ def test_a_lone_surrogate_escape_is_named_as_such(tiny):
                    headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
     assert r.status_code == 400
     assert "surrogate without its pair" in r.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def guarded():
+    """A server whose requests must arrive within one second of their first byte."""
+    running = tiny_server(read_timeout_s=1.0)
+    yield running
+    running.stop()
+
+
+def read_all(sock: socket.socket, limit_s: float = 10.0) -> tuple[bytes, float]:
+    """Everything the server sends until it closes, and how long that took."""
+    sock.settimeout(limit_s)
+    t0, got = time.monotonic(), b""
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := sock.recv(65536):
+            got += chunk
+    return got, time.monotonic() - t0
+
+
+def test_silent_and_trickling_clients_get_408_and_are_closed(guarded):
+    """(A silent connection was still open after 20 s; 30 trickling ones were
+    held for 20 s without a reply.)"""
+    with socket.create_connection(("127.0.0.1", guarded.port)) as silent:
+        got, took = read_all(silent)
+    assert got.startswith(b"HTTP/1.1 408") and took < 5
+    with socket.create_connection(("127.0.0.1", guarded.port)) as slow:
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        t0 = time.monotonic()
+        with contextlib.suppress(OSError):
+            for _ in range(40):  # a header byte every 0.1 s, never done
+                slow.sendall(b"X")
+                time.sleep(0.1)
+        got, _ = read_all(slow)
+        assert time.monotonic() - t0 < 4, "trickling did not keep it open"
+    assert got.startswith(b"HTTP/1.1 408")
+    # A client that keeps to the deadline is served as before.
+    assert guarded.client().models.list().data
+
+
+def test_a_huge_header_is_a_431_not_a_reset(guarded):
+    with socket.create_connection(("127.0.0.1", guarded.port)) as sock:
+        with contextlib.suppress(OSError):
+            sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                         + b"k" * 200_000 + b"\r\n\r\n")  # fmt: skip
+        got, _ = read_all(sock)
+    assert got.startswith(b"HTTP/1.1 431"), got[:80]
 
 
 def test_completion_logprobs(tiny):

@@ -73,6 +73,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--end-at {args.end_at} is in the past")
     if args.drain_seconds < 0:
         raise ValueError("--drain-seconds must be >= 0")
+    if not args.read_timeout > 0:
+        raise ValueError("--read-timeout must be > 0")
+    if args.max_connections < 0:
+        raise ValueError("--max-connections must be >= 0 (0: no limit)")
     checkpoint = (Path(args.checkpoint) if args.checkpoint
                   else process.default_checkpoint(cache_dir(), args.port))  # fmt: skip
     lock = process.CheckpointLock(checkpoint).acquire()
@@ -143,7 +147,8 @@ def _load(args: argparse.Namespace, tenants: Any, end_at: float | None, checkpoi
     server = OpenAIServer(engine, tenants, model_name=names[0], encode_chat=encode_chat,
                           aliases=names[1:], max_body_bytes=args.max_body_bytes,
                           drain_seconds=args.drain_seconds, end_at=end_at,
-                          sampling_defaults=defaults)  # fmt: skip
+                          sampling_defaults=defaults, read_timeout_s=args.read_timeout,
+                          max_connections=args.max_connections or None)  # fmt: skip
     replicas = m.engine.kv_replicas
     if args.devices > 1:
         print(f"tensor parallel over {args.devices} {m.engine.mesh.devices.flat[0].platform} "
@@ -230,6 +235,12 @@ def add_parsers(sub: Any) -> None:
         "default reference",
     )  # fmt: skip
     v.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    v.add_argument("--read-timeout", type=float, default=30.0,
+                   help="a request's head and body must arrive within this of its first "
+                   "byte, else 408 (seconds; default 30)")  # fmt: skip
+    v.add_argument("--max-connections", type=int, default=1024,
+                   help="connections served at once, 503 past them (count; 0: no limit; "
+                   "default 1024)")  # fmt: skip
     v.add_argument("--special-tokens-in-content", action="store_true",
                    help="control tokens written in a chat message's content (<|im_end|>...) "
                    "act as control tokens, as transformers does; default: they are text, so "

@@ -12,6 +12,13 @@ Endpoints
                                       and kvsched_http_request_duration_seconds by route,
                                       method and status
 
+Connections: a request's head and body must arrive within `read_timeout_s` of
+its first byte (else 408 and the connection closes: a silent or trickling
+client holds nothing for long), a head over 64 KiB is a 431, at most
+`max_connections` connections are served at once (503 past them)
+(kvsched.serve.asgi.guarded_h11). The end of a client's input ends its request
+(a half-close cannot be told from a client gone).
+
 Every /v1 request names its tenant by `Authorization: Bearer <api key>` (see
 `kvsched.serve.tenants`); a missing or unknown key is a 401. Streams are
 server-sent events (`data: {json}` then `data: [DONE]`), usage in the last chunk
@@ -99,7 +106,13 @@ import kvsched
 from kvsched.engine.runner import RequestOutput, TokenLogprob
 from kvsched.engine.sampling import SamplingParams
 from kvsched.metrics import EngineLoopCollector, SchedulerCollector
-from kvsched.serve.asgi import HTTP_LATENCY_BUCKETS, HTTPMetrics, SSEResponse, sse_event
+from kvsched.serve.asgi import (
+    HTTP_LATENCY_BUCKETS,
+    HTTPMetrics,
+    SSEResponse,
+    guarded_h11,
+    sse_event,
+)
 from kvsched.serve.async_engine import AsyncEngine, RequestStream, http_status
 from kvsched.serve.engine_setup import LoadedModel, load_model, parse_end_at
 from kvsched.serve.openai_schema import (
@@ -191,6 +204,8 @@ class OpenAIServer:
         end_at: float | None = None,
         graceful_exit_s: float = 10.0,
         sampling_defaults: Mapping[str, float] | None = None,
+        read_timeout_s: float = 30.0,
+        max_connections: int | None = 1024,
     ) -> None:
         self.engine = engine
         self.scheduler = engine.scheduler
@@ -225,6 +240,9 @@ class OpenAIServer:
         self._warm_error: BaseException | None = None
         self._warm_thread: threading.Thread | None = None
         self.sampling_defaults = {**OPENAI_SAMPLING, **(sampling_defaults or {})}
+        self.read_timeout_s = read_timeout_s  # a request's head and body, from its first byte
+        self.max_connections = max_connections  # past it, uvicorn answers 503
+        self.max_head_bytes = 64 * 1024  # request line and headers: past it, 431
         self.warmup_progress: dict[str, Any] | None = None  # while warming: done, total, elapsed
         self.listening_message: str | None = None  # printed once the socket listens
         self.registry = CollectorRegistry()
@@ -375,6 +393,10 @@ class OpenAIServer:
         """A uvicorn server for this app whose SIGTERM / SIGINT drain (see the module)."""
         config.setdefault("log_level", "info")
         config.setdefault("timeout_graceful_shutdown", self.graceful_exit_s)
+        config.setdefault("http", guarded_h11(self.read_timeout_s, self.max_head_bytes))
+        # h11 must not give up on a head before the guard does (it would answer 400).
+        config.setdefault("h11_max_incomplete_event_size", 2 * self.max_head_bytes)
+        config.setdefault("limit_concurrency", self.max_connections)
         cfg = uvicorn.Config(self.app, host=host, port=port, lifespan="on", **config)
         self._uvicorn = _DrainingUvicorn(cfg, self)
         return self._uvicorn
