@@ -527,6 +527,66 @@ def test_a_refusal_that_can_never_pass_is_a_400_without_retry_after(tiny):
         srv.tenants.apply(srv.scheduler, parse_tenants(TENANTS))
 
 
+def steps_to_first_token(running: Running, key: str, prompt: list[int]) -> int:
+    """Engine steps between a streamed request's admission (its response has
+    begun: the server admits before it answers) and its first token."""
+    eng = running.server.engine
+    body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 2, "stream": True,
+            "return_token_ids": True}  # fmt: skip
+    with httpx.stream("POST", f"{running.url}/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {key}"}) as r:  # fmt: skip
+        before = eng.steps
+        for line in r.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["token_ids"]:
+                return eng.steps - before
+    raise AssertionError("no token came")
+
+
+def test_tier_zero_waits_at_most_two_steps_more_than_idle_while_tier_two_floods():
+    """Eight long tier-2 streams fill the running set (4) and its queue; a
+    tier-0 request still gets its first token within 2 steps of its idle
+    figure: the server's scheduler preempts the lowest tier for it (gold's TTFT
+    went from 0.35 s to 9.7 s while bronze held every slot)."""
+    m = load_model("tiny", max_seq_len=CONTEXT, max_num_seqs=4, max_batched_tokens=64)
+    assert m.engine.scheduler.config.preempt_lower_tiers, "the server's default"
+    eng = AsyncEngine(m.engine)
+    eng.start()
+    reg = TenantRegistry(parse_tenants({"tenant": [
+        {"name": "gold", "api_key": KEY, "tier": 0},
+        {"name": "bronze", "api_key": "sk-bronze", "tier": 2},
+    ]}))  # fmt: skip
+    running = Running(OpenAIServer(eng, reg, model_name=m.model_name, aliases=m.aliases))
+    stop = threading.Event()
+
+    def flood(i: int) -> None:
+        # 400 tokens: 26 pages each, so all eight fit the pool (4 run, 4 wait).
+        body = {"model": "tiny-llama", "prompt": [7, 8, 9, i], "max_tokens": 400,
+                "stream": True, "ignore_eos": True}  # fmt: skip
+        with httpx.stream("POST", f"{running.url}/v1/completions", json=body, timeout=120,
+                          headers={"Authorization": "Bearer sk-bronze"}) as r:  # fmt: skip
+            for _ in r.iter_lines():
+                if stop.is_set():
+                    return  # leaving the block disconnects: the request is cancelled
+
+    try:
+        idle = steps_to_first_token(running, KEY, PROMPT)
+        threads = [threading.Thread(target=flood, args=(i,), daemon=True) for i in range(8)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while not (eng.scheduler.stats()["running"] == 4 and eng.scheduler.stats()["waiting"]):
+            assert time.monotonic() < deadline, "the flood did not fill the running set"
+            time.sleep(0.05)
+        busy = steps_to_first_token(running, KEY, PROMPT[::-1])
+        assert busy <= idle + 2, (idle, busy)
+        assert eng.scheduler.stats()["tenants"]["bronze"]["preemptions"] >= 1
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+        running.stop()
+
+
 def test_end_at_drains_on_schedule():
     """With end_at the server drains by itself: a running stream ends with a final
     chunk by end_at, new requests are refused, and the server stops."""

@@ -289,3 +289,21 @@ def test_served_model_name_replaces_the_models_names(tmp_path, tenants):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
+
+
+def test_the_scheduler_table_and_flags_set_the_servers_scheduler(tmp_path, tenants):
+    """The tenants file's [scheduler] table sets the knobs, a flag given wins
+    over it, and the log says what the scheduler runs with."""
+    tenants.write_text(tenants.read_text() + "[scheduler]\npreempt_lower_tiers = false\n"
+                       "max_num_seqs = 3\nladder = \"off\"\n")  # fmt: skip
+    proc, url = start_serve(["--model", "tiny", "--tenants", str(tenants), "--max-num-seqs", "5"])
+    try:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = proc.stdout.read()
+    assert ("scheduler: reserve admission, preempt_lower_tiers False, ladder off, "
+            "max_num_seqs 5, max_batched_tokens 256") in out, out  # fmt: skip

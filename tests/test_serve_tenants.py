@@ -144,3 +144,37 @@ def test_a_bad_file_on_reload_changes_nothing(tmp_path):
         reg.reload(sched)
     assert (sched.tenant("gold"), sched.tenant("bulk")) == before
     assert reg.authenticate("sk-bulk-456") == "bulk"
+
+
+def test_the_scheduler_table_becomes_scheduler_config_keywords(tmp_path):
+    from kvsched.serve.tenants import load_scheduler_table
+
+    path = write(tmp_path, EXAMPLE + '\n[scheduler]\npreempt_lower_tiers = false\n'
+                 'max_num_seqs = 32\nladder = "off"\nadmission = "overcommit"\n'
+                 "watermark_blocks = 4\noverhead_reserve = 0.05\n")  # fmt: skip
+    assert load_scheduler_table(path) == {
+        "preempt_lower_tiers": False, "max_num_seqs": 32, "ladder": [],
+        "admission": "overcommit", "watermark_blocks": 4, "overhead_reserve": 0.05,
+    }  # fmt: skip
+    assert load_tenants(path), "the tenants beside it still parse"
+    assert load_scheduler_table(write(tmp_path, EXAMPLE)) == {}
+
+
+@pytest.mark.parametrize(
+    ("table", "words"),
+    [
+        ("max_num_seq = 4", ["unknown knob 'max_num_seq'", "max_num_seqs"]),
+        ("max_num_seqs = 1.5", ["max_num_seqs must be an integer"]),
+        ("preempt_lower_tiers = 1", ["preempt_lower_tiers must be true or false"]),
+        ('ladder = "sometimes"', ["ladder", "default", "off"]),
+        ('admission = "greedy"', ["[scheduler]", "admission"]),
+        ("max_num_seqs = 0", ["[scheduler]", "max_num_seqs"]),
+    ],
+)
+def test_scheduler_table_mistakes_are_refused_naming_the_knob(tmp_path, table, words):
+    from kvsched.serve.tenants import load_scheduler_table
+
+    with pytest.raises(TenantsError) as err:
+        load_scheduler_table(write(tmp_path, EXAMPLE + f"\n[scheduler]\n{table}\n"))
+    for w in words:
+        assert w in str(err.value)

@@ -123,15 +123,28 @@ def _load(args: argparse.Namespace, tenants: Any, end_at: float | None, checkpoi
     """The OpenAIServer over the loaded model (cold: it warms up once serving)."""
     from kvsched.serve import AsyncEngine
     from kvsched.serve.server import OpenAIServer, load_model
+    from kvsched.serve.tenants import load_scheduler_table
 
+    # The scheduler: the tenants file's [scheduler] table, under the flags given.
+    knobs = load_scheduler_table(args.tenants)
+    ladder = None if args.ladder is None else [] if args.ladder == "off" else "default"
+    flags = {"max_num_seqs": args.max_num_seqs, "max_batched_tokens": args.max_batched_tokens,
+             "admission": args.admission, "preempt_lower_tiers": args.preempt_lower_tiers,
+             "ladder": ladder, "long_prefill_chunk": args.long_prefill_chunk,
+             "max_waiting": args.max_waiting}  # fmt: skip
+    knobs.update({k: v for k, v in flags.items() if v is not None})
     what = {"smollm2": "SmolLM2-135M-Instruct", "tiny": "the tiny random model"}
     log.info("loading %s", what.get(args.model, args.model))
     t0 = time.perf_counter()
-    m = load_model(args.model, max_seq_len=args.max_seq_len, max_num_seqs=args.max_num_seqs,
-                   num_blocks=args.num_blocks, max_batched_tokens=args.max_batched_tokens,
+    m = load_model(args.model, max_seq_len=args.max_seq_len, num_blocks=args.num_blocks,
                    max_logprobs=args.max_logprobs, backend=args.backend,
                    seed=args.seed, devices=args.devices, dtype=args.dtype,
-                   block_size=args.block_size)  # fmt: skip
+                   block_size=args.block_size, scheduler=knobs)  # fmt: skip
+    cfg = m.engine.scheduler.config
+    log.info("scheduler: %s admission, preempt_lower_tiers %s, ladder %s, max_num_seqs %d, "
+             "max_batched_tokens %d, long_prefill_chunk %d", cfg.admission,
+             cfg.preempt_lower_tiers, "on" if cfg.ladder else "off", cfg.max_num_seqs,
+             cfg.max_batched_tokens, cfg.long_prefill_chunk)  # fmt: skip
     names = args.served_model_name or [m.model_name, *m.aliases]
     encode_chat = m.encode_chat
     if encode_chat is not None and args.special_tokens_in_content:
@@ -154,6 +167,7 @@ def _load(args: argparse.Namespace, tenants: Any, end_at: float | None, checkpoi
         print(f"tensor parallel over {args.devices} {m.engine.mesh.devices.flat[0].platform} "
               f"devices{f', each KV head on {replicas}' if replicas > 1 else ''}",
               flush=True)  # fmt: skip
+    server.scheduler_table = load_scheduler_table(args.tenants)
     server.listening_message = (
         f"serving {names[0]} to {len(tenants.names)} tenant(s) on "
         f"http://{args.host}:{args.port}/v1 (checkpoint {checkpoint}); warming up, /ready "
@@ -212,10 +226,24 @@ def add_parsers(sub: Any) -> None:
     )
     v.add_argument("--max-seq-len", type=int, default=1024,
                    help="longest prompt + output in tokens (default 1024)")  # fmt: skip
-    v.add_argument("--max-num-seqs", type=int, default=16,
+    v.add_argument("--max-num-seqs", type=int,
                    help="sequences running at once (count; default 16)")  # fmt: skip
-    v.add_argument("--max-batched-tokens", type=int, default=256,
+    v.add_argument("--max-batched-tokens", type=int,
                    help="step budget in tokens (default 256)")  # fmt: skip
+    v.add_argument("--long-prefill-chunk", type=int,
+                   help="prefill chunk in tokens (default min(256, the step budget))")  # fmt: skip
+    v.add_argument("--max-waiting", type=int,
+                   help="admitted requests that may wait beyond max_num_seqs (count; "
+                   "default 64)")  # fmt: skip
+    v.add_argument("--admission", choices=["reserve", "overcommit"],
+                   help="reserve each request's final length (default), or over-commit "
+                   "with preemption")  # fmt: skip
+    v.add_argument("--preempt-lower-tiers", action=argparse.BooleanOptionalAction,
+                   help="a waiting higher tier takes a lower tier's running slot "
+                   "(default: on)")  # fmt: skip
+    v.add_argument("--ladder", choices=["default", "off"],
+                   help="the degradation ladder (default: default; a [scheduler] table's "
+                   "`ladder` may list rungs)")  # fmt: skip
     v.add_argument(
         "--num-blocks",
         type=int,

@@ -39,6 +39,7 @@ def load_model(
     devices: int = 1,
     dtype: str = "float32",
     block_size: int = 16,
+    scheduler: dict[str, Any] | None = None,
 ) -> LoadedModel:
     """A cold Engine for `kvsched serve`. `which`: "smollm2" (SmolLM2-135M-Instruct
     from its GGUF file, fetched once into the cache), "tiny" (a random-weight
@@ -50,8 +51,10 @@ def load_model(
     directory's name). `devices` > 1:
     tensor parallelism over the first `devices` local devices
     (kvsched.engine.sharding); `dtype` is the weights' and activations'
-    ("float32" or "bfloat16"). A bad choice is kvsched.InvalidConfig before
-    anything loads."""
+    ("float32" or "bfloat16"). `scheduler`: SchedulerConfig knobs over the
+    server's defaults (a tenants file's [scheduler] table); the server's
+    defaults protect tier 0: preempt_lower_tiers on, the default ladder. A bad
+    choice is kvsched.InvalidConfig before anything loads."""
     from pathlib import Path
 
     import jax
@@ -79,13 +82,23 @@ def load_model(
     # plus the null page, on CPU).
     pool = "memory" if num_blocks is None else "configured"
     if num_blocks is None:
-        num_blocks = max_num_seqs * (-(-max_seq_len // block_size)) + 1
-    cfg = kvsched.SchedulerConfig(
-        num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
-        max_batched_tokens=max_batched_tokens, max_seq_len=max_seq_len,
-        long_prefill_chunk=min(max_batched_tokens, 256), max_waiting=max_waiting,
-        overhead_reserve=0.0, ladder="default",
-    )  # fmt: skip
+        seqs = int((scheduler or {}).get("max_num_seqs", max_num_seqs))
+        num_blocks = seqs * (-(-max_seq_len // block_size)) + 1
+    knobs: dict[str, Any] = {
+        "max_num_seqs": max_num_seqs, "max_batched_tokens": max_batched_tokens,
+        "long_prefill_chunk": min(max_batched_tokens, 256), "max_waiting": max_waiting,
+        "overhead_reserve": 0.0, "ladder": "default",
+        # A waiting higher tier takes the running slot of the lowest tier's newest
+        # sequence (which keeps its KV and its place): without it, a lower tier
+        # that fills the running set holds tier 0 back until its requests end.
+        "preempt_lower_tiers": True,
+        **(scheduler or {}),
+    }  # fmt: skip
+    overrides = scheduler or {}
+    if "max_batched_tokens" in overrides and "long_prefill_chunk" not in overrides:
+        knobs["long_prefill_chunk"] = min(knobs["max_batched_tokens"], 256)
+    cfg = kvsched.SchedulerConfig(num_blocks=num_blocks, block_size=block_size,
+                                  max_seq_len=max_seq_len, **knobs)  # fmt: skip
     common: dict[str, Any] = {"backend": backend, "max_logprobs": max_logprobs, "seed": seed,
                               "mesh": mesh, "pool": pool}  # fmt: skip
     if which == "tiny":

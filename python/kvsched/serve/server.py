@@ -124,7 +124,7 @@ from kvsched.serve.openai_schema import (
     message_text,
     validate_body,
 )
-from kvsched.serve.tenants import TenantRegistry, TenantsError
+from kvsched.serve.tenants import TenantRegistry, TenantsError, load_scheduler_table
 from kvsched.serve.token_text import TokenText
 
 log = logging.getLogger("kvsched.serve")
@@ -245,6 +245,9 @@ class OpenAIServer:
         self.max_head_bytes = 64 * 1024  # request line and headers: past it, 431
         self.warmup_progress: dict[str, Any] | None = None  # while warming: done, total, elapsed
         self.listening_message: str | None = None  # printed once the socket listens
+        # The tenants file's [scheduler] table as the server started with it (set
+        # by `kvsched serve`): a reload that finds it changed says it needs a restart.
+        self.scheduler_table: dict[str, Any] | None = None
         self.registry = CollectorRegistry()
         info = {**engine.engine.model_info(), "name": model_name}
         self.registry.register(SchedulerCollector(self.scheduler, model=info))
@@ -365,6 +368,11 @@ class OpenAIServer:
             log.warning("tenants reloaded in part: %s", report.summary())
         else:
             log.info("tenants reloaded: %s", report.summary())
+        if self.scheduler_table is not None and self.tenants.path is not None:
+            with contextlib.suppress(TenantsError):  # the tenants were read: it parses
+                if load_scheduler_table(self.tenants.path) != self.scheduler_table:
+                    log.warning("the [scheduler] table changed: its knobs are read when the "
+                                "server starts; restart it to apply them")  # fmt: skip
 
     async def _housekeeping(self) -> None:
         while True:

@@ -13,7 +13,13 @@
     max_step_tokens = 512
     prefix_namespace = "team"
 
-Each table becomes a `kvsched.TenantConfig`; an unknown field, a missing name
+The same file may hold one `[scheduler]` table: the server's scheduler knobs
+(SCHEDULER_KNOBS: admission, preempt_lower_tiers, the ladder, max_num_seqs,
+max_batched_tokens, long_prefill_chunk, ...), read when the server starts
+(`load_scheduler_table`); a reload leaves them as they are and says so when the
+table changed.
+
+Each tenant table becomes a `kvsched.TenantConfig`; an unknown field, a missing name
 or key, a value of the wrong type, a duplicate name or a key shared by two
 tenants is a `TenantsError` naming the tenant and the field. Keys are held only
 as SHA-256 digests and compared in constant time against every known key
@@ -88,7 +94,7 @@ class TenantEntry:
 
 def _check_type(where: str, name: str, value: Any, types: tuple[type, ...], word: str) -> None:
     # TOML booleans are Python bools, which are ints: never a number here.
-    if isinstance(value, bool) or not isinstance(value, types):
+    if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
         raise TenantsError(f"{where}: {name} must be {word}, got {type(value).__name__}")
     if isinstance(value, float) and not math.isfinite(value):
         raise TenantsError(f"{where}: {name} must be finite, got {value!r}")
@@ -144,10 +150,71 @@ def _entry(i: int, table: Any) -> TenantEntry:
     return TenantEntry(config, tuple(_digest(k) for k in dict.fromkeys(keys)))
 
 
+_BOOL = ((bool,), "true or false")
+# [scheduler] knob -> (accepted types, a word): kvsched.SchedulerConfig keywords.
+SCHEDULER_KNOBS: dict[str, tuple[tuple[type, ...], str]] = {
+    "admission": _STR,
+    "watermark_blocks": _INT,
+    "preempt_lower_tiers": _BOOL,
+    "ladder": ((str, list), '"default", "off" or a list of rung tables'),
+    "ladder_retry_after_s": _NUM,
+    "max_num_seqs": _INT,
+    "max_batched_tokens": _INT,
+    "long_prefill_chunk": _INT,
+    "max_waiting": _INT,
+    "overhead_reserve": _NUM,
+    "prefix_caching": _BOOL,
+    "prefix_cache_partition": _STR,
+}
+
+
+def parse_scheduler_table(data: Mapping[str, Any]) -> dict[str, Any]:
+    """The `[scheduler]` table of a parsed document as SchedulerConfig keywords
+    (empty without one), each checked by name and type, and all of them
+    together by kvsched.SchedulerConfig itself."""
+    table = data.get("scheduler", {})
+    if not isinstance(table, dict):
+        raise TenantsError("scheduler: must be a table ([scheduler])")
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        if key not in SCHEDULER_KNOBS:
+            known = ", ".join(sorted(SCHEDULER_KNOBS))
+            raise TenantsError(f"[scheduler]: unknown knob {key!r} (known: {known})")
+        types, word = SCHEDULER_KNOBS[key]
+        _check_type("[scheduler]", key, value, types, word)
+        if key == "ladder" and isinstance(value, str):
+            if value not in ("default", "off"):
+                raise TenantsError(f'[scheduler]: ladder = {value!r}: "default", "off" or rungs')
+            value = [] if value == "off" else value
+        out[key] = float(value) if SCHEDULER_KNOBS[key] is _NUM else value
+    try:
+        kvsched.SchedulerConfig(**out)
+    except (kvsched.KvSchedError, TypeError, ValueError) as e:
+        raise TenantsError(f"[scheduler]: {e}") from None
+    return out
+
+
+def load_scheduler_table(path: str | Path) -> dict[str, Any]:
+    """The `[scheduler]` table of a tenants file (see `parse_scheduler_table`)."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise TenantsError(f"{path}: not valid TOML: {e}") from None
+    except OSError as e:
+        raise TenantsError(f"{path}: {e.strerror or e}") from None
+    try:
+        return parse_scheduler_table(data)
+    except TenantsError as e:
+        raise TenantsError(f"{path}: {e}") from None
+
+
 def parse_tenants(data: Mapping[str, Any]) -> list[TenantEntry]:
-    """The tenants of a parsed TOML document (`{"tenant": [...]}`)."""
+    """The tenants of a parsed TOML document (`{"tenant": [...]}`; a
+    `[scheduler]` table beside them is `parse_scheduler_table`'s)."""
     for key in data:
-        if key != "tenant":
+        if key not in ("tenant", "scheduler"):
             raise TenantsError(f"unknown top-level key {key!r}: tenants are [[tenant]] tables")
     tables = data.get("tenant")
     if not isinstance(tables, list) or not tables:
