@@ -53,6 +53,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def ended(proc: subprocess.Popen) -> None:
+    """Whatever a test left of the server, gone."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 def get(url: str) -> tuple[int, dict]:
     try:
         with urllib.request.urlopen(url, timeout=2) as r:
@@ -98,9 +105,7 @@ def test_two_servers_never_share_a_checkpoint(tmp_path, tenants):
         assert proc.wait(60) == 0
         assert mine.exists(), "the first server's drain wrote its own file"
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        ended(proc)
     # Its lock went with it: the file is free for the next server.
     again, _ = start_serve(["--model", "tiny", "--tenants", str(tenants), "--checkpoint",
                             str(mine)])  # fmt: skip
@@ -142,9 +147,7 @@ def test_it_says_what_it_is_doing_and_logs_no_probe_nor_jax_info(tmp_path, tenan
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        ended(proc)
     out = proc.stdout.read()
     statuses = [b["status"] for b in seen]
     assert statuses[-1] == "ready"
@@ -221,9 +224,7 @@ def test_signals_in_any_order_still_drain_every_stream_and_write_the_checkpoint(
         assert proc.wait(60) == 0
         assert time.monotonic() - t0 < 30, "the second signal ended the 60 s drain"
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        ended(proc)
     out = proc.stdout.read()
     assert len(ends) == 6
     for events in ends.values():
@@ -260,9 +261,7 @@ def test_a_signal_while_loading_or_warming_up_exits_zero_at_once(tmp_path, tenan
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        ended(proc)
     out = proc.stdout.read()
     assert "Traceback" not in out and "terminate called" not in out, out
     if while_ == "loading":
@@ -301,9 +300,7 @@ def test_the_scheduler_table_and_flags_set_the_servers_scheduler(tmp_path, tenan
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        ended(proc)
     out = proc.stdout.read()
     assert ("scheduler: reserve admission, preempt_lower_tiers False, ladder off, "
             "max_num_seqs 5, max_batched_tokens 256") in out, out  # fmt: skip

@@ -40,12 +40,14 @@ import hmac
 import math
 import sys
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import kvsched
+
+_T = TypeVar("_T")
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -196,18 +198,7 @@ def parse_scheduler_table(data: Mapping[str, Any]) -> dict[str, Any]:
 
 def load_scheduler_table(path: str | Path) -> dict[str, Any]:
     """The `[scheduler]` table of a tenants file (see `parse_scheduler_table`)."""
-    path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except tomllib.TOMLDecodeError as e:
-        raise TenantsError(f"{path}: not valid TOML: {e}") from None
-    except OSError as e:
-        raise TenantsError(f"{path}: {e.strerror or e}") from None
-    try:
-        return parse_scheduler_table(data)
-    except TenantsError as e:
-        raise TenantsError(f"{path}: {e}") from None
+    return _read(path, parse_scheduler_table)
 
 
 def parse_tenants(data: Mapping[str, Any]) -> list[TenantEntry]:
@@ -237,6 +228,11 @@ def parse_tenants(data: Mapping[str, Any]) -> list[TenantEntry]:
 
 def load_tenants(path: str | Path) -> list[TenantEntry]:
     """Read and check a tenants TOML file."""
+    return _read(path, parse_tenants)
+
+
+def _read(path: str | Path, parse: Callable[[Mapping[str, Any]], _T]) -> _T:
+    """`parse` of a TOML file; TenantsError naming the file for every fault."""
     path = Path(path)
     try:
         with open(path, "rb") as f:
@@ -246,7 +242,7 @@ def load_tenants(path: str | Path) -> list[TenantEntry]:
     except OSError as e:
         raise TenantsError(f"{path}: {e.strerror or e}") from None
     try:
-        return parse_tenants(data)
+        return parse(data)
     except TenantsError as e:
         raise TenantsError(f"{path}: {e}") from None
 
