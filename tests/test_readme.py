@@ -123,11 +123,12 @@ def test_python_blocks_run_as_written(tmp_path, monkeypatch):
             printed = io.StringIO()
             with contextlib.redirect_stdout(printed):
                 exec(compile(body, str(README), "exec"), namespace)  # noqa: S102
-            out, at = printed.getvalue(), 0
+            out = printed.getvalue()
+            lines = iter(out.splitlines())  # each shown output is a whole line, in order
             for shown in shown_prints(body):
-                m = shown.search(out, at)
-                assert m, f"the README shows {shown.pattern!r}; the block printed:\n{out}"
-                at = m.end()
+                assert any(shown.fullmatch(line) for line in lines), (
+                    f"the README shows {shown.pattern!r}; the block printed:\n{out}"
+                )
     finally:
         if server is not None:
             server.terminate()

@@ -85,9 +85,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     process.quiet_probes(not args.access_log_probes)
     log = logging.getLogger("kvsched.serve")
 
+    serving = [False]
+
     def before_serving(sig: int, _frame: object) -> None:
         # Before uvicorn runs (it takes SIGTERM / SIGINT to drain, SIGHUP to
-        # reload): nothing is admitted yet, so stop cleanly.
+        # reload): nothing is admitted yet, so stop cleanly. uvicorn puts this
+        # handler back when it ends: by then the server has drained and the
+        # exit status is decided, so a late signal changes nothing.
+        if serving[0]:
+            return
         if sig == signal.SIGHUP:
             log.info("SIGHUP while loading: ignored (send it again once serving to reread "
                      "the tenants file)")  # fmt: skip
@@ -105,6 +111,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         with process.LoadingResponder(sock):  # answers "loading" until uvicorn takes over
             server = _load(args, tenants, end_at, checkpoint, log)
+        serving[0] = True
         try:
             return int(server.run(args.host, args.port, sock=sock, log_level=args.log_level))
         finally:

@@ -146,8 +146,10 @@ def guarded_h11(read_timeout_s: float = 30.0, max_head_bytes: int = 64 * 1024) -
                 # The head ends at the first blank line; the body after it is not
                 # the head's (it has its own limit). 3 bytes carried over: the end
                 # may straddle two reads.
-                end = (self._tail + data).find(b"\r\n\r\n")
-                size = self._head + (len(data) if end < 0 else end + 4 - len(self._tail))
+                seen = self._tail + data
+                ends = [(i, len(m)) for m in (b"\r\n\r\n", b"\n\n") if (i := seen.find(m)) >= 0]
+                end, mark = min(ends) if ends else (-1, 0)  # h11 also takes bare-LF heads
+                size = self._head + (len(data) if end < 0 else end + mark - len(self._tail))
                 if size > max_head_bytes:
                     self._refuse(431, b"Request Header Fields Too Large")
                     return

@@ -25,6 +25,7 @@ import os
 import select
 import socket
 import threading
+import time
 from pathlib import Path
 
 PROBE_PATHS = frozenset({"/health", "/ready", "/metrics"})
@@ -83,7 +84,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
         raise OSError(f"--host {host}: not an address this machine can listen on ({e})") from None
-    family, kind, proto, _, address = infos[0]
+    # An IPv4 address where the name has one (as uvicorn binds "localhost").
+    family, kind, proto, _, address = min(infos, key=lambda i: i[0] != socket.AF_INET)
     sock = socket.socket(family, kind, proto)
     # As uvicorn does: a restart may bind while the last run's connections linger
     # in TIME_WAIT. A socket listening there still keeps the port taken (two
@@ -99,7 +101,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
         refused = OSError(f"cannot listen on {host}:{port}: {e.strerror}{hint}")
         refused.errno = e.errno
         raise refused from None
-    sock.set_inheritable(True)
     return sock
 
 
@@ -107,7 +108,8 @@ class LoadingResponder:
     """Answers on the listening socket until the server takes it over: every
     request gets 503 {"status": "loading"} (with Retry-After), /health 200 with
     the same body (the process is alive), and the connection is closed. One
-    thread, one connection at a time, a second's patience for a request line."""
+    thread, one connection at a time, a second for a whole request head (a slow
+    client cannot hold it longer, nor delay the server's start)."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -137,12 +139,18 @@ class LoadingResponder:
                 with contextlib.suppress(OSError):
                     self._answer(conn)
 
-    @staticmethod
-    def _answer(conn: socket.socket) -> None:
-        conn.settimeout(1.0)
+    def _answer(self, conn: socket.socket) -> None:
+        deadline = time.monotonic() + 1.0
         head = b""
-        while b"\r\n" not in head and len(head) < 8192:
-            chunk = conn.recv(4096)
+        while b"\n" not in head and len(head) < 8192 and not self._stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            conn.settimeout(min(left, 0.1))
+            try:
+                chunk = conn.recv(4096)
+            except TimeoutError:
+                continue
             if not chunk:
                 break
             head += chunk
@@ -157,6 +165,13 @@ class LoadingResponder:
             + b"\r\n\r\n"
             + body
         )
+        # Close the write side and drop what the client still sends for a moment:
+        # closing with unread input would reset the connection and lose the answer.
+        conn.shutdown(socket.SHUT_WR)
+        conn.settimeout(0.05)
+        with contextlib.suppress(OSError):
+            while conn.recv(65536):
+                pass
 
 
 class _NoProbes(logging.Filter):

@@ -103,6 +103,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 import kvsched
+from kvsched.engine.loaders.gguf_llama import encode_text
 from kvsched.engine.runner import RequestOutput, TokenLogprob
 from kvsched.engine.sampling import SamplingParams
 from kvsched.metrics import EngineLoopCollector, SchedulerCollector
@@ -271,6 +272,11 @@ class OpenAIServer:
             yield
         finally:
             housekeeping.cancel()
+            if self._warm_thread is not None and self._warm_thread.is_alive():
+                # Stopped before warm (a signal before the app ran): the warmup stops
+                # after the program it compiles; the process must not exit under XLA.
+                self.draining = True
+                await asyncio.to_thread(self._warm_thread.join)
             if self._drain_task is None and self.engine.ready():
                 # Stopped without a drain (uvicorn saw every connection close).
                 with contextlib.suppress(Exception):
@@ -340,7 +346,10 @@ class OpenAIServer:
             if not self.engine.ready():
                 summary = {"lifecycle": "warming: nothing was admitted"}
             else:
-                summary = await self.engine.shutdown(deadline_s)
+                # Read now, not when the drain was asked for: a second signal that
+                # came before this task first ran has moved it to "now".
+                left = (self.drain_deadline or time.monotonic()) - time.monotonic()
+                summary = await self.engine.shutdown(max(0.0, min(deadline_s, left)))
             log.info("drained: %s", summary)
         except Exception:
             log.exception("the drain failed")
@@ -646,7 +655,7 @@ class OpenAIServer:
                 raise bad_request("prompt: this model has no tokenizer; give the prompt as "
                                   "a list of token ids", param="prompt",
                                   code="no_tokenizer")  # fmt: skip
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
+            ids = encode_text(self.tokenizer, prompt)  # the GIL released while it runs
         else:
             ids = list(prompt)
             vocab = self.vocab_size

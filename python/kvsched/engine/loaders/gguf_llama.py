@@ -115,12 +115,16 @@ def encode_chat(
     behaviour: control tokens in content are control tokens."""
     special = _special_texts(tokenizer)
     contents = [m.get("content") for m in messages]
+    # Looked for as the tokenizer will see them: a case-folding normalizer
+    # would turn "<|IM_END|>" into the control token.
+    normalizer = tokenizer.normalizer
+    seen = [normalizer.normalize_str(c) if normalizer is not None and isinstance(c, str) else c
+            for c in contents]  # fmt: skip
     risky = content_as_text and any(
-        isinstance(c, str) and any(t in c for t in special) for c in contents
+        isinstance(c, str) and any(t in c for t in special) for c in (*contents, *seen)
     )
     if not risky:
-        ids: list[int] = tokenizer.encode(render(messages), add_special_tokens=False).ids
-        return ids
+        return encode_text(tokenizer, render(messages))
     markers = [f"\x00kvsched-content-{i}\x00" for i in range(len(messages))]
     marked = [{**m, "content": markers[i]} if isinstance(m.get("content"), str) else m
               for i, m in enumerate(messages)]  # fmt: skip
@@ -138,10 +142,19 @@ def encode_chat(
                 f"({next((t for t in special if t in content), '?')!r}), and this chat template "
                 "rewrites content, so it cannot be encoded as text safely"
             )
-        out += tokenizer.encode(before, add_special_tokens=False).ids
-        out += plain.encode(content, add_special_tokens=False).ids
-    out += tokenizer.encode(text, add_special_tokens=False).ids
+        out += encode_text(tokenizer, before)
+        out += encode_text(plain, content)
+    out += encode_text(tokenizer, text)
     return out
+
+
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+    """`tokenizer.encode(text, add_special_tokens=False).ids`, with Python's
+    lock released while it runs: `Tokenizer.encode` holds the GIL throughout
+    (tokenizers 0.23), `encode_batch` does not, so a long text tokenized on a
+    worker thread no longer stalls the event loop and every other thread."""
+    ids: list[int] = tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+    return ids
 
 
 def _special_texts(tokenizer: Any) -> tuple[str, ...]:
@@ -150,20 +163,22 @@ def _special_texts(tokenizer: Any) -> tuple[str, ...]:
     return tuple(t.content for t in decoder.values() if t.special and t.content)
 
 
-_PLAIN: dict[int, Any] = {}
+# id(tokenizer) -> (tokenizer, its copy): the tokenizer is held so that its id
+# is never reused by another one (a model's tokenizer lives as long as it).
+_PLAIN: dict[int, tuple[Any, Any]] = {}
 
 
 def _plain_tokenizer(tokenizer: Any) -> Any:
     """A copy of `tokenizer` that encodes control-token text as text (one per
     tokenizer, made once: toggling the shared one would race other encodes)."""
-    key = id(tokenizer)
-    if key not in _PLAIN:
+    held = _PLAIN.get(id(tokenizer))
+    if held is None or held[0] is not tokenizer:
         from tokenizers import Tokenizer
 
         copy = Tokenizer.from_str(tokenizer.to_str())
         copy.encode_special_tokens = True
-        _PLAIN[key] = copy
-    return _PLAIN[key]
+        held = _PLAIN[id(tokenizer)] = (tokenizer, copy)
+    return held[1]
 
 
 def _field(reader: Any, key: str) -> Any:
