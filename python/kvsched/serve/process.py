@@ -1,5 +1,6 @@
 """The process around `kvsched serve`: its listening socket, its checkpoint's lock,
-its logs. No FastAPI here.
+its logs, and uvicorn taking signals to drain (`DrainingUvicorn`). No FastAPI
+here.
 
 - The socket listens before the model loads, so a port in use fails in a
   second, not after a minute of loading; while the model loads,
@@ -23,10 +24,15 @@ import fcntl
 import logging
 import os
 import select
+import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+import uvicorn
 
 PROBE_PATHS = frozenset({"/health", "/ready", "/metrics"})
 
@@ -199,3 +205,44 @@ def configure_logging(level: str) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
     if level.lower() != "debug":
         logging.getLogger("jax").setLevel(logging.WARNING)
+
+
+class DrainingUvicorn(uvicorn.Server):
+    """uvicorn, except that SIGTERM / SIGINT drain the server (OpenAIServer._on_signal)
+    instead of stopping it, whatever their number and order, and are not re-raised
+    at exit (a drained server exits 0); SIGHUP rereads the tenants file. Never a
+    forced exit: that would cut the streams' last chunks and skip the checkpoint."""
+
+    def __init__(self, config: uvicorn.Config, owner: Any) -> None:
+        super().__init__(config)
+        self.owner = owner
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and self.owner.listening_message:
+            print(self.owner.listening_message, flush=True)  # listening now, not before
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        hup = getattr(signal, "SIGHUP", None)
+        if hup is None or threading.current_thread() is not threading.main_thread():
+            with super().capture_signals():
+                yield
+            return
+        previous = signal.signal(hup, self.handle_exit)
+        try:
+            with super().capture_signals():
+                yield
+        finally:
+            signal.signal(hup, previous)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        loop = self.owner._loop
+        if sig == getattr(signal, "SIGHUP", None):
+            if loop is not None:
+                loop.call_soon_threadsafe(self.owner._reload_logged)
+            return
+        if loop is None:  # before the app started: nothing admitted, nothing to drain
+            self.should_exit = True
+            return
+        loop.call_soon_threadsafe(self.owner._on_signal, sig)

@@ -83,7 +83,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,7 +104,7 @@ from starlette.requests import ClientDisconnect
 
 import kvsched
 from kvsched.engine.loaders.gguf_llama import encode_text
-from kvsched.engine.runner import RequestOutput, TokenLogprob
+from kvsched.engine.runner import RequestOutput
 from kvsched.engine.sampling import SamplingParams
 from kvsched.metrics import EngineLoopCollector, SchedulerCollector
 from kvsched.serve.asgi import (
@@ -114,7 +114,7 @@ from kvsched.serve.asgi import (
     guarded_h11,
     sse_event,
 )
-from kvsched.serve.async_engine import AsyncEngine, RequestStream, http_status
+from kvsched.serve.async_engine import AsyncEngine, http_status
 from kvsched.serve.engine_setup import LoadedModel, load_model, parse_end_at
 from kvsched.serve.openai_schema import (
     APIError,
@@ -125,24 +125,31 @@ from kvsched.serve.openai_schema import (
     message_text,
     validate_body,
 )
+from kvsched.serve.process import DrainingUvicorn
+from kvsched.serve.responses import (
+    Collected,
+    Job,
+    chat_logprobs,
+    completion_logprobs,
+    displaced,
+    finish_fields,
+    invalid,
+    openai_finish_reason,
+    response_body,
+    usage,
+)
 from kvsched.serve.tenants import TenantRegistry, TenantsError, load_scheduler_table
 from kvsched.serve.token_text import TokenText
 
 log = logging.getLogger("kvsched.serve")
 
 MAX_BODY_BYTES = 1 << 20
-OPENAI_FINISH = {"stop": "stop", "length": "length"}
 # What OpenAI's API does with a sampling parameter left out (top_k 0: off).
 OPENAI_SAMPLING: dict[str, float] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
 
 
 class _WarmupStopped(Exception):
     """Raised from the warmup's progress callback when a drain began."""
-
-
-def openai_finish_reason(reason: str | None) -> str:
-    """OpenAI's finish_reason for kvsched's (see the module)."""
-    return OPENAI_FINISH.get(reason or "", "length")
 
 
 # -- per-request bookkeeping -----------------------------------------------------------------
@@ -153,32 +160,6 @@ class _Active:
     max_tokens: int
     produced: int = 0
     last: float = 0.0
-
-
-@dataclass
-class _Job:
-    """One admitted request as the endpoints see it."""
-
-    kind: str  # "chat" or "completion"
-    tenant: str
-    stream: RequestStream
-    model: str
-    max_tokens: int
-    logprobs: int | None
-    include_usage: bool
-    id: str
-    created: int
-    token_ids: bool = False  # put each choice's token ids in the response (an extension)
-
-
-class _Collected:
-    """Everything a request produced."""
-
-    def __init__(self) -> None:
-        self.token_ids: list[int] = []
-        self.text: list[str] = []
-        self.logprobs: list[TokenLogprob] = []
-        self.final: RequestOutput | None = None
 
 
 # -- the server ------------------------------------------------------------------------------------
@@ -415,7 +396,7 @@ class OpenAIServer:
         config.setdefault("h11_max_incomplete_event_size", 2 * self.max_head_bytes)
         config.setdefault("limit_concurrency", self.max_connections)
         cfg = uvicorn.Config(self.app, host=host, port=port, lifespan="on", **config)
-        self._uvicorn = _DrainingUvicorn(cfg, self)
+        self._uvicorn = DrainingUvicorn(cfg, self)
         return self._uvicorn
 
     def run(
@@ -701,7 +682,7 @@ class OpenAIServer:
                 seed=req.seed, stop=req.stop or (), logprobs=logprobs, ignore_eos=req.ignore_eos,
             )  # fmt: skip
         except kvsched.InvalidRequest as e:
-            raise _invalid(e, kind) from None
+            raise invalid(e, kind) from None
 
     async def _handle(self, request: Request, kind: str) -> Response:
         tenant = self._authenticate(request)
@@ -726,7 +707,7 @@ class OpenAIServer:
         self._active[stream.request_id] = _Active(params.max_tokens, last=now)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        job = _Job(kind, tenant, stream, req.model, params.max_tokens, params.logprobs,
+        job = Job(kind, tenant, stream, req.model, params.max_tokens, params.logprobs,
                    include_usage, f"{prefix}-{uuid.uuid4().hex}", int(time.time()),
                    self.tokenizer is None or req.return_token_ids)  # fmt: skip
         if req.stream:
@@ -740,12 +721,12 @@ class OpenAIServer:
         if got.final is not None and got.final.finish_reason == "error":
             raise APIError(500, "the engine failed while generating", code="engine_error")
         if got.final is not None and got.final.finish_reason == "shed":
-            raise _displaced(got.final)
-        return JSONResponse(self._response(job, got))
+            raise displaced(got.final)
+        return JSONResponse(response_body(job, got, self.token_text))
 
     def _rejected(self, e: kvsched.Rejected, kind: str) -> APIError:
         if isinstance(e, kvsched.InvalidRequest) or e.reason in ("invalid", "too_long"):
-            err = _invalid(e, kind)
+            err = invalid(e, kind)
             err.code = e.reason
             return err
         status, headers = http_status(e)
@@ -754,13 +735,13 @@ class OpenAIServer:
                                      else {"Retry-After": "1"})}  # fmt: skip
         return APIError(status, str(e), code=e.reason, headers=headers)
 
-    async def _finish(self, job: _Job) -> None:
+    async def _finish(self, job: Job) -> None:
         """The request's end, however it came: cancel it if it is still running."""
         self._active.pop(job.stream.request_id, None)
         if not job.stream.finished:
             await job.stream.cancel()
 
-    def _observe(self, rid: int, out: RequestOutput, got: _Collected) -> None:
+    def _observe(self, rid: int, out: RequestOutput, got: Collected) -> None:
         got.token_ids += out.token_ids
         got.text.append(out.text)
         if out.logprobs:
@@ -776,10 +757,10 @@ class OpenAIServer:
             act.produced += len(out.token_ids)
             act.last = now
 
-    async def _collect(self, request: Request, job: _Job) -> _Collected | None:
+    async def _collect(self, request: Request, job: Job) -> Collected | None:
         """Read the whole stream; None when the client went away first (the request
         is then cancelled by `_finish`)."""
-        got = _Collected()
+        got = Collected()
         gone = False
         rid = job.stream.request_id
         async with anyio.create_task_group() as tg:
@@ -797,68 +778,7 @@ class OpenAIServer:
             tg.cancel_scope.cancel()
         return None if gone else got
 
-    # -- response bodies ----------------------------------------------------------------------
-
-    def _usage(self, job: _Job, got: _Collected) -> dict[str, int]:
-        prompt = job.stream.prompt_tokens
-        done = len(got.token_ids)
-        if got.final is not None:
-            done = max(done, got.final.completion_tokens)
-        return {"prompt_tokens": prompt, "completion_tokens": done,
-                "total_tokens": prompt + done}  # fmt: skip
-
-    def _finish_fields(self, final: RequestOutput | None) -> dict[str, Any]:
-        reason = final.finish_reason if final is not None else "cancelled"
-        out: dict[str, Any] = {"finish_reason": openai_finish_reason(reason)}
-        if reason not in OPENAI_FINISH:
-            out["kvsched_finish_reason"] = reason
-        return out
-
-    def _chat_logprobs(self, lps: list[TokenLogprob]) -> dict[str, Any]:
-        content = []
-        for lp in lps:
-            text, raw = self.token_text(lp.token_id)
-            top = []
-            for tid, v in lp.top:
-                t, b = self.token_text(tid)
-                top.append({"token": t, "logprob": v, "bytes": b})
-            content.append({"token": text, "logprob": lp.logprob, "bytes": raw,
-                            "top_logprobs": top})  # fmt: skip
-        return {"content": content}
-
-    def _completion_logprobs(self, lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
-        tokens, values, tops, offsets = [], [], [], []
-        for lp in lps:
-            text, _ = self.token_text(lp.token_id)
-            tokens.append(text)
-            values.append(lp.logprob)
-            tops.append({self.token_text(tid)[0]: v for tid, v in lp.top})
-            offsets.append(offset)
-            offset += len(text)
-        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
-                "text_offset": offsets}  # fmt: skip
-
-    def _response(self, job: _Job, got: _Collected) -> dict[str, Any]:
-        text = "".join(got.text)
-        lp = None
-        if job.logprobs is not None:
-            lp = (self._chat_logprobs(got.logprobs) if job.kind == "chat"
-                  else self._completion_logprobs(got.logprobs, 0))  # fmt: skip
-        choice: dict[str, Any] = {"index": 0}
-        if job.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": text}
-            obj = "chat.completion"
-        else:
-            choice["text"] = text
-            obj = "text_completion"
-        choice["logprobs"] = lp
-        if job.token_ids:
-            choice["token_ids"] = got.token_ids
-        choice.update(self._finish_fields(got.final))
-        return {"id": job.id, "object": obj, "created": job.created, "model": job.model,
-                "choices": [choice], "usage": self._usage(job, got)}  # fmt: skip
-
-    async def _events(self, job: _Job) -> AsyncIterator[bytes]:
+    async def _events(self, job: Job) -> AsyncIterator[bytes]:
         """The SSE body of a streamed request."""
         chat = job.kind == "chat"
         base: dict[str, Any] = {"id": job.id,
@@ -866,7 +786,7 @@ class OpenAIServer:
                                 "created": job.created, "model": job.model}  # fmt: skip
         if job.include_usage:
             base["usage"] = None
-        got = _Collected()
+        got = Collected()
         rid = job.stream.request_id
         offset = 0
 
@@ -877,8 +797,8 @@ class OpenAIServer:
             choice: dict[str, Any] = {"index": 0}
             lp = None
             if job.logprobs is not None:
-                lp = (self._chat_logprobs(lps) if chat
-                      else self._completion_logprobs(lps, offset))  # fmt: skip
+                lp = (chat_logprobs(self.token_text, lps) if chat
+                      else completion_logprobs(self.token_text, lps, offset))  # fmt: skip
             if chat:
                 choice["delta"] = {"content": text} if text or not extra else {}
             else:
@@ -906,81 +826,15 @@ class OpenAIServer:
             err = APIError(500, "the engine failed while generating", code="engine_error")
             yield sse_event(err.body())
         elif final is not None and final.finish_reason == "shed":
-            err = _displaced(final)
+            err = displaced(final)
             body = err.body()
             body["error"]["retry_after"] = final.retry_after
             yield sse_event(body)
         else:
-            yield chunk(final, self._finish_fields(final))
+            yield chunk(final, finish_fields(final))
             if job.include_usage:
-                yield sse_event({**base, "choices": [], "usage": self._usage(job, got)})
+                yield sse_event({**base, "choices": [], "usage": usage(job, got)})
         yield b"data: [DONE]\n\n"
-
-
-def _displaced(final: RequestOutput) -> APIError:
-    """The 429 of a request a higher tier displaced (finish reason "shed")."""
-    wait = final.retry_after
-    headers = {}
-    if wait is not None and math.isfinite(wait):
-        headers["Retry-After"] = str(max(1, math.ceil(wait)))
-    else:
-        headers["Retry-After"] = "1"
-    return APIError(429, "overloaded: a higher tier's request took this request's place "
-                    f"after {final.completion_tokens} generated token(s); retry later",
-                    code="shed", headers=headers)  # fmt: skip
-
-
-def _invalid(e: kvsched.Rejected, kind: str) -> APIError:
-    """kvsched.InvalidRequest ("field: why") as a 400 naming the parameter."""
-    msg = str(e)
-    head, sep, _ = msg.partition(":")
-    param = head.strip() if sep and head.strip().isidentifier() else None
-    if param == "prompt_ids":
-        param = "messages" if kind == "chat" else "prompt"
-    if param == "logprobs" and kind == "chat":
-        param = "top_logprobs"
-    return bad_request(msg, param=param)
-
-
-class _DrainingUvicorn(uvicorn.Server):
-    """uvicorn, except that SIGTERM / SIGINT drain the server (OpenAIServer._on_signal)
-    instead of stopping it, whatever their number and order, and are not re-raised
-    at exit (a drained server exits 0); SIGHUP rereads the tenants file. Never a
-    forced exit: that would cut the streams' last chunks and skip the checkpoint."""
-
-    def __init__(self, config: uvicorn.Config, owner: OpenAIServer) -> None:
-        super().__init__(config)
-        self.owner = owner
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets=sockets)
-        if self.started and self.owner.listening_message:
-            print(self.owner.listening_message, flush=True)  # listening now, not before
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        hup = getattr(signal, "SIGHUP", None)
-        if hup is None or threading.current_thread() is not threading.main_thread():
-            with super().capture_signals():
-                yield
-            return
-        previous = signal.signal(hup, self.handle_exit)
-        try:
-            with super().capture_signals():
-                yield
-        finally:
-            signal.signal(hup, previous)
-
-    def handle_exit(self, sig: int, frame: Any) -> None:
-        loop = self.owner._loop
-        if sig == getattr(signal, "SIGHUP", None):
-            if loop is not None:
-                loop.call_soon_threadsafe(self.owner._reload_logged)
-            return
-        if loop is None:  # before the app started: nothing admitted, nothing to drain
-            self.should_exit = True
-            return
-        loop.call_soon_threadsafe(self.owner._on_signal, sig)
 
 
 __all__ = ["LoadedModel", "OpenAIServer", "load_model", "openai_finish_reason", "parse_end_at"]
