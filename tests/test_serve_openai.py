@@ -621,6 +621,36 @@ def test_end_at_drains_on_schedule():
             running.stop()
 
 
+def test_two_signals_taken_before_the_drain_first_runs_still_end_it_now():
+    """Both SIGTERMs reach the loop before the drain task first runs (their handler
+    runs on the main thread and queues each on the loop, as Python's signal machinery
+    calls it): the second must still cut the 60 s drain to now. Called directly here,
+    because two signals sent from another process at once may be merged by the kernel
+    into one (a pending standard signal is a bit, not a queue)."""
+    running = tiny_server(drain_seconds=60.0)
+    srv = running.server
+    try:
+        c = running.client()
+        streams = [iter(c.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=LONG,
+                                             stream=True)) for _ in range(2)]  # fmt: skip
+        for chunks in streams:
+            assert next(chunks).choices[0].finish_reason is None
+        t0 = time.monotonic()
+        running.uv.handle_exit(signal.SIGTERM, None)
+        running.uv.handle_exit(signal.SIGTERM, None)
+        for chunks in streams:
+            last = list(chunks)[-1].choices[0]
+            assert last.finish_reason == "length"
+            assert last.model_extra["kvsched_finish_reason"] == "drain_deadline"
+        running.thread.join(15)
+        assert not running.thread.is_alive(), "the server stopped after the drain"
+        assert time.monotonic() - t0 < 10, "the second signal did not end the 60 s drain"
+        assert srv.drain_summary["lifecycle"] == "drained"
+    finally:
+        if running.thread.is_alive():
+            running.stop()
+
+
 def test_end_at_parses_unix_seconds_and_iso_times():
     assert parse_end_at("1700000000") == parse_end_at("2023-11-14T22:13:20+00:00") == 1.7e9
     with pytest.raises(ValueError, match="--end-at"):

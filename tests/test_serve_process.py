@@ -163,7 +163,6 @@ def test_it_says_what_it_is_doing_and_logs_no_probe_nor_jax_info(tmp_path, tenan
 
 
 SEQUENCES = {
-    "term-term-at-once": [signal.SIGTERM, signal.SIGTERM],  # both before the drain task runs
     "term-term-int-hup-term-int": [
         signal.SIGTERM,
         signal.SIGTERM,
@@ -219,7 +218,10 @@ def test_signals_in_any_order_still_drain_every_stream_and_write_the_checkpoint(
         t0 = time.monotonic()
         for sig in SEQUENCES[sequence]:
             proc.send_signal(sig)
-            time.sleep(0 if sequence.endswith("at-once") else 0.1)
+            # Apart: two signals sent at once may be merged by the kernel into one (the
+            # case of both reaching the loop before the drain runs is tested in-process:
+            # test_serve_openai.py::test_two_signals_taken_before_the_drain_first_runs...).
+            time.sleep(0.1)
         for t in threads:
             t.join(60)
         assert proc.wait(60) == 0
