@@ -7,7 +7,6 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -18,15 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def start_serve(args: list[str], *, cwd=None, timeout: float = 120.0, env_extra=None):
     """(process, base url) of `kvsched serve <args> --port <free>`, ready. Its
     stdout and stderr are one text pipe (read it when it fails); `env_extra`
-    adds to its environment. Unless `args` name a --checkpoint or `env_extra` a
-    KVSCHED_CACHE, the drain writes its checkpoint in a temporary folder, never in
-    the user's kvsched cache."""
-    if "--checkpoint" not in args and "KVSCHED_CACHE" not in (env_extra or {}):
-        args = [
-            *args,
-            "--checkpoint",
-            str(Path(tempfile.mkdtemp(prefix="kvsched-serve-")) / "ck.jsonl"),
-        ]
+    adds to its environment."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

@@ -84,15 +84,24 @@ def test_a_port_in_use_is_refused_before_the_model_loads(tmp_path, tenants):
     assert time.monotonic() - t0 < 30
 
 
-def test_two_servers_never_share_a_checkpoint(tmp_path, tenants):
-    """The default checkpoint is per port; a second live server given the first
-    one's file is refused, naming the holder, before its model loads."""
-    proc, url = start_serve(["--model", "tiny", "--tenants", str(tenants)],
-                            env_extra={"KVSCHED_CACHE": str(tmp_path / "cache")})  # fmt: skip
+def test_a_checkpoint_is_written_only_where_asked_and_never_shared(tmp_path, tenants):
+    """Without --checkpoint a drain writes no file (it would hold every tenant's
+    prompts and nothing reads it back: each client was told at the drain what it
+    got); with one, a second live server given the same file is refused, naming
+    the holder, before its model loads, and the first one's drain writes it."""
+    cache = tmp_path / "cache"
+    bare, _ = start_serve(["--model", "tiny", "--tenants", str(tenants)],
+                          env_extra={"KVSCHED_CACHE": str(cache)})  # fmt: skip
     try:
-        port = url.rsplit(":", 1)[1]
-        mine = tmp_path / "cache" / f"serve-checkpoint-{port}.jsonl"
-        assert (tmp_path / "cache" / f"{mine.name}.lock").exists()
+        bare.send_signal(signal.SIGTERM)
+        assert bare.wait(60) == 0
+    finally:
+        ended(bare)
+    assert not [p for p in cache.glob("**/*") if "checkpoint" in p.name], list(cache.glob("**/*"))
+    mine = tmp_path / "mine.jsonl"
+    proc, _ = start_serve(["--model", "tiny", "--tenants", str(tenants), "--checkpoint", str(mine)])
+    try:
+        assert (tmp_path / f"{mine.name}.lock").exists()
         second = subprocess.run(
             serve_cmd("--tenants", str(tenants), "--port", str(free_port()),
                       "--checkpoint", str(mine)),
@@ -104,6 +113,7 @@ def test_two_servers_never_share_a_checkpoint(tmp_path, tenants):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         assert mine.exists(), "the first server's drain wrote its own file"
+        assert mine.stat().st_mode & 0o777 == 0o600
     finally:
         ended(proc)
     # Its lock went with it: the file is free for the next server.

@@ -62,7 +62,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import sys
     import time
 
-    from kvsched.model_files import cache_dir
     from kvsched.serve import process
     from kvsched.serve.engine_setup import parse_end_at
     from kvsched.serve.tenants import TenantRegistry
@@ -77,9 +76,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("--read-timeout must be > 0")
     if args.max_connections < 0:
         raise ValueError("--max-connections must be >= 0 (0: no limit)")
-    checkpoint = (Path(args.checkpoint) if args.checkpoint
-                  else process.default_checkpoint(cache_dir(), args.port))  # fmt: skip
-    lock = process.CheckpointLock(checkpoint).acquire()
+    # Only where asked: the file holds every tenant's prompts and nothing here
+    # reads it back (each client was told at the drain what it got).
+    checkpoint = Path(args.checkpoint) if args.checkpoint else None
+    lock = process.CheckpointLock(checkpoint).acquire() if checkpoint is not None else None
     sock = process.bind_socket(args.host, args.port)
     process.configure_logging(args.log_level)
     process.quiet_probes(not args.access_log_probes)
@@ -122,11 +122,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 signal.signal(sig, signal.SIG_IGN)
     finally:
         sock.close()
-        lock.release()
+        if lock is not None:
+            lock.release()
 
 
-def _load(args: argparse.Namespace, tenants: Any, end_at: float | None, checkpoint: Path,
-          log: Any) -> Any:  # fmt: skip
+def _load(args: argparse.Namespace, tenants: Any, end_at: float | None,
+          checkpoint: Path | None, log: Any) -> Any:  # fmt: skip
     """The OpenAIServer over the loaded model (cold: it warms up once serving)."""
     from kvsched.serve import AsyncEngine
     from kvsched.serve.server import OpenAIServer, load_model
@@ -163,7 +164,7 @@ def _load(args: argparse.Namespace, tenants: Any, end_at: float | None, checkpoi
              ", ".join(f"{k} {v}" for k, v in {**OPENAI_SAMPLING, **defaults}.items()),
              "the model's generation_config.json" if defaults
              else "OpenAI's: the model sets none")  # fmt: skip
-    engine = AsyncEngine(m.engine, checkpoint_path=str(checkpoint))
+    engine = AsyncEngine(m.engine, checkpoint_path=None if checkpoint is None else str(checkpoint))
     server = OpenAIServer(engine, tenants, model_name=names[0], encode_chat=encode_chat,
                           aliases=names[1:], max_body_bytes=args.max_body_bytes,
                           drain_seconds=args.drain_seconds, end_at=end_at,
@@ -175,10 +176,10 @@ def _load(args: argparse.Namespace, tenants: Any, end_at: float | None, checkpoi
               f"devices{f', each KV head on {replicas}' if replicas > 1 else ''}",
               flush=True)  # fmt: skip
     server.scheduler_table = load_scheduler_table(args.tenants)
+    kept = "" if checkpoint is None else f" (checkpoint {checkpoint})"
     server.listening_message = (
         f"serving {names[0]} to {len(tenants.names)} tenant(s) on "
-        f"http://{args.host}:{args.port}/v1 (checkpoint {checkpoint}); warming up, /ready "
-        "answers 200 once warm"
+        f"http://{args.host}:{args.port}/v1{kept}; warming up, /ready answers 200 once warm"
     )
     return server
 
@@ -228,8 +229,8 @@ def add_parsers(sub: Any) -> None:
     v.add_argument("--end-at", help="drain and exit by this time (ISO 8601 or Unix seconds)")
     v.add_argument(
         "--checkpoint",
-        help="where the drain writes the scheduler checkpoint, one live server per file "
-        "(default: serve-checkpoint-PORT.jsonl in the kvsched cache folder)",
+        help="write the scheduler checkpoint here when the drain ends (0600, one live server "
+        "per file; default: none, as kvsched serve never reads one back)",
     )
     v.add_argument("--max-seq-len", type=int, default=1024,
                    help="longest prompt + output in tokens (default 1024)")  # fmt: skip

@@ -76,11 +76,6 @@ class CheckpointLock:
             self._fd = None
 
 
-def default_checkpoint(cache: Path, port: int) -> Path:
-    """One file per port, so servers on one machine keep their own."""
-    return cache / f"serve-checkpoint-{port}.jsonl"
-
-
 def bind_socket(host: str, port: int) -> socket.socket:
     """A TCP socket listening on (host, port), so no other server can take the
     port while the model loads (connections wait, or `LoadingResponder` answers

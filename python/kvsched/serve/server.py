@@ -48,7 +48,7 @@ Draining (SIGTERM or SIGINT, `OpenAIServer.begin_drain()`, or `end_at`): /ready
 turns 503 and new requests get 503 (code "draining", Retry-After); running
 requests go on until `drain_seconds`, then every stream ends with a final chunk
 (finish_reason "length", kvsched_finish_reason "drain_deadline") and [DONE]; the
-engine writes its checkpoint and the process exits 0. A second SIGTERM or SIGINT
+engine writes its checkpoint (if it was given a path) and the process exits 0. A second SIGTERM or SIGINT
 during the drain moves its deadline to now: the running requests are handed
 back at the next step, every stream still gets its final chunk, the checkpoint
 is still written and the exit status is still 0 (orchestrators send a second
