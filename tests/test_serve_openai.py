@@ -37,6 +37,8 @@ KEY = "sk-test-gold"
 TENANTS = {"tenant": [
     {"name": "gold", "api_key": KEY, "tier": 0},
     {"name": "solo", "api_key": "sk-test-solo", "tier": 1, "max_concurrent": 1},
+    {"name": "metered", "api_key": "sk-test-metered", "tier": 1, "rate_tokens_per_s": 1,
+     "burst_tokens": 300},
 ]}  # fmt: skip
 PROMPT = [5, 17, 99, 3, 42, 7]
 CONTEXT = 1024  # the tiny model's: about 2.5 ms a token on CPU, so long requests last seconds
@@ -818,6 +820,50 @@ def test_a_text_past_the_context_is_refused_untokenized_and_tokenizing_is_off_th
         assert len(calls) == 2 and running.thread not in calls, "tokenized off the loop"
     finally:
         srv.tokenizer, srv.encode_chat = real_tok, real_chat
+
+
+def test_a_rate_limited_tenant_pays_for_refused_prompts_and_is_refused_before_tokenizing(smol):
+    """A prompt tokenized and then refused as too long is charged to the tenant's
+    rate (61 such 1 MB prompts were all free), so its next request waits; a text
+    whose fewest possible tokens the rate cannot cover is refused untokenized:
+    429 with Retry-After while the bucket refills, 400 past its burst."""
+    gg, running = smol
+    srv = running.server
+    calls = []
+    real = srv.tokenizer
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def encode_batch(self, *a, **k):
+            calls.append(1)
+            return real.encode_batch(*a, **k)
+
+    srv.tokenizer = Counting()
+    auth = {"Authorization": "Bearer sk-test-metered"}
+
+    def post(prompt: str) -> httpx.Response:
+        return httpx.post(f"{running.url}/v1/completions", headers=auth, timeout=30,
+                          json={"model": "SmolLM2", "prompt": prompt, "max_tokens": 1})  # fmt: skip
+
+    try:
+        r = post("word " * 600)  # 600 tokens: over the 512-token context once tokenized
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert calls == [1]
+        r = post("Hello")  # 3 tokens, but the refused 600 emptied the 300-token bucket
+        assert r.status_code == 429, r.text
+        assert r.json()["error"]["code"] == "rate_limited"
+        assert int(r.headers["retry-after"]) >= 1
+        r = post("word " * 100)  # at least 7 tokens (500 characters, 81 at most a token)
+        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1, r.text
+        assert r.json()["error"]["code"] == "rate_limited"
+        r = post("x" * 30_000)  # at least 371 tokens: more than the burst of 300, ever
+        assert r.status_code == 400 and r.json()["error"]["code"] == "rate_limited", r.text
+        assert "retry-after" not in r.headers
+        assert calls == [1], "the last three were refused before tokenizing"
+    finally:
+        srv.tokenizer = real
 
 
 def test_smollm2_chat_answers_paris_with_usage_and_logprobs(smol):

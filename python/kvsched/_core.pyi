@@ -619,6 +619,14 @@ class Scheduler:
         bucket keeps its level, clipped to the new size."""
     def remove_tenant(self, name: str, /) -> None:
         """Remove a tenant; refused with TenantInUse while it has live requests."""
+    def rate_wait(self, name: str, tokens: int, /, *, now: float | None = None) -> float:
+        """Seconds until `tokens` fit in tenant `name`'s rate limit: 0.0 when they
+        fit now or it has no rate limit, math.inf when they never will (more than
+        its burst). Changes nothing. Raises UnknownTenant."""
+    def charge_rate(self, name: str, tokens: int, /, *, now: float | None = None) -> None:
+        """Take `tokens` from tenant `name`'s rate limit (down to empty) for work a
+        refused request cost the caller, e.g. a prompt tokenized and then found
+        too long. Nothing for a tenant without a rate limit. Raises UnknownTenant."""
     def tenant(self, name: str, /) -> TenantConfig:
         """The current configuration of tenant `name`."""
     def submit(

@@ -111,6 +111,36 @@ impl PyScheduler {
         Ok(locked(&self.inner, |s| s.remove_tenant(name))??)
     }
 
+    /// Seconds until `tokens` fit in tenant `name`'s rate limit: 0.0 when they
+    /// fit now or it has no rate limit, math.inf when they never will (more than
+    /// its burst). Changes nothing. Raises UnknownTenant.
+    #[pyo3(signature = (name, tokens, /, *, now=None))]
+    fn rate_wait(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        tokens: usize,
+        now: Option<f64>,
+    ) -> PyResult<f64> {
+        let now = now_or_monotonic(py, now)?;
+        Ok(locked(&self.inner, |s| s.rate_wait(name, tokens, now))??)
+    }
+
+    /// Take `tokens` from tenant `name`'s rate limit (down to empty) for work a
+    /// refused request cost the caller, e.g. a prompt tokenized and then found
+    /// too long. Nothing for a tenant without a rate limit. Raises UnknownTenant.
+    #[pyo3(signature = (name, tokens, /, *, now=None))]
+    fn charge_rate(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        tokens: usize,
+        now: Option<f64>,
+    ) -> PyResult<()> {
+        let now = now_or_monotonic(py, now)?;
+        Ok(locked(&self.inner, |s| s.charge_rate(name, tokens, now))??)
+    }
+
     /// The current configuration of tenant `name`.
     #[pyo3(signature = (name, /))]
     fn tenant(&self, name: &str) -> PyResult<PyTenantConfig> {

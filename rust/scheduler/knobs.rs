@@ -140,6 +140,37 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Seconds until `tokens` fit in tenant `name`'s rate limit at `now`: 0.0
+    /// when they fit now (or it has no rate limit), infinity when they never
+    /// will (more than its burst). Changes nothing. For a caller about to spend
+    /// work on a request before it can submit it (tokenizing a prompt).
+    pub fn rate_wait(&self, name: &str, tokens: usize, now: f64) -> KvResult<f64> {
+        let t = self.tenants.by_name(name)?;
+        Ok(
+            match t.bucket.as_ref().map(|b| b.check(tokens as f64, now)) {
+                None | Some(Ok(())) => 0.0,
+                Some(Err(Some(wait))) => wait,
+                Some(Err(None)) => f64::INFINITY,
+            },
+        )
+    }
+
+    /// Take `tokens` from tenant `name`'s rate limit at `now` (down to empty,
+    /// never below) for work a refused request cost: a prompt tokenized and
+    /// then refused (too long for the context, say) is charged as if it had
+    /// been admitted, so refusals are no cheaper a way to spend the server's
+    /// time than requests. Nothing for a tenant without a rate limit.
+    pub fn charge_rate(&mut self, name: &str, tokens: usize, now: f64) -> KvResult<()> {
+        self.accept_now(now)?;
+        let Some(tid) = self.tenants.id(name) else {
+            return Err(KvError::UnknownTenant(name.to_string()));
+        };
+        if let Some(bucket) = self.tenants.get_mut(tid).bucket.as_mut() {
+            bucket.take(tokens as f64, now);
+        }
+        Ok(())
+    }
+
     /// Remove a tenant without live requests; its evictable prefix-cache pages
     /// are forgotten and freed, so a tenant added later under the same name
     /// starts cold.

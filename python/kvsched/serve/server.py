@@ -48,12 +48,13 @@ Draining (SIGTERM or SIGINT, `OpenAIServer.begin_drain()`, or `end_at`): /ready
 turns 503 and new requests get 503 (code "draining", Retry-After); running
 requests go on until `drain_seconds`, then every stream ends with a final chunk
 (finish_reason "length", kvsched_finish_reason "drain_deadline") and [DONE]; the
-engine writes its checkpoint (if it was given a path) and the process exits 0. A second SIGTERM or SIGINT
-during the drain moves its deadline to now: the running requests are handed
-back at the next step, every stream still gets its final chunk, the checkpoint
-is still written and the exit status is still 0 (orchestrators send a second
-signal; that must not lose anything). A signal during the warmup stops it after
-the program being compiled (nothing was admitted). SIGHUP rereads the tenants
+engine writes its checkpoint (if it was given a path) and the process exits 0.
+A second SIGTERM or SIGINT during the drain moves its deadline to now: the
+running requests are handed back at the next step, every stream still gets its
+final chunk, the checkpoint is still written and the exit status is still 0
+(orchestrators send a second signal; that must not lose anything). A signal
+during the warmup stops it after the program being compiled (nothing was
+admitted). SIGHUP rereads the tenants
 file (`OpenAIServer.reload()`).
 
 /ready's 503 body says why: {"status": "warming", "warmup": {"done", "total",
@@ -581,24 +582,27 @@ class OpenAIServer:
 
     # -- requests ----------------------------------------------------------------------------
 
-    def _refuse_text_past_the_context(self, req: Any, kind: str) -> None:
-        """A text longer than the context could hold at the vocabulary's longest
-        token is refused without being tokenized (it cannot fit, whatever its
-        tokens: each token covers at most `max_token_chars` characters)."""
-        if self.max_token_chars is None:
-            return
+    @staticmethod
+    def _text_len(req: Any, kind: str) -> tuple[int, str] | None:
+        """(characters, parameter) of a prompt given as text; None for token ids."""
         if kind == "chat":
-            text_len = sum(len(m.content) if isinstance(m.content, str)
-                           else sum(len(p.text or "") for p in m.content or ())
-                           for m in req.messages)  # fmt: skip
-            param = "messages"
-        else:
-            prompt = req.prompt
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-                prompt = prompt[0]
-            if not isinstance(prompt, str):
-                return
-            text_len, param = len(prompt), "prompt"
+            return sum(len(m.content) if isinstance(m.content, str)
+                       else sum(len(p.text or "") for p in m.content or ())
+                       for m in req.messages), "messages"  # fmt: skip
+        prompt = req.prompt
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        return (len(prompt), "prompt") if isinstance(prompt, str) else None
+
+    def _refuse_before_tokenizing(self, tenant: str, req: Any, kind: str) -> None:
+        """What can be refused from a text's length alone is, untokenized: a text
+        longer than the context could hold at the vocabulary's longest token (it
+        cannot fit, whatever its tokens: each covers at most `max_token_chars`
+        characters), and one whose fewest possible tokens the tenant's rate limit
+        cannot cover now (429 with Retry-After) or ever (400)."""
+        if self.max_token_chars is None or (text := self._text_len(req, kind)) is None:
+            return
+        text_len, param = text
         ctx = self.scheduler.config.max_seq_len
         if text_len > ctx * self.max_token_chars:
             raise bad_request(
@@ -606,6 +610,20 @@ class OpenAIServer:
                 f"tokens (its longest token is {self.max_token_chars} characters)",
                 param=param, code="context_length_exceeded",
             )  # fmt: skip
+        fewest = -(-text_len // self.max_token_chars)
+        try:
+            wait = self.scheduler.rate_wait(tenant, fewest)
+        except kvsched.UnknownTenant:  # removed by a reload since: submit says so
+            return
+        if wait == math.inf:
+            raise APIError(400, f"{param}: at least {fewest} tokens, more than tenant {tenant!r}'s "
+                           "rate limit holds (its burst_tokens)", param=param,
+                           code="rate_limited")  # fmt: skip
+        if wait > 0:
+            raise APIError(429, f"{param}: tenant {tenant!r} is over its rate limit for the "
+                           f"{fewest} tokens this prompt holds at least",
+                           code="rate_limited",
+                           headers={"Retry-After": str(max(1, math.ceil(wait)))})  # fmt: skip
 
     def _prompt_ids(self, req: Any, kind: str) -> tuple[list[int], str]:
         """Token ids of the prompt and the parameter they came from."""
@@ -692,11 +710,19 @@ class OpenAIServer:
         self._check_model(req.model)
         check_unsupported(req)
         self._refuse_if_draining()
-        self._refuse_text_past_the_context(req, kind)  # before any tokenizing
+        self._refuse_before_tokenizing(tenant, req, kind)
         # Templates and tokenizers run off the event loop: a long prompt must not
         # stall every other request, /health included.
         ids, prompt_param = await asyncio.to_thread(self._prompt_ids, req, kind)
-        params = self._sampling(req, kind, len(ids), prompt_param)
+        try:
+            params = self._sampling(req, kind, len(ids), prompt_param)
+        except APIError:
+            # Refused after its prompt was read (too long for the context, say):
+            # charged to the tenant's rate as if admitted, or refusals would be a
+            # free way to spend the server's time.
+            with contextlib.suppress(kvsched.UnknownTenant):  # a reload removed it
+                self.scheduler.charge_rate(tenant, len(ids))
+            raise
         try:
             stream = await self.engine.generate(tenant, ids, params)
         except kvsched.Rejected as e:

@@ -113,6 +113,40 @@ fn rate_limit_retry_after_is_exact_and_deterministic() {
 }
 
 #[test]
+fn refused_work_charged_to_the_rate_limit_delays_the_next_request() {
+    let mut s = sched(1001, 16);
+    let mut c = tenant("a", 0, None);
+    c.rate_tokens_per_s = Some(100.0);
+    c.burst_tokens = Some(200.0);
+    s.add_tenant(c).unwrap();
+    s.add_tenant(tenant("free", 0, None)).unwrap();
+    assert_eq!(s.rate_wait("a", 200, 10.0).unwrap(), 0.0);
+    assert_eq!(s.rate_wait("a", 201, 10.0).unwrap(), f64::INFINITY);
+    // 150 tokens of refused work: 50 left, so 120 more wait 0.7 s, as a submit says.
+    s.charge_rate("a", 150, 10.0).unwrap();
+    assert!((s.rate_wait("a", 120, 10.0).unwrap() - 0.7).abs() < 1e-9);
+    let KvError::Rejected(r) = s.submit("a", &[1; 100], 20, 10.0).unwrap_err() else {
+        panic!()
+    };
+    assert!((r.retry_after.unwrap() - 0.7).abs() < 1e-9);
+    // A charge past the level empties the bucket, no further.
+    s.charge_rate("a", 10_000, 10.0).unwrap();
+    assert!((s.rate_wait("a", 200, 10.0).unwrap() - 2.0).abs() < 1e-9);
+    s.submit("a", &[1; 100], 100, 12.0).unwrap();
+    // No rate limit: nothing to charge, nothing to wait for.
+    s.charge_rate("free", 10_000, 12.0).unwrap();
+    assert_eq!(s.rate_wait("free", 10_000, 12.0).unwrap(), 0.0);
+    assert!(matches!(
+        s.charge_rate("nobody", 1, 12.0),
+        Err(KvError::UnknownTenant(_))
+    ));
+    assert!(matches!(
+        s.rate_wait("nobody", 1, 12.0),
+        Err(KvError::UnknownTenant(_))
+    ));
+}
+
+#[test]
 fn cancel_releases_and_unknown_ids_are_typed() {
     let mut h = Harness::new(config(101, 16));
     h.tenant(tenant("a", 0, None));
