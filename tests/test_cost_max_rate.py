@@ -8,8 +8,9 @@ import json
 
 import pytest
 
-from kvsched.capacity import CapacityError, load_max_rate
+from kvsched.capacity import CapacityError
 from kvsched.cli import main
+from kvsched.maxrate_result import load_max_rate
 
 
 def max_rate(**over) -> dict:

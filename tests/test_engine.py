@@ -10,12 +10,12 @@ pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 import kvsched  # noqa: E402
-from kvsched.engine.config import UnsupportedConfig  # noqa: E402
 from kvsched.engine.loaders.safetensors_llama import (  # noqa: E402
     load_llama_safetensors,
     save_llama_safetensors,
 )
 from kvsched.engine.model import LlamaConfig, forward_dense, greedy_dense, init_params  # noqa: E402
+from kvsched.engine.model_config import UnsupportedConfig  # noqa: E402
 from kvsched.engine.runner import Engine, size_pool  # noqa: E402
 
 MODEL = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,

@@ -1,4 +1,5 @@
-"""kvsched.engine's modules import each other one way only.
+"""kvsched's modules import each other one way only, and the runtime (the
+engine and the server) never imports the planner (capacity, the simulator).
 
 Every module of the package is parsed with `ast` (no import runs, so this needs
 no JAX): imports at module level and inside functions alike, since an import
@@ -14,8 +15,10 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = "kvsched.engine"
-ROOT = Path(__file__).resolve().parent.parent / "python" / "kvsched" / "engine"
+PACKAGE = "kvsched"
+ROOT = Path(__file__).resolve().parent.parent / "python" / "kvsched"
+RUNTIME = ("kvsched.engine", "kvsched.serve")
+PLANNER = ("kvsched.capacity", "kvsched.sim", "kvsched.maxrate_result", "kvsched.cli")
 
 
 def _module_name(path: Path) -> str:
@@ -105,13 +108,46 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_engine_imports_have_no_cycle():
+def test_package_imports_have_no_cycle():
     graph = import_graph()
-    assert len(graph) > 5, f"found too few modules under {ROOT}: {sorted(graph)}"
+    assert len(graph) > 40, f"found too few modules under {ROOT}: {sorted(graph)}"
+    assert "kvsched.engine.runner" in graph and "kvsched.serve.server" in graph
     cycle = find_cycle(graph)
-    assert cycle is None, "kvsched.engine modules import each other in a circle: " + " -> ".join(
+    assert cycle is None, "kvsched modules import each other in a circle: " + " -> ".join(
         cycle or []
     )
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def in_part(module: str, parts: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in parts)
+
+
+def test_the_runtime_never_imports_the_planner():
+    """The engine and the server share shapes and arithmetic with the capacity
+    model and the simulator through kvsched.shapes; none of them reaches, even
+    through another module, the planner's code (pricing, the simulator)."""
+    graph = import_graph()
+    runtime = [m for m in graph if in_part(m, RUNTIME)]
+    assert len(runtime) > 20
+    for module in runtime:
+        planner = sorted(m for m in reachable(graph, module) if in_part(m, PLANNER))
+        assert not planner, f"{module} imports the planner: {planner}"
+
+
+def test_the_planner_check_sees_an_indirect_import():
+    graph = {"kvsched.engine.a": {"kvsched.shapes"}, "kvsched.shapes": {"kvsched.sim.x"}}
+    assert "kvsched.sim.x" in reachable(graph, "kvsched.engine.a")
+    assert in_part("kvsched.sim.x", PLANNER) and not in_part("kvsched.simple", PLANNER)
 
 
 @pytest.mark.parametrize(

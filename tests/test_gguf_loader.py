@@ -15,9 +15,9 @@ pytest.importorskip("tokenizers")
 import jax.numpy as jnp  # noqa: E402
 from gguf_helpers import CHATML, write_gguf  # noqa: E402
 
-from kvsched.engine.config import UnsupportedConfig  # noqa: E402
 from kvsched.engine.loaders.gguf_llama import load_gguf, render_chat_template  # noqa: E402
 from kvsched.engine.model import LlamaConfig, forward_dense, init_params  # noqa: E402
+from kvsched.engine.model_config import UnsupportedConfig  # noqa: E402
 
 MODEL = LlamaConfig(vocab_size=264, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                     ffn_dim=96, rope_theta=10000.0, name="gguf-test")  # fmt: skip

@@ -20,8 +20,8 @@ pytest.importorskip("tokenizers")
 from gguf_helpers import CHATML, byte_level_vocab  # noqa: E402
 
 import kvsched  # noqa: E402
-from kvsched.engine.config import UnsupportedConfig  # noqa: E402
 from kvsched.engine.loaders.hf_dir import load_hf_dir, weight_files  # noqa: E402
+from kvsched.engine.model_config import UnsupportedConfig  # noqa: E402
 
 KEY = "sk-hf"
 CHAT = [{"role": "user", "content": "hello world"}]

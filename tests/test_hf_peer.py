@@ -21,9 +21,9 @@ transformers = pytest.importorskip("transformers")
 
 import jax.numpy as jnp  # noqa: E402
 
-from kvsched.engine.config import LlamaConfig  # noqa: E402
 from kvsched.engine.loaders.safetensors_llama import load_llama_safetensors  # noqa: E402
 from kvsched.engine.model import forward_dense  # noqa: E402
+from kvsched.engine.model_config import LlamaConfig  # noqa: E402
 
 N_TOKENS = 40
 # f32 logits differ by ~1e-6 of their scale (summation order); a misread RoPE

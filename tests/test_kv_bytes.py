@@ -11,7 +11,6 @@ import kvsched
 from kvsched.capacity import KV_DTYPES, ModelShape, kv_bytes
 
 pytest.importorskip("jax")
-from kvsched.engine.config import LlamaConfig  # noqa: E402
 from kvsched.engine.kv_cache import (  # noqa: E402
     KVCacheSpec,
     init_cache,
@@ -19,6 +18,7 @@ from kvsched.engine.kv_cache import (  # noqa: E402
     kv_bytes_per_token,
 )
 from kvsched.engine.model import init_params  # noqa: E402
+from kvsched.engine.model_config import LlamaConfig  # noqa: E402
 from kvsched.engine.runner import Engine, kv_bytes_per_block, size_pool  # noqa: E402
 
 MODEL = LlamaConfig(

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("jax")
 
-from kvsched.engine.config import (  # noqa: E402
+from kvsched.engine.model_config import (  # noqa: E402
     LlamaConfig,
     UnsupportedConfig,
     rope_inv_freq,

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvsched.capacity import load_max_rate
 from kvsched.cli import main
+from kvsched.maxrate_result import load_max_rate
 from kvsched.sim import maxrate, mix, setup, sweeps
 from kvsched.sim.simulator import StepCost, StepCostError
 from kvsched.sim.slo import parse_slos

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from kvsched.engine.text import IncrementalDetokenizer, StopStringMatcher
+from kvsched.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 EOT = "<|endoftext|>"
 CORPUS = [

@@ -63,7 +63,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                       passes=args.passes, clock=args.clock, name=name)  # fmt: skip
     print(c.report())
     c.cost.save(args.out)
-    from kvsched.capacity import MODELS
+    from kvsched.shapes import MODELS
 
     fitted = c.cost.model.name
     use = f"kvsched simulate --model {fitted} --step-cost {args.out}"

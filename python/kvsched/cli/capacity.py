@@ -11,6 +11,7 @@ from kvsched.cli.common import preset_options
 
 def cmd_capacity(args: argparse.Namespace) -> int:
     from kvsched import capacity as cap
+    from kvsched.maxrate_result import load_max_rate
 
     kv_bytes = None if args.kv_dtype else (2.0 if args.kv_bytes is None else args.kv_bytes)
     c = cap.capacity(args.model, args.accelerator, devices=args.devices, precision=args.precision,
@@ -69,7 +70,7 @@ def cmd_capacity(args: argparse.Namespace) -> int:
                       f"one differs ({'; '.join(differ)}): its pool and rate are others",
                       file=sys.stderr)  # fmt: skip
                 return 2
-            max_rate = cap.load_max_rate(
+            max_rate = load_max_rate(
                 args.max_rate_json, model=args.model, accelerator=args.accelerator,
                 devices=args.devices,
             )  # fmt: skip
@@ -99,7 +100,8 @@ def cmd_capacity(args: argparse.Namespace) -> int:
             print(f"  self_hosted units: replicas of {c.devices} x {args.accelerator} "
                   f"({c.devices} x --device-hour), {max_rate.tokens_per_s:,.0f} tokens/s "
                   f"each (prompt {max_rate.input_tokens_per_s:,.0f} + output "
-                  f"{max_rate.output_tokens_per_s:,.0f}), from {max_rate.describe()}")  # fmt: skip
+                  f"{max_rate.output_tokens_per_s:,.0f}), from "
+                  f"{max_rate.describe(args.max_rate_json)}")  # fmt: skip
         elif "self_hosted" in names:
             print(f"  self_hosted units: accelerators ({args.accelerator}) of --device-tps "
                   f"{args.device_tps:g} tokens/s each, as given (not derived from the "

@@ -41,7 +41,7 @@ def preset_options(
 ) -> None:  # fmt: skip
     """--model, --accelerator (the capacity presets) and --devices: what
     capacity, simulate, sweep and mix size the engine from."""
-    from kvsched.capacity import ACCELERATORS, MODELS
+    from kvsched.shapes import ACCELERATORS, MODELS
 
     p.add_argument("--model", default="llama-3-8b", choices=sorted(MODELS),
                    help="model preset (default llama-3-8b)")  # fmt: skip

@@ -15,9 +15,9 @@ as they come out of `Scheduler.step()`:
 Modules, in import order (each imports only modules listed before it;
 tests/test_engine_imports.py checks the package has no import cycle):
 
-- `config`, `inputs` (AttentionInputs, StepInputs: the plan arrays as pytrees),
+- `model_config`, `inputs` (AttentionInputs, StepInputs: the plan arrays as pytrees),
   `mesh` (the tensor-parallel axis and partition specs), `kv_cache` (cache
-  arrays; KV bytes via kvsched.capacity.kv_bytes), `sampling`, `text`,
+  arrays; KV bytes via kvsched.shapes.kv_bytes), `sampling`, `detokenizer`,
   `kv_gate` (the int8 KV gate): no engine imports.
 - `kernels/`: `common`, then `reference`, `tpu` (Pallas, Mosaic), `gpu`
   (Pallas, Triton) and `jax_rpa` (JAX's kernel).

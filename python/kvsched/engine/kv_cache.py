@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
-from kvsched.capacity import kv_bytes
+from kvsched.shapes import kv_bytes
 
 if TYPE_CHECKING:
     from jax.sharding import NamedSharding
@@ -104,7 +104,7 @@ def kv_bytes_per_token(
     """Bytes of KV cache one token (or `tokens` tokens: a page) takes over all
     layers (K and V, scales included for int8): what the pool is sized by.
     kv_dtype: a name ("float32", "bfloat16", "int8") or a dtype. The formula is
-    kvsched.capacity.kv_bytes (written once, there, so the JAX-free capacity
+    kvsched.shapes.kv_bytes (written once, there, so the JAX-free capacity
     model counts the same bytes); this cache supplies the dtype's sizes."""
     element, scale = element_and_scale_bytes(kv_dtype)
     return int(kv_bytes(n_layers, n_kv_heads, head_dim, element, scale, tokens=tokens))

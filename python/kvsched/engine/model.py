@@ -29,9 +29,9 @@ from jax.sharding import Mesh
 from jax.typing import ArrayLike
 
 from kvsched.engine.attention import paged_attention
-from kvsched.engine.config import LlamaConfig, rope_inv_freq
 from kvsched.engine.inputs import AttentionInputs
 from kvsched.engine.kv_cache import KVCache, write_kv_layer
+from kvsched.engine.model_config import LlamaConfig, rope_inv_freq
 
 LayerParams = dict[str, jax.Array]
 """One layer's weights by name (LAYER_WEIGHTS), or every layer's stacked."""

@@ -34,6 +34,7 @@ from jax.sharding import Mesh
 import kvsched
 from kvsched.engine import kv_gate, sharding
 from kvsched.engine.attention import resolve_backend
+from kvsched.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from kvsched.engine.inputs import HostArray, StepInputs
 from kvsched.engine.kv_cache import (
     KVCache,
@@ -50,7 +51,6 @@ from kvsched.engine.model import (
     weights_checksum,
 )
 from kvsched.engine.sampling import MAX_LOGPROBS, SamplingBatch, SamplingParams, mix_seed, sample
-from kvsched.engine.text import IncrementalDetokenizer, StopStringMatcher
 
 
 def kv_bytes_per_block(model: LlamaConfig, block_size: int, kv_dtype: str) -> int:

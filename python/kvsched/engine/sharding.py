@@ -32,10 +32,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import kvsched
-from kvsched.capacity import tensor_parallel_misfit
-from kvsched.engine.config import LlamaConfig
 from kvsched.engine.mesh import AXIS, CACHE_SPEC, LAYER_SPECS, STACKED_CACHE_SPEC, make_mesh
 from kvsched.engine.model import Params
+from kvsched.engine.model_config import LlamaConfig
+from kvsched.shapes import tensor_parallel_misfit
 
 # make_mesh is defined in kvsched.engine.mesh; it is named here too because
 # users build a mesh as kvsched.engine.sharding.make_mesh(n) (the README does).

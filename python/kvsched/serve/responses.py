@@ -16,8 +16,8 @@ from typing import Any
 import kvsched
 from kvsched.engine.runner import RequestOutput, TokenLogprob
 from kvsched.serve.async_engine import RequestStream
+from kvsched.serve.logprob_tokens import TokenText
 from kvsched.serve.openai_schema import APIError, bad_request
-from kvsched.serve.token_text import TokenText
 
 OPENAI_FINISH = {"stop": "stop", "length": "length"}
 

@@ -117,6 +117,7 @@ from kvsched.serve.asgi import (
 )
 from kvsched.serve.async_engine import AsyncEngine, http_status
 from kvsched.serve.engine_setup import LoadedModel, load_model, parse_end_at
+from kvsched.serve.logprob_tokens import TokenText
 from kvsched.serve.openai_schema import (
     APIError,
     ChatCompletionRequest,
@@ -140,7 +141,6 @@ from kvsched.serve.responses import (
     usage,
 )
 from kvsched.serve.tenants import TenantRegistry, TenantsError, load_scheduler_table
-from kvsched.serve.token_text import TokenText
 
 log = logging.getLogger("kvsched.serve")
 

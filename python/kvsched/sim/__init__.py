@@ -11,10 +11,14 @@ A custom study in a few lines (the names below are exported here):
     result = simulate(engine.config, tenants, arrivals, engine.cost)
     attainment(result, parse_slos(["*:ttft=1,itl=0.1"]))
     find_max_rate(arrivals, tenants, engine, parse_slos(["*:ttft=1"]))
+
+`engine_for` returns a `SimEngine` (the scheduler's configuration and the
+step-cost model); its old name here, `Engine`, stays for one release,
+deprecated: it was a second class of that name beside kvsched.engine's.
 """
 
 from kvsched.sim.maxrate import MaxRate, MaxRateError, find_max_rate
-from kvsched.sim.setup import Engine, engine_for, file_workload, named_workload
+from kvsched.sim.setup import SimEngine, engine_for, file_workload, named_workload
 from kvsched.sim.simulator import Arrival, SimResult, StepCost, simulate
 from kvsched.sim.slo import Attainment, Slo, SloError, attainment, parse_slos
 from kvsched.sim.traces import TraceError, read_requests
@@ -22,9 +26,9 @@ from kvsched.sim.traces import TraceError, read_requests
 __all__ = [
     "Arrival",
     "Attainment",
-    "Engine",
     "MaxRate",
     "MaxRateError",
+    "SimEngine",
     "SimResult",
     "Slo",
     "SloError",
@@ -39,3 +43,9 @@ __all__ = [
     "read_requests",
     "simulate",
 ]
+
+
+def __getattr__(name: str) -> type[SimEngine]:
+    if name == "Engine":  # deprecated alias (see the module)
+        return SimEngine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

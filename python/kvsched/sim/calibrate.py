@@ -73,11 +73,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 import kvsched
-from kvsched.capacity import Accelerator, ModelShape
+from kvsched.shapes import Accelerator, ModelShape
 from kvsched.sim.simulator import StepCost
 
 if TYPE_CHECKING:
-    from kvsched.engine.config import LlamaConfig
+    from kvsched.engine.model_config import LlamaConfig
     from kvsched.engine.runner import Engine
 
 

@@ -35,19 +35,18 @@ tenant furthest below its target there, and the cause of most of its misses
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 
 import kvsched
+from kvsched.maxrate_result import MaxRate, load_max_rate  # noqa: F401 (exported)
 from kvsched.sim import workloads
 from kvsched.sim.scenarios import Scenario
-from kvsched.sim.setup import Engine
+from kvsched.sim.setup import SimEngine
 from kvsched.sim.simulator import SERVED, Arrival, SimResult, simulate
 from kvsched.sim.slo import ANY, CAUSES, Slo, attainment, slo_of
 
@@ -113,60 +112,6 @@ class Point:
     worst: tuple[str, str] | None = None  # (tenant, cause) furthest below target
 
 
-@dataclass
-class MaxRate:
-    """The result of `find_max_rate`; `to_json` / `from_json` round-trip it.
-
-    `multiplier`: the highest multiplier found to meet every target; the rates
-    are measured there (offered requests/s, served output and prompt tokens per
-    second of the run, pooled over the seeds). `upper`: the lowest multiplier
-    found to miss (None: none missed up to the search's limit, and `binding` is
-    None). `binding`: {"tenant", "constraint"} at `upper`."""
-
-    multiplier: float
-    requests_per_s: float
-    output_tokens_per_s: float
-    input_tokens_per_s: float
-    model: str
-    accelerator: str
-    devices: int
-    trace: str
-    attainment_target: float
-    binding: dict[str, str] | None
-    slos: dict[str, str]
-    upper: float | None = None
-    seeds: int = 1
-    variation: str = "shift"
-    scenario: str = "continuous"
-    attainment: dict[str, float] = field(default_factory=dict)  # at `multiplier`
-    points: list[dict[str, Any]] = field(default_factory=list)  # in the order tried
-    runs: int = 0  # simulations run
-    wall_s: float = 0.0
-
-    def line(self) -> str:
-        """`max rate: <multiplier>x = <requests/s> req/s (binding: <tenant> <constraint>)`."""
-        rate = f"{self.multiplier:.3g}x = {self.requests_per_s:.3g} req/s"
-        if self.binding is None:
-            return f"max rate: {rate} (binding: none up to the search limit, {self.multiplier:g}x)"
-        return f"max rate: {rate} (binding: {self.binding['tenant']} {self.binding['constraint']})"
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2)
-
-    @classmethod
-    def from_json(cls, text: str) -> MaxRate:
-        data = json.loads(text)
-        if not isinstance(data, dict):
-            raise ValueError("a max-rate result is a JSON object")
-        known = set(cls.__dataclass_fields__)
-        missing = {"multiplier", "requests_per_s", "output_tokens_per_s", "input_tokens_per_s",
-                   "model", "accelerator", "devices", "trace", "attainment_target", "binding",
-                   "slos"} - set(data)  # fmt: skip
-        if missing:
-            raise ValueError(f"a max-rate result lacks {', '.join(sorted(missing))}")
-        return cls(**{k: v for k, v in data.items() if k in known})
-
-
 def nominal_rate(arrivals: list[Arrival]) -> float:
     """Requests per second of `arrivals`: (n - 1) gaps over the span from first
     to last (0 when they all arrive at once)."""
@@ -179,7 +124,7 @@ def nominal_rate(arrivals: list[Arrival]) -> float:
 def find_max_rate(
     arrivals: list[Arrival],
     tenants: Iterable[kvsched.TenantConfig],
-    engine: Engine,
+    engine: SimEngine,
     slos: Mapping[str, Slo],
     *,
     target: float = 0.99,

@@ -149,7 +149,7 @@ def parse_tiers(specs: Iterable[str]) -> dict[str, int]:
 
 
 @dataclass(frozen=True)
-class Engine:
+class SimEngine:
     """The engine a simulation runs on: the scheduler's base configuration and
     the step-cost model of the same model and accelerators."""
 
@@ -169,7 +169,7 @@ def engine_for(
     step_budget: int = STEP_BUDGET,
     chunk: int = 2048,
     cost: StepCost | None = None,
-) -> Engine:
+) -> SimEngine:
     """Size the pool with the capacity model (`context` is raised to the longest
     request of `arrivals`, rounded up to 16 tokens) and build the base
     configuration `kvsched simulate` uses: continuous batching, chunked prefill,
@@ -187,4 +187,4 @@ def engine_for(
     )  # fmt: skip
     if cost is None:
         cost = StepCost.preset(model, accelerator, devices=devices, hosts=hosts)
-    return Engine(base, cost)
+    return SimEngine(base, cost)

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 import kvsched
-from kvsched.capacity import ACCELERATORS, MODELS, WEIGHT_BYTES, Accelerator, ModelShape
+from kvsched.shapes import ACCELERATORS, MODELS, WEIGHT_BYTES, Accelerator, ModelShape
 
 
 class StepCostError(ValueError):

@@ -51,7 +51,7 @@ than it credits (issue 15's decode has 128 programs for 132 SMs). The
 latency constants are the largest unknowns: the first device run
 (benches/tpu_check.py, gpu_check.py) calibrates them.
 
-Imports numpy and kvsched.capacity at import (no JAX); `mosaic_summary` imports
+Imports numpy and kvsched.shapes at import (no JAX); `mosaic_summary` imports
 jaxlib's MLIR bindings on use, `jax_rpa_block_sizes` reads JAX's tuned table
 when jax is installed.
 """
@@ -67,7 +67,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from kvsched.capacity import ACCELERATORS
+from kvsched.shapes import ACCELERATORS
 
 # -- devices -------------------------------------------------------------------
 
@@ -75,7 +75,7 @@ from kvsched.capacity import ACCELERATORS
 @dataclass(frozen=True)
 class Device:
     """What the model needs to know about an accelerator. HBM bandwidth and bf16
-    peak come from kvsched.capacity's presets; the rest is stated per field."""
+    peak come from kvsched.shapes' presets; the rest is stated per field."""
 
     name: str
     platform: Literal["tpu", "gpu"]

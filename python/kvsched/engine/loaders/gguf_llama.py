@@ -24,9 +24,9 @@ from typing import Any, cast
 
 import numpy as np
 
-from kvsched.engine.config import LlamaConfig, UnsupportedConfig
 from kvsched.engine.loaders import model_file
 from kvsched.engine.model import InvalidWeights, Params, check_weight, make_params
+from kvsched.engine.model_config import LlamaConfig, UnsupportedConfig
 
 _LAYER_TENSORS = {
     "attn_norm": "attn_norm",

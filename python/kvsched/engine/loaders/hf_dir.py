@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvsched.engine.config import LlamaConfig, UnsupportedConfig
 from kvsched.engine.loaders.gguf_llama import encode_chat, render_chat_template
 from kvsched.engine.loaders.safetensors_llama import load_llama_safetensors
 from kvsched.engine.model import Params
+from kvsched.engine.model_config import LlamaConfig, UnsupportedConfig
 
 
 @dataclass

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from kvsched.engine.config import LlamaConfig, UnsupportedConfig
 from kvsched.engine.loaders import model_file
 from kvsched.engine.model import Params, check_weight, make_params
+from kvsched.engine.model_config import LlamaConfig, UnsupportedConfig
 
 LAYER_KEYS = {
     "attn_norm": "input_layernorm.weight",
