@@ -114,21 +114,22 @@ def test_a_plan_carrying_an_id_outside_the_vocabulary_ends_that_request_only():
 def test_a_sampled_id_outside_the_vocabulary_is_never_committed():
     eng = engine()
     rid = eng.submit("t", PROMPT, SamplingParams(max_tokens=4))
-    real = eng.run_plan
+    real = eng._sample
 
     planned = []
 
     def broken(plan, batch=None):  # a sampler bug: one id past the vocabulary
-        out = real(plan, batch).copy()
-        out[0] = 10**6
+        out = real(plan, batch)
+        tokens = out.tokens.copy()
+        tokens[0] = 10**6
         planned.append(eng.scheduler.stats(now=1.0))  # planned, not committed yet
-        return out
+        return out._replace(tokens=tokens)
 
-    eng.run_plan = broken
+    eng._sample = broken
     with pytest.raises(kvsched.InternalError, match="sampled id 1000000 .* outside the vocab"):
         eng.step(now=1.0)
     assert eng.scheduler.stats(now=1.0) == planned[0], "nothing committed"
-    assert rid in eng._live
+    assert rid in eng.outputs
 
 
 # -- F12: weights and logits that are not finite --------------------------------------------

@@ -102,9 +102,9 @@ def test_the_file_names_the_model_and_a_file_without_a_chat_template_serves_comp
 def test_num_blocks_is_the_pool_wherever_it_runs_and_memory_sizes_it_otherwise(monkeypatch):
     """On an accelerator (faked here: 1 MiB free) the pool was always sized
     from memory, so `--num-blocks` was silently ignored there."""
-    from kvsched.engine import runner
+    from kvsched.engine import pool_sizing
 
-    monkeypatch.setattr(runner, "measured_free_bytes", lambda device: 1 << 20)
+    monkeypatch.setattr(pool_sizing, "measured_free_bytes", lambda device: 1 << 20)
     # The tiny model: 2 layers x 2 KV heads x 32 x f32, K and V: 1 KiB a token.
     auto = load_model("tiny", max_num_seqs=2, max_seq_len=64)
     assert auto.engine.sizing.source == "measured"

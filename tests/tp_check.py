@@ -20,7 +20,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kvsched  # noqa: E402
-from kvsched.engine import runner  # noqa: E402
+from kvsched.engine import pool_sizing, runner  # noqa: E402
 from kvsched.engine.mesh import make_mesh  # noqa: E402
 from kvsched.engine.model import (  # noqa: E402
     LlamaConfig,
@@ -40,7 +40,7 @@ cfg = kvsched.SchedulerConfig(
     long_prefill_chunk=8, overhead_reserve=0.0,
 )  # fmt: skip
 if kv_heads < 4:
-    runner.measured_free_bytes = lambda device: 1 << 16
+    pool_sizing.measured_free_bytes = lambda device: 1 << 16
 eng = Engine.create(model, params, cfg, mesh=make_mesh(4), backend=backend)
 eng.warmup(progress=False)
 eng.scheduler.add_tenant(kvsched.TenantConfig("t"))

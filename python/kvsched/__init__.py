@@ -4,7 +4,14 @@ The core (block pool, tenants, admission, scheduling) is Rust, in ``kvsched._cor
 this package re-exports it and adds the pure-Python layers around it.
 """
 
-from kvsched._core import (
+from typing import Literal
+
+# How a request ends, whoever ends it (the core, the engine, the server): one
+# vocabulary. kvsched.FINISH_REASONS is the core's tuple of the same names.
+FinishReason = Literal["length", "stop", "cancelled", "drain_deadline", "shed", "error"]
+
+from kvsched._core import (  # noqa: E402
+    FINISH_REASONS,
     LATENCY_BUCKETS,
     NULL_PAGE,
     REJECT_REASONS,
@@ -35,6 +42,8 @@ from kvsched._core import (
 )
 
 __all__ = [
+    "FINISH_REASONS",
+    "FinishReason",
     "LATENCY_BUCKETS",
     "FinishedRequest",
     "StepEvents",

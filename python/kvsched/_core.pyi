@@ -15,6 +15,10 @@ import numpy as np
 import numpy.typing as npt
 from typing_extensions import NotRequired
 
+# How a request ends: the one vocabulary, kvsched.FinishReason (defined once, in
+# kvsched/__init__.py; FINISH_REASONS is the core's tuple of it).
+from kvsched import FinishReason as _FinishReason
+
 __all__ = [
     "SchedulerConfig",
     "TenantConfig",
@@ -39,6 +43,7 @@ __all__ = [
     "CheckpointError",
     "InternalError",
     "REJECT_REASONS",
+    "FINISH_REASONS",
     "__version__",
     "build_profile",
     "NULL_PAGE",
@@ -61,7 +66,6 @@ _RejectReason = Literal[
 ]
 _Lifecycle = Literal["cold", "warming", "ready", "draining", "drained"]
 _Admission = Literal["reserve", "overcommit"]
-_FinishReason = Literal["length", "stop", "cancelled", "drain_deadline", "shed"]
 _LadderSignal = Literal["reserved_share", "queue_depth", "oldest_wait_s"]
 _LadderAction = Literal["shed_lowest_tier", "cap_max_tokens", "max_running", "reject_fast"]
 
@@ -69,6 +73,7 @@ __version__: Final[str]
 build_profile: Final[Literal["debug", "release"]]
 NULL_PAGE: Final[int]
 REJECT_REASONS: Final[tuple[_RejectReason, ...]]
+FINISH_REASONS: Final[tuple[_FinishReason, ...]]
 LATENCY_BUCKETS: Final[tuple[float, ...]]
 
 # -- the dicts the core returns (plain dicts at run time) ------------------------
@@ -684,6 +689,13 @@ class Scheduler:
         stats and the e2e histogram; its pages are released at once and its
         FinishedRequest (the tokens generated so far) is delivered by the next
         commit() or take_finished(). Returns and raises as cancel() does."""
+    def fail(self, request_id: int, error: str, /, *, now: float | None = None) -> bool:
+        """End a live request as "error": the host could not serve it (`error`
+        says why: its logits were not finite, say). Its pages are released at
+        once; its FinishedRequest (reason "error", with `error`, the tokens so
+        far) is delivered by the next commit() or take_finished(), so the
+        core's terminal event and what the host's client is told agree. Counted
+        as not finished. Returns and raises as cancel() does."""
     def take_finished(self) -> list[FinishedRequest]:
         """Terminal events of requests ended outside a commit (cancel, stop, a
         drain deadline) not delivered yet, in the order they ended. Each
@@ -853,9 +865,10 @@ class FinishedRequest:
     def reason(self) -> _FinishReason:
         """ "length" (max_tokens reached), "stop" (a stop token was sampled, or
         Scheduler.stop), "cancelled" (Scheduler.cancel), "drain_deadline"
-        (unfinished at the drain's deadline, handed back) or "shed" (displaced
+        (unfinished at the drain's deadline, handed back), "shed" (displaced
         by a higher tier's request that a global limit would have refused; see
-        retry_after)."""
+        retry_after) or "error" (Scheduler.fail: the host could not serve it;
+        see error)."""
     @property
     def prompt_len(self) -> int: ...
     @property
@@ -887,6 +900,10 @@ class FinishedRequest:
     def retry_after(self) -> float | None:
         """Seconds after which a retry may pass: set for a request ended "shed",
         None otherwise."""
+    @property
+    def error(self) -> str | None:
+        """Why the host could not serve it: set for a request ended "error", None
+        otherwise."""
     @property
     def max_tokens_capped(self) -> bool:
         """Whether the ladder lowered its max_tokens at admission: a "length"

@@ -20,9 +20,10 @@ pub struct PyFinishedRequest {
     tenant: String,
     /// "length" (max_tokens reached), "stop" (a stop token was sampled, or
     /// Scheduler.stop), "cancelled" (Scheduler.cancel), "drain_deadline"
-    /// (unfinished at the drain's deadline, handed back) or "shed" (displaced
+    /// (unfinished at the drain's deadline, handed back), "shed" (displaced
     /// by a higher tier's request that a global limit would have refused; see
-    /// retry_after).
+    /// retry_after) or "error" (Scheduler.fail: the host could not serve it;
+    /// see error).
     #[pyo3(get)]
     reason: &'static str,
     #[pyo3(get)]
@@ -56,6 +57,10 @@ pub struct PyFinishedRequest {
     /// None otherwise.
     #[pyo3(get)]
     retry_after: Option<f64>,
+    /// Why the host could not serve it: set for a request ended "error", None
+    /// otherwise.
+    #[pyo3(get)]
+    error: Option<String>,
 }
 
 #[pymethods]
@@ -110,6 +115,7 @@ impl PyFinishedRequest {
             asked_max_tokens: f.asked_max_tokens,
             max_tokens: f.max_tokens,
             retry_after: f.retry_after,
+            error: f.error,
         }
     }
 }

@@ -224,6 +224,14 @@ mod core_module {
         m.add("NULL_PAGE", crate::pool::NULL_PAGE)?;
         // Private, so set as an attribute (not in `__all__`, not in the stub).
         m.setattr("_heap_bytes", wrap_pyfunction!(super::heap_bytes, m)?)?;
+        let reasons: Vec<&str> = crate::scheduler::FinishReason::ALL
+            .iter()
+            .map(|r| r.as_str())
+            .collect();
+        m.add(
+            "FINISH_REASONS",
+            pyo3::types::PyTuple::new(m.py(), reasons)?,
+        )?;
         let bounds: Vec<f64> = crate::metrics::LATENCY_BOUNDS.to_vec();
         m.add(
             "LATENCY_BUCKETS",

@@ -233,6 +233,24 @@ impl PyScheduler {
         Ok(locked(&self.inner, |s| s.stop(request_id, now))??)
     }
 
+    /// End a live request as "error": the host could not serve it (`error`
+    /// says why: its logits were not finite, say). Its pages are released at
+    /// once; its FinishedRequest (reason "error", with `error`, the tokens so
+    /// far) is delivered by the next commit() or take_finished(), so the
+    /// core's terminal event and what the host's client is told agree. Counted
+    /// as not finished. Returns and raises as cancel() does.
+    #[pyo3(signature = (request_id, error, /, *, now=None))]
+    fn fail(
+        &self,
+        py: Python<'_>,
+        request_id: u64,
+        error: String,
+        now: Option<f64>,
+    ) -> PyResult<bool> {
+        let now = now_or_monotonic(py, now)?;
+        Ok(locked(&self.inner, |s| s.fail(request_id, error, now))??)
+    }
+
     /// Terminal events of requests ended outside a commit (cancel, stop, a
     /// drain deadline) not delivered yet, in the order they ended. Each
     /// terminal event is delivered exactly once, by whichever comes first: this

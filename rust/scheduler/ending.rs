@@ -44,7 +44,25 @@ impl Scheduler {
         Ok(self.end_by_caller(id, FinishReason::Stop, now)?.is_some())
     }
 
-    /// End live request `id` for `reason` (Cancelled or Stop) at `now`:
+    /// End live request `id` as `Error`: the host could not serve it (its
+    /// logits were not finite, an input id outside the vocabulary), `error`
+    /// says why. Like `cancel_at` otherwise: its pages go back at once, it is
+    /// counted as not finished, and its terminal event (carrying `error`) is
+    /// delivered by the next commit or `take_finished`, so what the core
+    /// reports and what the host tells its client agree. Returns and errs as
+    /// `cancel_at` does.
+    pub fn fail(&mut self, id: u64, error: String, now: f64) -> KvResult<bool> {
+        let ended = self.end_by_caller(id, FinishReason::Error, now)?.is_some();
+        if ended {
+            if let Some(record) = self.ended.last_mut() {
+                debug_assert_eq!(record.id, id);
+                record.error = Some(error);
+            }
+        }
+        Ok(ended)
+    }
+
+    /// End live request `id` for `reason` (Cancelled, Stop or Error) at `now`:
     /// release it, count it, queue its terminal event. Ok(None) for an id
     /// issued and already ended on its own; nothing changes then.
     fn end_by_caller(
@@ -111,6 +129,7 @@ impl Scheduler {
             asked_max_tokens: req.asked_max_tokens,
             max_tokens: req.max_tokens,
             retry_after: (reason == FinishReason::Shed).then(|| self.ladder.config().retry_after_s),
+            error: None,
         }
     }
 

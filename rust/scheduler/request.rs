@@ -26,6 +26,9 @@ pub enum FinishReason {
     /// given up before it ran (or, with `preempt_lower_tiers`, while it ran).
     /// Its terminal event carries a `retry_after`.
     Shed,
+    /// The host could not serve it (`Scheduler::fail`: its logits were not
+    /// finite, say); its terminal event carries the host's `error`.
+    Error,
 }
 
 impl FinishReason {
@@ -36,8 +39,20 @@ impl FinishReason {
             FinishReason::Cancelled => "cancelled",
             FinishReason::DrainDeadline => "drain_deadline",
             FinishReason::Shed => "shed",
+            FinishReason::Error => "error",
         }
     }
+
+    /// Every reason, in declaration order: the one vocabulary of endings
+    /// (`kvsched.FINISH_REASONS`).
+    pub const ALL: [FinishReason; 6] = [
+        FinishReason::Length,
+        FinishReason::Stop,
+        FinishReason::Cancelled,
+        FinishReason::DrainDeadline,
+        FinishReason::Shed,
+        FinishReason::Error,
+    ];
 
     /// Counted as finished (per-tenant `finished`, the e2e histogram), not as
     /// cancelled.
@@ -185,6 +200,8 @@ pub struct FinishedRequest {
     pub max_tokens: usize,
     /// When a retry may pass: set for a request ended `Shed`, None otherwise.
     pub retry_after: Option<f64>,
+    /// Why the host could not serve it: set for a request ended `Error`.
+    pub error: Option<String>,
 }
 
 impl FinishedRequest {

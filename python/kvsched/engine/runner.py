@@ -23,7 +23,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,15 +34,8 @@ from jax.sharding import Mesh
 import kvsched
 from kvsched.engine import kv_gate, sharding
 from kvsched.engine.attention import resolve_backend
-from kvsched.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from kvsched.engine.inputs import HostArray, StepInputs
-from kvsched.engine.kv_cache import (
-    KVCache,
-    KVCacheSpec,
-    UnsupportedKVDtype,
-    init_caches,
-    kv_bytes_per_token,
-)
+from kvsched.engine.kv_cache import KVCache, KVCacheSpec, UnsupportedKVDtype, init_caches
 from kvsched.engine.model import (
     InvalidWeights,
     LlamaConfig,
@@ -50,94 +43,26 @@ from kvsched.engine.model import (
     forward_paged,
     weights_checksum,
 )
+from kvsched.engine.outputs import Logprobs, OutputProcessor, RequestOutput, TokenLogprob
+from kvsched.engine.pool_sizing import (
+    PoolSizing,
+    kv_bytes_per_block,
+    measured_free_bytes,
+    size_pool,
+)
 from kvsched.engine.sampling import MAX_LOGPROBS, SamplingBatch, SamplingParams, mix_seed, sample
 
-
-def kv_bytes_per_block(model: LlamaConfig, block_size: int, kv_dtype: str) -> int:
-    """All layers' K and V for one page (int8: with its per-token-per-head scales)."""
-    return kv_bytes_per_token(model.n_layers, model.n_kv_heads, model.head_dim, kv_dtype,
-                              tokens=block_size)  # fmt: skip
-
-
-def measured_free_bytes(device: jax.Device) -> int | None:
-    """Free accelerator memory as the backend reports it (None on CPU or when the
-    backend gives no figure)."""
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    if not stats or "bytes_limit" not in stats:
-        return None
-    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-
-
-@dataclass
-class PoolSizing:
-    num_blocks: int
-    measured_free_bytes: int | None
-    bytes_per_block: int
-    source: str  # "measured" or "configured"
-
-
-def size_pool(
-    model: LlamaConfig,
-    sched_config: kvsched.SchedulerConfig,
-    kv_dtype: str,
-    device: jax.Device,
-    *,
-    shards: int = 1,
-    devices: list[jax.Device] | None = None,
-) -> PoolSizing:
-    """Size the KV pool from free device memory less the overhead reserve; where
-    the backend gives no figure (CPU), keep the configured size. With tensor
-    parallelism each of `shards` devices holds 1/shards of every block, so the
-    device with the least free memory decides."""
-    per_block = kv_bytes_per_block(model, sched_config.block_size, kv_dtype)
-    # On several processes (kvsched.engine.multihost) a process can read only its
-    # own devices; every process must size the same pool, so the least free
-    # memory of any process decides (a collective: every process sizes together).
-    here = jax.process_index()
-    frees = [measured_free_bytes(d) for d in (devices or [device])
-             if getattr(d, "process_index", here) == here]  # fmt: skip
-    if any(f is None for f in frees):
-        return PoolSizing(sched_config.num_blocks, None, per_block, "configured")
-    free = min(f for f in frees if f is not None)
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        mib = multihost_utils.process_allgather(np.asarray([free >> 20], np.int32))
-        free = int(np.min(mib)) << 20
-    usable = int(free * (1.0 - sched_config.overhead_reserve))
-    return PoolSizing(max(2, usable * shards // per_block), free, per_block, "measured")
-
-
-@dataclass
-class TokenLogprob:
-    """The chosen token's log-probability under the model, and the top-n."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # (token id, logprob), best first; n = the request's ask
-
-
-@dataclass
-class RequestOutput:
-    """What one request produced in one step (only requests submitted through
-    `Engine.submit`). The last output of a request has `finished` set and its
-    `finish_reason`: "stop" (a stop token or stop string), "length" (max_tokens),
-    "cancelled", "drain_deadline", "shed" (displaced before it finished by a
-    higher tier's request that a global limit would have refused; `retry_after`
-    says when a retry makes sense), or "error": the engine could not serve it
-    (its logits were not finite, or it carried a token id outside the
-    vocabulary), said in `error`; the other requests of the step run on."""
-
-    request_id: int
-    token_ids: list[int]
-    text: str
-    logprobs: list[TokenLogprob] | None
-    finished: bool = False
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    error: str | None = None  # why, when finish_reason is "error"
-    retry_after: float | None = None  # seconds, when finish_reason is "shed"
+# Named here too: they were defined in this module before it was split.
+__all__ = [
+    "Engine",
+    "PoolSizing",
+    "RequestOutput",
+    "StepResult",
+    "TokenLogprob",
+    "kv_bytes_per_block",
+    "measured_free_bytes",
+    "size_pool",
+]
 
 
 @dataclass
@@ -148,8 +73,8 @@ class StepResult:
     outputs: list[RequestOutput] = field(default_factory=list)
     model_seconds: float = 0.0  # of which the jitted model step and sampling
     # Requests this step ended because the engine could not serve them (request
-    # id -> why); also those submitted to the scheduler directly, whose terminal
-    # event is the core's "cancelled".
+    # id -> why; the core's terminal event says "error" with the same words),
+    # also those submitted to the scheduler directly.
     errors: dict[int, str] = field(default_factory=dict)
 
 
@@ -166,136 +91,101 @@ class _NoEvents:
 _NO_EVENTS = _NoEvents()
 
 
-@dataclass
-class _Live:
-    """Engine-side state of a request submitted through `Engine.submit`."""
+class Sampled(NamedTuple):
+    """What the jitted step returns for every row of a plan: the sampled token
+    (on the host), and on the device the sampler's logprob outputs and whether
+    each row's logits were finite (read only when needed)."""
 
-    params: SamplingParams
-    prompt_len: int
-    detok: IncrementalDetokenizer | None
-    stops: StopStringMatcher | None
-    generated: int = 0
+    tokens: npt.NDArray[np.int32]
+    logprob: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+    finite: jax.Array
+
+    def logprobs(self, n: int) -> Logprobs:
+        """The first `n` rows' logprob outputs, on the host."""
+        return (np.asarray(self.logprob)[:n], np.asarray(self.top_ids)[:n],
+                np.asarray(self.top_logprobs)[:n])  # fmt: skip
 
 
-@dataclass
 class Engine:
-    """A model served over one kvsched Scheduler."""
+    """A model served over one kvsched Scheduler.
 
-    model: LlamaConfig
-    params: Params
-    scheduler: kvsched.Scheduler
-    backend: str = "reference"
-    kv_dtype: str = "float32"
-    temperature: float = 0.0  # default sampling for requests without their own
-    seed: int = 0  # mixed with each request id where a request brings no seed
-    caches: KVCache = field(init=False)  # [layers, pages, block, 2*kv_heads, head_dim]
-    sizing: PoolSizing | None = None
-    mesh: Mesh | None = None  # KV heads sharded over it (tensor parallelism)
-    # A tokenizers.Tokenizer: text in outputs, stop strings. (Any: tokenizers' own
-    # stub leaves its methods' parameters unannotated.)
-    tokenizer: Any = None
-    eos_token_ids: tuple[int, ...] = ()  # stop tokens of every request (unless ignore_eos)
-    max_logprobs: int = 0  # top-n logprobs computed each step (static; 0 = none)
-    # The int8 KV gate (kvsched.engine.kv_gate): a passing KVEvalReport for these
-    # weights, or None to look for the one `kvsched eval-kv` saved. "unchecked" is
-    # for the evaluation itself only.
-    kv_eval: Any = None
-    # "split" ([.., 2*kv_heads, head_dim]), "packed" ([.., kv_heads, 2*head_dim]: the
-    # TPU kernel's layout for heads narrower than 128 lanes) or "auto" (packed for
-    # kvsched's Pallas kernel on TPU when head_dim is not a multiple of 128; split
-    # for JAX's kernel, whose layout it is).
-    kv_layout: str = "auto"
-    kv_min_agreement: float = kv_gate.MIN_AGREEMENT
-    kv_max_logprob_diff: float = kv_gate.MAX_MEAN_ABS_LOGPROB_DIFF
+    `model`, `params`: the model and its weights; `scheduler`: a Scheduler whose
+    pool the engine's KV cache mirrors (Engine.create sizes one from the device).
+    `backend`: the attention kernel (kvsched.engine.attention.BACKENDS).
+    `kv_dtype`: the cache's ("float32", "bfloat16", "int8": int8 needs a passing
+    `kv_eval` report, kvsched.engine.kv_gate). `temperature`, `seed`: the
+    sampling of requests submitted to the scheduler directly, and the seed mixed
+    with each request id where a request brings none. `mesh`: KV heads sharded
+    over it (tensor parallelism). `tokenizer`: a tokenizers.Tokenizer (text in
+    outputs, stop strings). `eos_token_ids`: stop tokens of every request
+    (unless ignore_eos). `max_logprobs`: top-n logprobs computed each step
+    (static; 0 = none). `kv_layout`: "split" ([.., 2*kv_heads, head_dim]),
+    "packed" ([.., kv_heads, 2*head_dim]: the TPU kernel's layout for heads
+    narrower than 128 lanes) or "auto" (packed for kvsched's Pallas kernel on TPU
+    when head_dim is not a multiple of 128; split for JAX's kernel)."""
 
-    def __post_init__(self) -> None:
-        cfg = self.scheduler.config
-        if cfg.vocab_size not in (None, self.model.vocab_size):
-            raise kvsched.InvalidConfig(
-                f"the scheduler's vocab_size is {cfg.vocab_size}, the model's "
-                f"{self.model.vocab_size}: they must agree (or leave vocab_size None)"
-            )
-        if self.kv_layout not in ("auto", "split", "packed"):
-            raise ValueError(f"kv_layout must be auto, split or packed, not {self.kv_layout!r}")
+    def __init__(
+        self,
+        model: LlamaConfig,
+        params: Params,
+        scheduler: kvsched.Scheduler,
+        backend: str = "reference",
+        kv_dtype: str = "float32",
+        temperature: float = 0.0,
+        seed: int = 0,
+        *,
+        sizing: PoolSizing | None = None,
+        mesh: Mesh | None = None,
+        tokenizer: Any = None,
+        eos_token_ids: tuple[int, ...] = (),
+        max_logprobs: int = 0,
+        kv_eval: Any = None,
+        kv_layout: str = "auto",
+        kv_min_agreement: float = kv_gate.MIN_AGREEMENT,
+        kv_max_logprob_diff: float = kv_gate.MAX_MEAN_ABS_LOGPROB_DIFF,
+    ) -> None:
+        self.model, self.scheduler = model, scheduler
+        self.backend, self.kv_dtype = backend, kv_dtype
+        self.temperature, self.seed, self.sizing, self.mesh = temperature, seed, sizing, mesh
+        self.tokenizer, self.eos_token_ids = tokenizer, eos_token_ids
+        self.max_logprobs, self.kv_layout = max_logprobs, kv_layout
+        _check_vocab(scheduler.config, model)
+        if kv_layout not in ("auto", "split", "packed"):
+            raise ValueError(f"kv_layout must be auto, split or packed, not {kv_layout!r}")
+        if not 0 <= max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}]")
         # The kernel the backend runs here (kvsched.InvalidConfig for an unknown
         # backend or KVSCHED_TPU_ATTENTION value): on TPU, `pallas` is kvsched's
         # kernel or JAX's.
-        self.attention_kernel = resolve_backend(self.backend, head_dim=self.model.head_dim)
-        packed = self.kv_layout == "packed" or (
-            self.kv_layout == "auto" and self.attention_kernel == "pallas"
-            and jax.default_backend() == "tpu" and self.model.head_dim % 128 != 0
-        )  # fmt: skip
-        if packed and self.attention_kernel == "jax_kernel":
-            raise kvsched.InvalidConfig(
-                "kv_layout='packed' with JAX's TPU kernel: it reads the split layout "
-                "[.., 2*kv_heads, head_dim], and a packed cache would be relaid out on "
-                "every layer of every step (use kv_layout='auto' or 'split')"
-            )
+        self.attention_kernel = resolve_backend(backend, head_dim=model.head_dim)
+        packed = _packed_layout(kv_layout, self.attention_kernel, model.head_dim)
         # With more devices than KV heads each head is copied to the devices that
         # read it (sharding.kv_replicas): the program runs a model with that many
         # more KV heads. `model` stays the model as given (its name, its heads);
         # the checksum is of the weights as given.
-        self.kv_replicas = 1 if self.mesh is None else sharding.check_divisible(
-            self.model, self.mesh)  # fmt: skip
-        self.checksum = weights_checksum(self.params)
-        program_model, self.params = sharding.replicate_kv_heads(
-            self.model, self.params, self.kv_replicas)  # fmt: skip
-        spec = KVCacheSpec(
-            cfg.num_blocks, cfg.block_size, program_model.n_kv_heads, self.model.head_dim,
-            jnp.dtype(self.kv_dtype), packed=packed,
-        )  # fmt: skip
-        self.spec = spec
-        if spec.quantized:
-            if self.backend != "reference":
-                raise UnsupportedKVDtype(
-                    f"kv_dtype={self.kv_dtype!r} is read by the reference backend only, "
-                    f"not {self.backend!r}"
-                )
-            if isinstance(self.kv_eval, str) and self.kv_eval != "unchecked":
-                raise ValueError(f"kv_eval: a KVEvalReport, None or 'unchecked', not "
-                                 f"{self.kv_eval!r}")  # fmt: skip
-            if self.kv_eval != "unchecked":
-                report = self.kv_eval or kv_gate.load_report(self.checksum, self.kv_dtype)
-                self.kv_eval = kv_gate.check_gate(
-                    report, kv_dtype=self.kv_dtype, checksum=self.checksum,
-                    min_agreement=self.kv_min_agreement,
-                    max_mean_abs_logprob_diff=self.kv_max_logprob_diff,
-                )  # fmt: skip
-        self.caches = init_caches(spec, self.model.n_layers)
+        self.kv_replicas = 1 if mesh is None else sharding.check_divisible(model, mesh)
+        self.checksum = weights_checksum(params)
+        program_model, self.params = sharding.replicate_kv_heads(model, params, self.kv_replicas)
+        cfg = scheduler.config
+        self.spec = KVCacheSpec(cfg.num_blocks, cfg.block_size, program_model.n_kv_heads,
+                                model.head_dim, jnp.dtype(kv_dtype), packed=packed)  # fmt: skip
+        self.kv_eval = kv_eval
+        if self.spec.quantized:
+            self.kv_eval = _gate_quantized(self, kv_eval, kv_min_agreement, kv_max_logprob_diff)
+        self.caches: KVCache = init_caches(self.spec, model.n_layers)
         jit_kw: dict[str, Any] = {}
-        if self.mesh is not None:
-            self.params = sharding.shard_params(self.params, self.mesh)
-            cs = sharding.cache_sharding(self.mesh)
+        if mesh is not None:
+            self.params = sharding.shard_params(self.params, mesh)
+            cs = sharding.cache_sharding(mesh)
             self.caches = jax.device_put(self.caches, cs)
-            rep = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+            rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
             jit_kw["out_shardings"] = (rep, cs)
-        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}]")
-        self._live: dict[int, _Live] = {}
-        self._default = SamplingParams(temperature=self.temperature)
-        model, backend, mesh, n_lp = program_model, self.backend, self.mesh, self.max_logprobs
-
-        n_inputs = StepInputs.num_arrays()
-
-        # Flat at the jit boundary (StepInputs' arrays in field order, then the
-        # sampling arrays), named again inside: one compiled program per bucket
-        # either way, and the traced step can be lowered from plain arrays.
-        def step(
-            params: Params, caches: KVCache, *arrays: jax.Array
-        ) -> tuple[tuple[jax.Array, ...], KVCache]:
-            inputs = StepInputs(*arrays[:n_inputs])
-            logits, caches = forward_paged(
-                params, caches, model, inputs.token_ids, inputs.positions, inputs.slot_mapping,
-                inputs.attention, inputs.logits_indices, backend=backend, mesh=mesh,
-            )  # fmt: skip
-            out = sample(logits, *arrays[n_inputs:], num_logprobs=n_lp)
-            # Per row: are its logits finite? A NaN or inf would be sampled as if
-            # it were a distribution (argmax of NaN is some id), so the host
-            # ends such a row instead of committing its token.
-            finite = jnp.all(jnp.isfinite(logits), axis=-1)
-            return (*out, finite), caches
-
-        self._step = jax.jit(step, donate_argnums=(1,), **jit_kw)
+        self.outputs = OutputProcessor(tokenizer)
+        self._default = SamplingParams(temperature=temperature)
+        self._step = jax.jit(_step_function(program_model, backend, mesh, max_logprobs),
+                             donate_argnums=(1,), **jit_kw)  # fmt: skip
 
     @classmethod
     def create(
@@ -344,8 +234,6 @@ class Engine:
         sched = kvsched.Scheduler(sched_config.replace(**changes))
         return cls(model, params, sched, kv_dtype=kv_dtype, sizing=sizing, **kw)
 
-    # -- running plans -----------------------------------------------------------------
-
     # -- requests -----------------------------------------------------------------------
 
     def submit(
@@ -385,11 +273,7 @@ class Engine:
         rid = self.scheduler.submit(tenant, prompt, params.max_tokens,
                                     stop_token_ids=stop_ids or None, cache_salt=cache_salt,
                                     now=now)  # fmt: skip
-        detok = None
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, prompt.tolist())
-        stops = StopStringMatcher(params.stop) if params.stop else None
-        self._live[rid] = _Live(params, len(prompt), detok, stops)
+        self.outputs.add(rid, params, prompt.tolist())
         return rid
 
     def cancel(self, request_id: int, *, now: float | None = None) -> RequestOutput | None:
@@ -398,68 +282,45 @@ class Engine:
         request that has already ended (finished this step, handed back by a
         drain) is not an error: it returns None, and its ending was or will be
         reported by `step`. An id never issued raises kvsched.UnknownRequest."""
-        ended_here = self.scheduler.cancel(request_id, now=now)
-        live = self._live.pop(request_id, None) if ended_here else None
-        if live is None:
+        if not self.scheduler.cancel(request_id, now=now):
             return None
-        return self._final(request_id, live, "cancelled")
-
-    def _final(
-        self, rid: int, live: _Live, reason: str, retry_after: float | None = None
-    ) -> RequestOutput:
-        """A request's last output: what its stop-string matcher still held back
-        (nothing matched) and its ending."""
-        text = live.stops.flush() if live.stops is not None else ""
-        return RequestOutput(rid, [], text, None, True, reason, live.prompt_len, live.generated,
-                             retry_after=retry_after)  # fmt: skip
-
-    def _endings(self, finished: Iterable[kvsched.FinishedRequest]) -> list[RequestOutput]:
-        """Final outputs of requests that ended without a token this step: the
-        core's terminal events for cancels (also `scheduler.cancel` called
-        directly), for requests a drain's deadline handed back, and for requests
-        a higher tier displaced ("shed", with the core's retry_after)."""
-        out = []
-        for f in finished:
-            live = self._live.pop(f.request_id, None)
-            if live is not None:
-                out.append(self._final(f.request_id, live, f.reason, f.retry_after))
-        return out
-
-    def _sampling_batch(self, plan: kvsched.StepPlan) -> SamplingBatch:
-        rids = plan.request_ids.tolist()
-        params = [self._live[r].params if r in self._live else self._default for r in rids]
-        seeds = [mix_seed(self.seed, r) for r in rids]
-        return SamplingBatch.build(params, plan.kv_lens[: len(rids)], len(plan.kv_lens), seeds)
+        # Its terminal event, delivered later, finds no state and is skipped.
+        return self.outputs.final(request_id, "cancelled")
 
     # -- running plans -----------------------------------------------------------------
 
     def run_plan(
         self, plan: kvsched.StepPlan, batch: SamplingBatch | None = None
     ) -> npt.NDArray[np.int32]:
-        """The model on one plan: a sampled token per sequence (int32). The full
-        sampler output (tokens, logprob, top ids, top logprobs) is kept in
-        `last_sample` for `step`."""
-        batch = batch or self._sampling_batch(plan)
-        return self._run(StepInputs.from_plan(plan), batch)[: len(plan)]
+        """The model on one plan: a sampled token per sequence (int32)."""
+        return self._sample(plan, batch).tokens[: len(plan)]
 
-    def _run(self, inputs: StepInputs[HostArray], batch: SamplingBatch) -> npt.NDArray[np.int32]:
-        """The jitted step on `inputs`: every row's sampled token."""
+    def _sample(self, plan: kvsched.StepPlan, batch: SamplingBatch | None = None) -> Sampled:
+        """The jitted step on one plan, with each request's sampling."""
+        return self._run(StepInputs.from_plan(plan), batch or self._sampling_batch(plan))
+
+    def _sampling_batch(self, plan: kvsched.StepPlan) -> SamplingBatch:
+        rids = plan.request_ids.tolist()
+        params = [self.outputs.params(r) or self._default for r in rids]
+        seeds = [mix_seed(self.seed, r) for r in rids]
+        return SamplingBatch.build(params, plan.kv_lens[: len(rids)], len(plan.kv_lens), seeds)
+
+    def _run(self, inputs: StepInputs[HostArray], batch: SamplingBatch) -> Sampled:
+        """The jitted step on `inputs`: every row's sampled token, and the rest."""
         out, self.caches = self._step(self.params, self.caches, *inputs.arrays(), *batch.arrays())
-        self.last_sample = out[:4]
-        self.last_finite = out[4]
-        return np.asarray(out[0])
+        return Sampled(np.asarray(out[0]), *out[1:])
 
-    def _unservable(self, plan: kvsched.StepPlan) -> dict[int, str]:
+    def _unservable(self, plan: kvsched.StepPlan, finite: jax.Array) -> dict[int, str]:
         """Rows of the step just run that must not be committed, by request id:
         non-finite logits (the weights or the activations overflowed: sampling
         from them would return a plausible token computed from nothing), or an
         input token outside the vocabulary (possible only for a request submitted
         to `scheduler` directly: the embedding gather would clamp it silently)."""
         n, vocab = len(plan), self.model.vocab_size
-        finite = np.asarray(self.last_finite)[:n]
+        ok = np.asarray(finite)[:n]
         toks = plan.token_ids[: plan.num_tokens]
         out_of_vocab = bool(toks.size) and bool((toks.min() < 0) | (toks.max() >= vocab))
-        if finite.all() and not out_of_vocab:
+        if ok.all() and not out_of_vocab:
             return {}
         rids, cu = plan.request_ids.tolist(), plan.cu_q_lens
         bad: dict[int, str] = {}
@@ -469,7 +330,7 @@ class Engine:
             if outside.size:
                 bad[rid] = (f"token id {int(outside[0])} is outside the vocabulary of {vocab} "
                             "(submitted to the scheduler without the engine's check?)")  # fmt: skip
-            elif not finite[i]:
+            elif not ok[i]:
                 bad[rid] = (
                     "the model's logits were not finite (NaN or inf): the weights or the "
                     "activations overflowed; no token was sampled from them"
@@ -499,80 +360,43 @@ class Engine:
     def step(self, now: float | None = None) -> StepResult | None:
         """One scheduler step through the model; None when nothing can run (and
         no request has an ending to report: requests the scheduler dropped
-        without an event, at a drain deadline, come back once with plan None)."""
+        without an event, at a drain deadline, come back once with plan None).
+
+        Every ending is the core's: a row the engine cannot serve is ended in
+        the core (`Scheduler.fail`, reason "error"), a stop string the output
+        processor matched too (`Scheduler.stop`); the outputs follow the core's
+        terminal events."""
         t0 = time.perf_counter()
         plan = self.scheduler.step(now=now)
         if plan is None:
-            endings = self._endings(self.scheduler.take_finished())
+            endings = self.outputs.endings(self.scheduler.take_finished())
             if not endings:
                 return None
             return StepResult(None, _NO_EVENTS, time.perf_counter() - t0, endings)
         t_model = time.perf_counter()
-        sampled = self.run_plan(plan)
+        sampled = self._sample(plan)
         t_model = time.perf_counter() - t_model
-        errors = self._unservable(plan)
-        self._check_sampled(plan, sampled, skip=errors)
+        tokens = sampled.tokens[: len(plan)]
+        errors = self._unservable(plan, sampled.finite)
+        self._check_sampled(plan, tokens, skip=errors)
         # The rows that cannot be served end here, before the commit (which then
-        # drops their tokens); the rest of the batch is committed as usual.
-        failed = []
+        # drops their tokens and delivers their terminal events); the rest of the
+        # batch is committed as usual.
         for rid, why in errors.items():
-            self.scheduler.cancel(rid, now=now)
-            live = self._live.pop(rid, None)
-            if live is not None:
-                final = self._final(rid, live, "error")
-                final.error = why
-                failed.append(final)
-        events = self.scheduler.commit(plan, sampled, now=now)
-        outputs = self._outputs(plan, events, now) if self._live else []
-        if self._live:  # requests that ended with no token this step (cancel, drain)
-            outputs += self._endings(events.finished)
-        return StepResult(plan, events, time.perf_counter() - t0, failed + outputs, t_model,
-                          errors)  # fmt: skip
-
-    def _outputs(
-        self, plan: kvsched.StepPlan, events: kvsched.StepEvents, now: float | None
-    ) -> list[RequestOutput]:
-        """Per request of this step: new tokens, new text, logprobs, and its ending."""
-        row_of = {r: i for i, r in enumerate(plan.request_ids.tolist())}
-        finished = {f.request_id: f for f in events.finished}
-        lp = None
-        outputs = []
-        for rid, tok in zip(events.request_ids.tolist(), events.tokens.tolist(), strict=True):
-            live = self._live.get(rid)
-            if live is None:
-                continue
-            live.generated += 1
-            logprobs = None
-            if live.params.logprobs is not None:
-                if lp is None:
-                    lp = [np.asarray(a) for a in self.last_sample[1:]]
-                row, n = row_of[rid], live.params.logprobs
-                top = list(zip(lp[1][row, :n].tolist(), lp[2][row, :n].tolist(), strict=True))
-                logprobs = [TokenLogprob(tok, float(lp[0][row]), top)]
-            text, stopped = "", False
-            fin = finished.get(rid)
-            if live.detok is not None:
-                stop_token = fin is not None and fin.reason == "stop"
-                # A stop token is not part of the text (OpenAI's convention).
-                text = live.detok.push([] if stop_token else [tok])
-                if fin is not None:
-                    text += live.detok.flush()
-                if live.stops is not None:
-                    text, stopped = live.stops.feed(text)
-                    if fin is not None and not stopped:
-                        text += live.stops.flush()
-            out = RequestOutput(rid, [tok], text, logprobs, prompt_tokens=live.prompt_len,
-                                completion_tokens=live.generated)  # fmt: skip
-            if stopped and fin is None:
-                # A stop string: the request ends here, finished with reason "stop"
-                # (the core's event for it arrives later and is skipped).
+            self.scheduler.fail(rid, why, now=now)
+        events = self.scheduler.commit(plan, tokens, now=now)
+        outputs: list[RequestOutput] = []
+        if len(self.outputs):
+            rows = {r: i for i, r in enumerate(plan.request_ids.tolist())}
+            outputs, stopped = self.outputs.process(
+                events.request_ids.tolist(), events.tokens.tolist(), events.finished, rows,
+                lambda: sampled.logprobs(len(plan)),
+            )  # fmt: skip
+            for rid in stopped:  # a stop string: finished, reason "stop"
                 self.scheduler.stop(rid, now=now)
-            if stopped or fin is not None:
-                out.finished = True
-                out.finish_reason = "stop" if stopped or fin is None else fin.reason
-                del self._live[rid]
-            outputs.append(out)
-        return outputs
+            # Requests that ended with no token this step (cancel, drain, error).
+            outputs += self.outputs.endings(events.finished)
+        return StepResult(plan, events, time.perf_counter() - t0, outputs, t_model, errors)
 
     def reseed(self, seed: int) -> None:
         """Requests without a seed of their own now draw from `seed`."""
@@ -617,14 +441,14 @@ class Engine:
             plan = scratch.step(now=0.0)
             if plan is None:  # cannot happen: one small request, time never moves
                 raise RuntimeError("warmup: the scratch scheduler planned no step")
-            sampled = self.run_plan(plan)
-            if not np.asarray(self.last_finite)[: len(plan)].all():
+            sampled = self._sample(plan)
+            if not np.asarray(sampled.finite)[: len(plan)].all():
                 raise InvalidWeights(
                     "warmup: the model's logits are not finite (NaN or inf) for a plain "
                     "request: these weights cannot be served"
                 )
-            self._check_sampled(plan, sampled)
-            scratch.commit(plan, sampled, now=0.0)
+            self._check_sampled(plan, sampled.tokens)
+            scratch.commit(plan, sampled.tokens[: len(plan)], now=0.0)
         bar("synthetic request completed")
         self.scheduler.mark_ready()
         return time.perf_counter() - t0
@@ -663,3 +487,73 @@ def _progress(enabled: bool | Callable[[int, int, str], None], total: int) -> Ca
             prog.stop()
 
     return advance
+
+
+def _check_vocab(cfg: kvsched.SchedulerConfig, model: LlamaConfig) -> None:
+    if cfg.vocab_size not in (None, model.vocab_size):
+        raise kvsched.InvalidConfig(
+            f"the scheduler's vocab_size is {cfg.vocab_size}, the model's "
+            f"{model.vocab_size}: they must agree (or leave vocab_size None)"
+        )
+
+
+def _packed_layout(kv_layout: str, kernel: str, head_dim: int) -> bool:
+    """Whether the cache is stored packed ([.., kv_heads, 2*head_dim])."""
+    packed = kv_layout == "packed" or (
+        kv_layout == "auto" and kernel == "pallas" and jax.default_backend() == "tpu"
+        and head_dim % 128 != 0
+    )  # fmt: skip
+    if packed and kernel == "jax_kernel":
+        raise kvsched.InvalidConfig(
+            "kv_layout='packed' with JAX's TPU kernel: it reads the split layout "
+            "[.., 2*kv_heads, head_dim], and a packed cache would be relaid out on "
+            "every layer of every step (use kv_layout='auto' or 'split')"
+        )
+    return packed
+
+
+def _gate_quantized(engine: Engine, kv_eval: Any, min_agreement: float,
+                    max_logprob_diff: float) -> Any:  # fmt: skip
+    """The int8 KV gate (kvsched.engine.kv_gate): a passing KVEvalReport for these
+    weights (given, or the one `kvsched eval-kv` saved), or "unchecked" (for the
+    evaluation itself only). Raises where it does not pass."""
+    if engine.backend != "reference":
+        raise UnsupportedKVDtype(
+            f"kv_dtype={engine.kv_dtype!r} is read by the reference backend only, "
+            f"not {engine.backend!r}"
+        )
+    if isinstance(kv_eval, str) and kv_eval != "unchecked":
+        raise ValueError(f"kv_eval: a KVEvalReport, None or 'unchecked', not {kv_eval!r}")
+    if kv_eval == "unchecked":
+        return kv_eval
+    report = kv_eval or kv_gate.load_report(engine.checksum, engine.kv_dtype)
+    return kv_gate.check_gate(report, kv_dtype=engine.kv_dtype, checksum=engine.checksum,
+                              min_agreement=min_agreement,
+                              max_mean_abs_logprob_diff=max_logprob_diff)  # fmt: skip
+
+
+def _step_function(
+    model: LlamaConfig, backend: str, mesh: Mesh | None, num_logprobs: int
+) -> Callable[..., tuple[tuple[jax.Array, ...], KVCache]]:
+    """The step the engine jits: the model on a plan's arrays, then sampling.
+    Flat at the jit boundary (StepInputs' arrays in field order, then the
+    sampling arrays), named again inside: one compiled program per bucket
+    either way, and the traced step can be lowered from plain arrays."""
+    n_inputs = StepInputs.num_arrays()
+
+    def step(
+        params: Params, caches: KVCache, *arrays: jax.Array
+    ) -> tuple[tuple[jax.Array, ...], KVCache]:
+        inputs = StepInputs(*arrays[:n_inputs])
+        logits, caches = forward_paged(
+            params, caches, model, inputs.token_ids, inputs.positions, inputs.slot_mapping,
+            inputs.attention, inputs.logits_indices, backend=backend, mesh=mesh,
+        )  # fmt: skip
+        out = sample(logits, *arrays[n_inputs:], num_logprobs=num_logprobs)
+        # Per row: are its logits finite? A NaN or inf would be sampled as if it
+        # were a distribution (argmax of NaN is some id), so the host ends such a
+        # row instead of committing its token.
+        finite = jnp.all(jnp.isfinite(logits), axis=-1)
+        return (*out, finite), caches
+
+    return step

@@ -19,19 +19,13 @@ request, which frees its pages: read the stream inside `async with stream:`
 requests finish until the deadline, ends every stream (requests handed back at
 the deadline end with finish_reason "drain_deadline") and writes the checkpoint.
 
-`http_status(rejected)` maps a refusal to the HTTP status and headers a server
-answers with: 429 (rate_limited, tenant_budget, concurrency, pool_full, shed),
-503 (draining, not_ready), 400 (invalid, too_long, and any permanent refusal: a
-request over its tenant's cap or rate burst can never pass), 404
-(unknown_tenant), with `Retry-After` (whole seconds, rounded up) whenever the
-refusal carries one.
+What an HTTP server answers for a refusal is kvsched.serve.refusals'.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import math
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -61,32 +55,6 @@ class EngineLoopStats(TypedDict):
 # future) or ("cancel", request id, None).
 _Command = tuple[str, Any, concurrent.futures.Future[int] | None]
 
-_STATUS = {
-    "rate_limited": 429,
-    "tenant_budget": 429,
-    "concurrency": 429,
-    "pool_full": 429,
-    "shed": 429,
-    "draining": 503,
-    "not_ready": 503,
-    "invalid": 400,
-    "too_long": 400,
-    "unknown_tenant": 404,
-}
-
-
-def http_status(exc: kvsched.Rejected) -> tuple[int, dict[str, str]]:
-    """(status, headers) for a refusal; unknown reasons are a 503. A permanent one
-    (`Rejected.permanent`: over the tenant's cap or rate burst, say) is a 400
-    without Retry-After, whatever its reason: clients retry 429s, forever."""
-    status = _STATUS.get(exc.reason or "", 503)
-    if getattr(exc, "permanent", False) and status in (429, 503):
-        return 400, {}
-    headers = {}
-    if exc.retry_after is not None and math.isfinite(exc.retry_after):
-        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
-    return status, headers
-
 
 class RequestStream:
     """One request's outputs, as an async iterator (see the module)."""
@@ -99,7 +67,7 @@ class RequestStream:
         self._loop = loop
         self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.finished = False
-        self.finish_reason: str | None = None
+        self.finish_reason: kvsched.FinishReason | None = None
 
     def _deliver(self, out: RequestOutput) -> None:
         """Called on the engine thread. A consumer whose event loop has closed is
@@ -239,7 +207,9 @@ class AsyncEngine:
             self._thread.join(timeout=60)
         self._close_all("cancelled", lambda: kvsched.Rejected("the engine has stopped"))
 
-    def _close_all(self, reason: str, refusal: Callable[[], BaseException]) -> None:
+    def _close_all(
+        self, reason: kvsched.FinishReason, refusal: Callable[[], BaseException]
+    ) -> None:
         """End every open stream with `reason` and refuse every queued submit."""
         with self._lock:
             for rid in list(self._streams):
@@ -313,7 +283,7 @@ class AsyncEngine:
                     final or RequestOutput(args, [], "", None, True, "cancelled")
                 )
 
-    def _end(self, rid: int, reason: str) -> None:
+    def _end(self, rid: int, reason: kvsched.FinishReason) -> None:
         """Under the lock: end a stream that never got its final output."""
         stream = self._streams.pop(rid, None)
         if stream is not None:

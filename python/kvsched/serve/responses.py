@@ -22,7 +22,7 @@ from kvsched.serve.openai_schema import APIError, bad_request
 OPENAI_FINISH = {"stop": "stop", "length": "length"}
 
 
-def openai_finish_reason(reason: str | None) -> str:
+def openai_finish_reason(reason: kvsched.FinishReason | None) -> str:
     """OpenAI's finish_reason for kvsched's (see the module)."""
     return OPENAI_FINISH.get(reason or "", "length")
 

@@ -21,6 +21,44 @@ fn rejection(r: KvResult<u64>) -> Rejection {
 // Terminal events
 
 #[test]
+fn a_request_the_host_cannot_serve_ends_as_error_with_its_reason() {
+    let mut h = two_tenants();
+    let bad = h.submit("a", &prompt(8, 1), 50);
+    let mate = h.submit("b", &prompt(8, 2), 3);
+    h.step();
+    let used = h.s.pool().used();
+    assert!(h.s.fail(bad, "logits were NaN".into(), h.now).unwrap());
+    assert!(h.s.pool().used() < used, "its pages went back at once");
+    let ended = h.s.take_finished();
+    assert_eq!(ended.len(), 1);
+    assert_eq!((ended[0].id, ended[0].reason), (bad, FinishReason::Error));
+    assert_eq!(ended[0].error.as_deref(), Some("logits were NaN"));
+    assert_eq!(ended[0].retry_after, None);
+    assert!(matches!(
+        h.s.fail(bad, "again".into(), h.now),
+        Err(KvError::UnknownRequest(_))
+    ));
+    assert!(matches!(
+        h.s.cancel_at(bad, h.now),
+        Err(KvError::UnknownRequest(_))
+    ));
+    while h.s.live_requests() > 0 {
+        h.step();
+    }
+    assert_eq!(h.finished[&mate].reason, FinishReason::Length);
+    assert_eq!(h.finished[&mate].error, None);
+    let a =
+        h.s.stats(h.now)
+            .tenants
+            .into_iter()
+            .find(|t| t.name == "a")
+            .unwrap();
+    assert_eq!((a.finished, a.cancelled), (0, 1), "counted as not finished");
+    assert_eq!(FinishReason::ALL.len(), 6);
+    assert_eq!(FinishReason::ALL.last().unwrap().as_str(), "error");
+}
+
+#[test]
 fn a_drain_deadline_ends_each_unfinished_request_with_its_tokens_so_far() {
     let mut h = two_tenants();
     let a = h.submit("a", &prompt(8, 1), 50);

@@ -1,0 +1,197 @@
+"""What each request produced, step by step: the output processor.
+
+`OutputProcessor` keeps the per-request state of the requests an `Engine`
+serves (their sampling parameters, prompt length, incremental detokenizer and
+stop-string matcher) and turns each commit's tokens into `RequestOutput`s: new
+token ids, new text (never a broken UTF-8 character), logprobs, and the ending.
+It decides nothing about scheduling: a stop string it matches is returned to the
+engine, which ends the request in the core (`Scheduler.stop`); every other
+ending comes from the core's terminal events (`FinishedRequest`), so there is
+one place a request ends and one vocabulary for how (`kvsched.FinishReason`).
+
+Plain numpy and the tokenizer: no JAX, so it is tested without a model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy.typing as npt
+
+import kvsched
+from kvsched.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+
+if TYPE_CHECKING:
+    from kvsched.engine.sampling import SamplingParams
+
+
+@dataclass
+class TokenLogprob:
+    """The chosen token's log-probability under the model, and the top-n."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first; n = the request's ask
+
+
+@dataclass
+class RequestOutput:
+    """What one request produced in one step (only requests submitted through
+    `Engine.submit`). The last output of a request has `finished` set and its
+    `finish_reason` (kvsched.FinishReason): "stop" (a stop token or stop string),
+    "length" (max_tokens), "cancelled", "drain_deadline", "shed" (displaced
+    before it finished by a higher tier's request that a global limit would have
+    refused; `retry_after` says when a retry makes sense), or "error": the
+    engine could not serve it (its logits were not finite, or it carried a
+    token id outside the vocabulary), said in `error`; the other requests of the
+    step run on."""
+
+    request_id: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None
+    finished: bool = False
+    finish_reason: kvsched.FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None  # why, when finish_reason is "error"
+    retry_after: float | None = None  # seconds, when finish_reason is "shed"
+
+
+@dataclass
+class RequestState:
+    """The processor's state of one request."""
+
+    params: SamplingParams
+    prompt_len: int
+    detok: IncrementalDetokenizer | None
+    stops: StopStringMatcher | None
+    generated: int = 0
+
+
+# The sampler's logprob outputs for a step's rows, on the host: the chosen
+# token's logprob [rows], the top ids [rows, n] and their logprobs [rows, n].
+Logprobs = tuple[npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any]]
+
+
+class OutputProcessor:
+    """Per-request detokenization, stop strings, logprobs and endings (see the
+    module). `tokenizer`: a tokenizers.Tokenizer, or None (outputs then carry
+    token ids and no text)."""
+
+    def __init__(self, tokenizer: Any = None) -> None:
+        self.tokenizer = tokenizer
+        self._states: dict[int, RequestState] = {}
+
+    def __contains__(self, request_id: int) -> bool:
+        return request_id in self._states
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def params(self, request_id: int) -> SamplingParams | None:
+        """The sampling parameters of a request it serves (None: not one of its)."""
+        state = self._states.get(request_id)
+        return None if state is None else state.params
+
+    def add(self, request_id: int, params: SamplingParams, prompt: Sequence[int]) -> None:
+        """Start serving an admitted request."""
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, list(prompt))
+        stops = StopStringMatcher(params.stop) if params.stop else None
+        self._states[request_id] = RequestState(params, len(prompt), detok, stops)
+
+    def final(
+        self,
+        request_id: int,
+        reason: kvsched.FinishReason,
+        *,
+        error: str | None = None,
+        retry_after: float | None = None,
+    ) -> RequestOutput | None:
+        """The last output of a request that ended without a token: what its
+        stop-string matcher still held back (nothing matched) and its ending.
+        None for a request it does not serve (or no longer: it ended already)."""
+        state = self._states.pop(request_id, None)
+        if state is None:
+            return None
+        text = state.stops.flush() if state.stops is not None else ""
+        return RequestOutput(request_id, [], text, None, True, reason, state.prompt_len,
+                             state.generated, error=error, retry_after=retry_after)  # fmt: skip
+
+    def endings(self, finished: Iterable[kvsched.FinishedRequest]) -> list[RequestOutput]:
+        """Final outputs from the core's terminal events of requests still served
+        here: cancels (also `Scheduler.cancel` called directly), drain deadlines,
+        displacements ("shed", with the core's retry_after) and failures
+        ("error", with the engine's reason). Events of requests that ended in
+        `process` (with a token) are skipped."""
+        out = []
+        for f in finished:
+            final = self.final(f.request_id, f.reason, error=f.error, retry_after=f.retry_after)
+            if final is not None:
+                out.append(final)
+        return out
+
+    def process(
+        self,
+        request_ids: Sequence[int],
+        tokens: Sequence[int],
+        finished: Iterable[kvsched.FinishedRequest],
+        rows: dict[int, int],
+        logprobs: Callable[[], Logprobs],
+    ) -> tuple[list[RequestOutput], list[int]]:
+        """One commit's tokens (`request_ids[i]` got `tokens[i]`; `finished`: the
+        commit's terminal events; `rows`: each request's row in the step, for
+        `logprobs()`, called once and only if a request asked for them).
+        Returns the outputs, and the requests whose text matched a stop string:
+        they end here (finish_reason "stop"), and the caller ends them in the
+        core (`Scheduler.stop`)."""
+        ends = {f.request_id: f for f in finished}
+        lp: Logprobs | None = None
+        outputs, stopped_here = [], []
+        for rid, tok in zip(request_ids, tokens, strict=True):
+            state = self._states.get(rid)
+            if state is None:
+                continue
+            state.generated += 1
+            token_logprobs = None
+            if state.params.logprobs is not None:
+                if lp is None:
+                    lp = logprobs()
+                row, n = rows[rid], state.params.logprobs
+                top = list(zip(lp[1][row, :n].tolist(), lp[2][row, :n].tolist(), strict=True))
+                token_logprobs = [TokenLogprob(tok, float(lp[0][row]), top)]
+            fin = ends.get(rid)
+            text, stopped = self._text(state, tok, fin)
+            out = RequestOutput(rid, [tok], text, token_logprobs, prompt_tokens=state.prompt_len,
+                                completion_tokens=state.generated)  # fmt: skip
+            if stopped and fin is None:
+                stopped_here.append(rid)  # the core's event for it arrives later, skipped
+            if stopped or fin is not None:
+                out.finished = True
+                out.finish_reason = "stop" if stopped or fin is None else fin.reason
+                del self._states[rid]
+            outputs.append(out)
+        return outputs, stopped_here
+
+    @staticmethod
+    def _text(
+        state: RequestState, tok: int, fin: kvsched.FinishedRequest | None
+    ) -> tuple[str, bool]:
+        """The new text of one token, and whether it matched a stop string."""
+        if state.detok is None:
+            return "", False
+        # A stop token is not part of the text (OpenAI's convention).
+        stop_token = fin is not None and fin.reason == "stop"
+        text = state.detok.push([] if stop_token else [tok])
+        if fin is not None:
+            text += state.detok.flush()
+        stopped = False
+        if state.stops is not None:
+            text, stopped = state.stops.feed(text)
+            if fin is not None and not stopped:
+                text += state.stops.flush()
+        return text, stopped
