@@ -38,7 +38,7 @@ use std::hash::Hasher;
 
 use siphasher::sip128::{Hasher128, SipHasher13};
 
-use crate::pool::{resident, PageId};
+use crate::page::{resident, PageId};
 use crate::tenant::TenantId;
 
 use index::PageIndex;

@@ -56,8 +56,9 @@ use crate::buckets::TokenBuckets;
 use crate::error::{KvError, KvResult, RejectReason, Rejection};
 use crate::ladder::{Ladder, LadderConfig, LadderMove, Pressure};
 use crate::metrics::{Histogram, TenantMetrics};
+use crate::page::BlockSize;
 use crate::planner::{self, DecodeSeq, PlanBuffers, PlanShape, RowCache, SeqSlice};
-use crate::pool::{BlockPool, BlockSize};
+use crate::pool::BlockPool;
 use crate::prefix::{BlockChain, BlockKey, Namespace, PrefixHasher, Scope};
 #[cfg(test)]
 use crate::tenant::TenantConfig;

@@ -81,17 +81,6 @@ fn shared_pages_free_on_last_reference() {
 }
 
 #[test]
-fn block_size_math_matches_division() {
-    for size in [1usize, 3, 8, 16, 24, 64] {
-        let b = BlockSize::new(size);
-        for pos in 0..200 {
-            assert_eq!(b.split(pos), (pos / size, pos % size));
-            assert_eq!(b.blocks_for(pos), pos.div_ceil(size));
-        }
-    }
-}
-
-#[test]
 fn config_limits() {
     assert!(BlockPool::new(1, 16).is_err());
     assert!(BlockPool::new(16, 0).is_err());

@@ -109,11 +109,11 @@ fn home_and_tag(key: BlockKey, buckets: usize) -> (usize, u8) {
 
 impl PageIndex {
     /// An index for a pool of `num_blocks` pages (0: one that holds nothing),
-    /// allocated fallibly and written through (see `pool::resident`).
+    /// allocated fallibly and written through (see `page::resident`).
     pub(super) fn new(num_blocks: usize) -> Result<Self, std::collections::TryReserveError> {
         let n = num_blocks.div_ceil(PAGES_PER_BUCKET);
         Ok(PageIndex {
-            buckets: crate::pool::resident(n, Bucket::default())?,
+            buckets: crate::page::resident(n, Bucket::default())?,
             len: 0,
         })
     }
