@@ -13,15 +13,23 @@
 //! Allocation takes free pages first and evicts only when none is left, so an
 //! evictable page is as available as a free one but keeps its content for a
 //! cache hit as long as possible.
+//!
+//! The prefix cache's page state is the pool's too, since it changes with the
+//! refcounts: `cache` holds which pages hold a named block and the LRU lists
+//! of evictable ones, `index` finds a cached page by its block's name. The
+//! pool is the only caller of their park, unpark and evict. The names
+//! themselves come from `prefix`, which knows nothing of pages.
 
 use crate::error::{KvError, KvResult};
 use crate::page::{validate_shape, BlockSize, PageId, NULL_PAGE};
-use crate::prefix::{BlockKey, List, PrefixCache, Scope, SHARED_LIST};
+use crate::prefix::{BlockKey, Scope};
 use crate::tenant::TenantId;
 
-/// Bytes the prefix cache takes per page, rounded up: a 16-byte name, scope,
-/// two LRU links, a flag and its hash-table slot (see `PrefixCache::new`).
-const PREFIX_CACHE_BYTES_PER_PAGE: usize = 48;
+mod cache;
+mod index;
+
+pub use cache::PrefixCache;
+use cache::{List, PREFIX_CACHE_BYTES_PER_PAGE, SHARED_LIST};
 
 #[derive(Clone, Debug)]
 pub struct BlockPool {

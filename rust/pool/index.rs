@@ -26,7 +26,7 @@
 //! fills at most three quarters of the slots: 64/9 ≈ 7.1 bytes per page, set
 //! once, never grown (no rehash, no transient).
 
-use super::BlockKey;
+use crate::prefix::BlockKey;
 
 /// Slots per bucket: 12 one-byte tags, a 4-byte count and 12 4-byte page ids
 /// fill one 64-byte line.
