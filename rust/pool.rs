@@ -22,7 +22,7 @@
 
 use crate::error::{KvError, KvResult};
 use crate::page::{validate_shape, BlockSize, PageId, NULL_PAGE};
-use crate::prefix::{BlockKey, Scope};
+use crate::prefix::Scope;
 use crate::tenant::TenantId;
 
 mod cache;
@@ -30,6 +30,7 @@ mod index;
 
 pub use cache::PrefixCache;
 use cache::{List, PREFIX_CACHE_BYTES_PER_PAGE, SHARED_LIST};
+pub use index::CacheKey;
 
 #[derive(Clone, Debug)]
 pub struct BlockPool {
@@ -129,7 +130,7 @@ impl BlockPool {
     }
 
     /// Name a referenced page in the prefix cache (see `PrefixCache::register`).
-    pub fn register(&mut self, page: u32, key: BlockKey, scope: Scope) -> bool {
+    pub fn register(&mut self, page: u32, key: CacheKey, scope: Scope) -> bool {
         debug_assert!(self.refcount(page) > 0, "only a held page is named");
         self.cache.register(page, key, scope)
     }

@@ -16,9 +16,9 @@
 //! scheduler keeps each list within the tenant's quota (see
 //! `Scheduler::cache_quota`).
 
-use super::index::PageIndex;
+use super::index::{CacheKey, PageIndex};
 use crate::page::{resident, PageId};
-use crate::prefix::{BlockKey, Scope};
+use crate::prefix::Scope;
 use crate::tenant::TenantId;
 
 /// Bytes the prefix cache takes per page, rounded up: a 16-byte name, scope,
@@ -41,7 +41,7 @@ pub struct PrefixCache {
     /// Sized once for every page, it never grows (see `index`).
     map: PageIndex,
     /// Per page: its key while cached.
-    key: Vec<BlockKey>,
+    key: Vec<CacheKey>,
     /// Per page: NOT_CACHED, SHARED or the owning tenant's id.
     scope: Vec<u32>,
     /// LRU links among evictable pages; `next[0]` is the oldest, `prev[0]` the newest.
@@ -73,7 +73,7 @@ impl PrefixCache {
     pub(super) fn new(num_blocks: usize) -> Result<Self, std::collections::TryReserveError> {
         Ok(PrefixCache {
             map: PageIndex::new(num_blocks)?,
-            key: resident(num_blocks, 0)?,
+            key: resident(num_blocks, CacheKey::default())?,
             scope: resident(num_blocks, NOT_CACHED)?,
             prev: resident(num_blocks, END)?,
             next: resident(num_blocks, END)?,
@@ -128,7 +128,7 @@ impl PrefixCache {
 
     /// The page cached under `key`.
     #[inline]
-    pub fn lookup(&self, key: BlockKey) -> Option<u32> {
+    pub fn lookup(&self, key: CacheKey) -> Option<u32> {
         let names = &self.key;
         self.map.find(key, |p| names[p as usize])
     }
@@ -150,7 +150,7 @@ impl PrefixCache {
         }
     }
 
-    pub fn key_of(&self, page: u32) -> Option<BlockKey> {
+    pub fn key_of(&self, page: u32) -> Option<CacheKey> {
         self.is_cached(page).then(|| self.key[page as usize])
     }
 
@@ -176,7 +176,7 @@ impl PrefixCache {
 
     /// Name a (referenced, uncached) page. False, and nothing changes, when the
     /// key already names another page: the first copy stays the cached one.
-    pub(super) fn register(&mut self, page: u32, key: BlockKey, scope: Scope) -> bool {
+    pub(super) fn register(&mut self, page: u32, key: CacheKey, scope: Scope) -> bool {
         if page as usize >= self.key.len() {
             return false; // a cache of no pages (caching off) names nothing
         }
@@ -201,7 +201,7 @@ impl PrefixCache {
     /// next finds those lines in the cache: the loads are independent, so
     /// their misses overlap here instead of stalling one register each. It
     /// changes nothing.
-    pub fn prefetch(&self, keys: impl Iterator<Item = BlockKey>) {
+    pub fn prefetch(&self, keys: impl Iterator<Item = CacheKey>) {
         self.map.touch(keys);
     }
 
@@ -401,7 +401,7 @@ impl PrefixCache {
         }
         let names = &self.key;
         self.map
-            .check(|p| names.get(p as usize).copied().unwrap_or(0))?;
+            .check(|p| names.get(p as usize).copied().unwrap_or_default())?;
         for page in self.map.pages() {
             if self
                 .scope
@@ -490,9 +490,12 @@ mod tests {
     fn lru_evicts_oldest_first_and_unpark_removes_from_the_middle() {
         let mut c = PrefixCache::new(8).unwrap();
         for (p, k) in [(1u32, 10u128), (2, 20), (3, 30), (4, 40)] {
-            assert!(c.register(p, k, Scope::Tenant(0)));
+            assert!(c.register(p, CacheKey::new(k), Scope::Tenant(0)));
         }
-        assert!(!c.register(5, 10, Scope::Tenant(0)), "a key names one page");
+        assert!(
+            !c.register(5, CacheKey::new(10), Scope::Tenant(0)),
+            "a key names one page"
+        );
         for p in [3, 1, 4, 2] {
             c.park(p, SHARED_LIST);
         }
@@ -503,12 +506,12 @@ mod tests {
         rc[4] = 1;
         c.check_invariants(&rc).unwrap();
         assert_eq!(c.evict_lru(), Some(3));
-        assert_eq!(c.lookup(30), None);
+        assert_eq!(c.lookup(CacheKey::new(30)), None);
         assert_eq!(c.evict_lru(), Some(1));
         assert_eq!(c.evict_lru(), Some(2));
         assert_eq!(c.evict_lru(), None);
         assert_eq!((c.evictions(), c.cached(), c.evictable()), (3, 1, 0));
-        assert_eq!(c.lookup(40), Some(4));
+        assert_eq!(c.lookup(CacheKey::new(40)), Some(4));
         assert_eq!(c.scope(4), Some(Scope::Tenant(0)));
         c.check_invariants(&rc).unwrap();
     }
@@ -518,7 +521,7 @@ mod tests {
         let fill = |c: &mut PrefixCache| {
             for p in 1..9u32 {
                 if p != 6 {
-                    assert!(c.register(p, 100 + p as u128, Scope::Shared));
+                    assert!(c.register(p, CacheKey::new(100 + p as u128), Scope::Shared));
                 }
             }
         };
@@ -549,7 +552,7 @@ mod tests {
     fn unpark_all_cuts_runs_out_of_the_lru_list_and_keeps_the_rest_in_order() {
         let mut c = PrefixCache::new(12).unwrap();
         for p in 1..12u32 {
-            assert!(c.register(p, 100 + p as u128, Scope::Shared));
+            assert!(c.register(p, CacheKey::new(100 + p as u128), Scope::Shared));
         }
         // Released last to first, as a request does: 5 4 3 2 1, then 10 9 8 7 6,
         // then 11.
