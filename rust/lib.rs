@@ -9,6 +9,7 @@ pub mod buckets;
 pub mod error;
 pub mod ladder;
 pub mod metrics;
+pub mod page;
 pub mod planner;
 pub mod pool;
 mod prefetch;

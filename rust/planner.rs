@@ -12,7 +12,8 @@
 
 use crate::buckets::TokenBuckets;
 use crate::error::{KvError, KvResult};
-use crate::pool::{BlockPool, BlockSize};
+use crate::page::BlockSize;
+use crate::pool::BlockPool;
 
 /// Fixed dimensions of every plan.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

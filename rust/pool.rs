@@ -13,136 +13,24 @@
 //! Allocation takes free pages first and evicts only when none is left, so an
 //! evictable page is as available as a free one but keeps its content for a
 //! cache hit as long as possible.
+//!
+//! The prefix cache's page state is the pool's too, since it changes with the
+//! refcounts: `cache` holds which pages hold a named block and the LRU lists
+//! of evictable ones, `index` finds a cached page by its block's name. The
+//! pool is the only caller of their park, unpark and evict. The names
+//! themselves come from `prefix`, which knows nothing of pages.
 
 use crate::error::{KvError, KvResult};
-use crate::prefix::{BlockKey, List, PrefixCache, Scope, SHARED_LIST};
+use crate::page::{validate_shape, BlockSize, PageId, NULL_PAGE};
+use crate::prefix::Scope;
 use crate::tenant::TenantId;
 
-/// The null / padding page id.
-pub const NULL_PAGE: u32 = 0;
+mod cache;
+mod index;
 
-/// Integer types page ids travel in: u32 inside the core, int32 in numpy arrays.
-pub trait PageId: Copy {
-    fn from_page(page: u32) -> Self;
-    fn to_i64(self) -> i64;
-}
-
-macro_rules! page_id {
-    ($($t:ty),*) => {$(
-        impl PageId for $t {
-            #[inline]
-            fn from_page(page: u32) -> Self {
-                page as $t
-            }
-            #[inline]
-            fn to_i64(self) -> i64 {
-                self as i64
-            }
-        }
-    )*};
-}
-page_id!(u32, i32, i64);
-
-/// Tokens per page, with the division a hot loop needs: a shift and a mask when
-/// the size is a power of two (the usual case), a real division otherwise.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct BlockSize {
-    size: usize,
-    /// log2(size) when size is a power of two, else u32::MAX.
-    shift: u32,
-}
-
-impl BlockSize {
-    pub fn new(size: usize) -> Self {
-        let shift = if size.is_power_of_two() {
-            size.trailing_zeros()
-        } else {
-            u32::MAX
-        };
-        BlockSize { size, shift }
-    }
-
-    #[inline]
-    pub fn get(self) -> usize {
-        self.size
-    }
-
-    /// (page index, offset in the page) of token position `pos`.
-    #[inline]
-    pub fn split(self, pos: usize) -> (usize, usize) {
-        if self.shift != u32::MAX {
-            (pos >> self.shift, pos & (self.size - 1))
-        } else {
-            (pos / self.size, pos % self.size)
-        }
-    }
-
-    /// Pages needed to hold `tokens` tokens.
-    #[inline]
-    pub fn blocks_for(self, tokens: usize) -> usize {
-        if self.shift != u32::MAX {
-            (tokens + self.size - 1) >> self.shift
-        } else {
-            tokens.div_ceil(self.size)
-        }
-    }
-}
-
-/// Bytes the prefix cache takes per page, rounded up: a 16-byte name, scope,
-/// two LRU links, a flag and its hash-table slot (see `PrefixCache::new`).
-const PREFIX_CACHE_BYTES_PER_PAGE: usize = 48;
-
-/// Checks on a pool's shape, shared by `BlockPool::new` and the scheduler's config.
-///
-/// Slots (`page * block_size + offset`) are int32 in the step plan, and the
-/// padding slot `num_blocks * block_size` must be representable too.
-pub fn validate_shape(num_blocks: usize, block_size: usize) -> KvResult<()> {
-    if num_blocks < 2 {
-        return Err(KvError::InvalidConfig(format!(
-            "num_blocks must be at least 2 (page 0 is the null page), got {num_blocks}"
-        )));
-    }
-    if block_size == 0 {
-        return Err(KvError::InvalidConfig(
-            "block_size must be at least 1".into(),
-        ));
-    }
-    if (num_blocks as u128) * (block_size as u128) > i32::MAX as u128 {
-        return Err(KvError::InvalidConfig(format!(
-            "num_blocks * block_size = {} does not fit the int32 slot ids of the step plan",
-            num_blocks as u128 * block_size as u128
-        )));
-    }
-    Ok(())
-}
-
-/// `vec![value; n]`, allocated fallibly, with every memory page of it written
-/// now.
-///
-/// The per-page arrays are sized for the whole pool at start-up, and a
-/// zero-filled one comes from the allocator as untouched memory that the
-/// kernel maps on first write, page by page: without this, the first pass of
-/// a running scheduler through each array pays a page fault every 4 KiB
-/// (every 256 names, 1,024 refcounts), a few microseconds each, in the middle
-/// of its steps. Written here, they are paid once, while the pool is built.
-///
-/// An array the process cannot hold is an error for the caller to report
-/// (`try_reserve_exact`), never the global allocator's abort.
-pub(crate) fn resident<T: Copy>(
-    n: usize,
-    value: T,
-) -> Result<Vec<T>, std::collections::TryReserveError> {
-    let mut v = Vec::new();
-    v.try_reserve_exact(n)?;
-    v.resize(n, value);
-    let stride = (4096 / std::mem::size_of::<T>().max(1)).max(1);
-    for i in (0..n).step_by(stride) {
-        // An opaque value: the store cannot be elided (nor the fill above
-        // turned into a zeroed allocation nobody writes), so the page is mapped.
-        v[i] = std::hint::black_box(value);
-    }
-    Ok(v)
-}
+pub use cache::PrefixCache;
+use cache::{List, PREFIX_CACHE_BYTES_PER_PAGE, SHARED_LIST};
+pub use index::CacheKey;
 
 #[derive(Clone, Debug)]
 pub struct BlockPool {
@@ -242,7 +130,7 @@ impl BlockPool {
     }
 
     /// Name a referenced page in the prefix cache (see `PrefixCache::register`).
-    pub fn register(&mut self, page: u32, key: BlockKey, scope: Scope) -> bool {
+    pub fn register(&mut self, page: u32, key: CacheKey, scope: Scope) -> bool {
         debug_assert!(self.refcount(page) > 0, "only a held page is named");
         self.cache.register(page, key, scope)
     }

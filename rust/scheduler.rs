@@ -18,26 +18,10 @@
 //!
 //! # Layout
 //!
-//! One concept a file, in the order a request meets them:
-//! - `scheduler.rs` (this file): the `Scheduler` struct, `new`, `submit` and
-//!   `commit`;
-//! - `scheduler/clock.rs`: which `now` values are accepted, and a re-based
-//!   clock; `scheduler/knobs.rs`: live reconfiguration and the tenants;
-//! - `scheduler/displace.rs`: which lower-tier requests a higher tier's
-//!   request displaces when a global limit would refuse it;
-//! - `scheduler/config.rs`: `SchedulerConfig`, `AdmissionMode` (and what each
-//!   mode means, as methods), the prefix-cache secret;
-//! - `scheduler/request.rs`: `Request`, its `Place`, `FinishReason`, the
-//!   terminal event, and `RequestTable` (the slab and the id index);
-//! - `scheduler/queues.rs`: `RunningSet`, `ResumeQueues` and the one entry
-//!   order over them and the tenants' waiting queues;
-//! - `scheduler/kv.rs`: `KvManager`, the pool, block naming and admission mode
-//!   behind one boundary: the only code that moves pages or hashes tokens;
-//! - `scheduler/step.rs`: `step` and its phases, preemption;
-//! - `scheduler/ending.rs`: cancel and stop, and the terminal-event queue;
-//! - `scheduler/lifecycle.rs`, `checkpoint.rs`, `events.rs` (the event log,
-//!   the ladder and the pressure it reads), `retry.rs` (`retry_after`),
-//!   `stats.rs`, `invariants.rs`.
+//! One concept a file under `scheduler/`; docs/DESIGN.md ("The house") lists
+//! them, and the `Scheduler` doc below says which holds each step of a
+//! request. This file: the `Scheduler` struct, `new`, its accessors,
+//! `release` and `commit`.
 //!
 //! Two choices a reader may wonder about. The per-tenant waiting queues stay
 //! in `Tenant::waiting`, where the tenant registry (stats, tiers, removal)
@@ -56,8 +40,9 @@ use crate::buckets::TokenBuckets;
 use crate::error::{KvError, KvResult, RejectReason, Rejection};
 use crate::ladder::{Ladder, LadderConfig, LadderMove, Pressure};
 use crate::metrics::{Histogram, TenantMetrics};
+use crate::page::BlockSize;
 use crate::planner::{self, DecodeSeq, PlanBuffers, PlanShape, RowCache, SeqSlice};
-use crate::pool::{BlockPool, BlockSize};
+use crate::pool::BlockPool;
 use crate::prefix::{BlockChain, BlockKey, Namespace, PrefixHasher, Scope};
 #[cfg(test)]
 use crate::tenant::TenantConfig;
@@ -78,6 +63,7 @@ mod request;
 mod retry;
 mod stats;
 mod step;
+mod submit;
 mod tail;
 
 pub use checkpoint::InFlight;
@@ -90,39 +76,15 @@ pub use lifecycle::Lifecycle;
 pub use request::{FinishReason, FinishedRequest, Request};
 pub use stats::{PoolStats, SchedulerStats, TenantStats};
 pub use step::StepOutcome;
+pub use submit::SubmitOptions;
 
 use events::EventLog;
 use kv::KvManager;
 use queues::{ResumeQueues, RunningSet};
 use request::{IdSet, Live, Place, RequestTable};
 use step::{Pending, PendingSeq};
+use submit::Resumed;
 use tail::Tail;
-
-/// What a request may carry beside its prompt.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct SubmitOptions<'a> {
-    /// Sampling one of these finishes the request (the token is part of the output).
-    pub stop_token_ids: &'a [i32],
-    /// Mixed into the request's prefix-cache namespace: only requests with the
-    /// same salt (in the same namespace) share its blocks.
-    pub cache_salt: Option<&'a [u8]>,
-}
-
-/// Where a submitted request comes from: new, or restored from a checkpoint
-/// with the tokens it generated.
-#[derive(Clone, Copy)]
-struct Resumed<'a> {
-    generated: &'a [i32],
-    /// Whether lower tiers may be displaced to admit it (see displace.rs).
-    displace: bool,
-}
-
-impl Resumed<'_> {
-    const NEW: Resumed<'static> = Resumed {
-        generated: &[],
-        displace: true,
-    };
-}
 
 /// What one `commit()` did.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -151,9 +113,10 @@ const STEP_ID_BITS: u32 = 40;
 /// every live request, changed together by one caller at a time.
 ///
 /// The data flow, and where each step lives:
-/// - `submit` (here) checks the request and admits it (`admission.rs`
-///   decides, the KV manager in `scheduler/kv.rs` shares its cached prefix) into
-///   its tenant's queue (`scheduler/queues.rs`);
+/// - `submit` (`scheduler/submit.rs`) checks the request and admits it
+///   (`admission.rs` decides, `scheduler/displace.rs` makes room from lower
+///   tiers under a global limit, the KV manager in `scheduler/kv.rs` shares
+///   its cached prefix) into its tenant's queue (`scheduler/queues.rs`);
 /// - `step` (`scheduler/step.rs`) grows decode pages, moves prefills on in
 ///   chunks, lets waiting requests enter and writes the plan (`planner.rs`);
 /// - `commit` (here) appends the sampled tokens, names the blocks they filled
@@ -307,322 +270,6 @@ impl Scheduler {
     /// The buffer set the next `step()` writes (0 or 1).
     pub fn next_parity(&self) -> usize {
         (self.steps % 2) as usize
-    }
-
-    // -- requests ---------------------------------------------------------------
-
-    /// Admit a request or say why not. A rejection changes nothing but the
-    /// rejection counters.
-    pub fn submit(
-        &mut self,
-        tenant: &str,
-        prompt: &[i32],
-        max_tokens: usize,
-        now: f64,
-    ) -> KvResult<u64> {
-        self.submit_with_stops(tenant, prompt, max_tokens, &[], now)
-    }
-
-    /// `submit` with stop tokens: sampling one of them finishes the request.
-    pub fn submit_with_stops(
-        &mut self,
-        tenant: &str,
-        prompt: &[i32],
-        max_tokens: usize,
-        stop_token_ids: &[i32],
-        now: f64,
-    ) -> KvResult<u64> {
-        let opts = SubmitOptions {
-            stop_token_ids,
-            cache_salt: None,
-        };
-        self.submit_with(tenant, prompt, max_tokens, &opts, now)
-    }
-
-    /// `submit` with options. The longest cached prefix of the prompt in the
-    /// request's namespace (all but its last token at most, so there are logits
-    /// to sample) is shared at once: prefill starts after it.
-    pub fn submit_with(
-        &mut self,
-        tenant: &str,
-        prompt: &[i32],
-        max_tokens: usize,
-        opts: &SubmitOptions<'_>,
-        now: f64,
-    ) -> KvResult<u64> {
-        self.submit_inner(tenant, prompt, max_tokens, opts, Resumed::NEW, now)
-    }
-
-    /// `submit_with`, for a request that already generated `from.generated`
-    /// tokens elsewhere: they lead its output, and the ladder's max_tokens
-    /// cap does not apply (it was admitted before, with its max_tokens).
-    fn submit_inner(
-        &mut self,
-        tenant: &str,
-        prompt: &[i32],
-        max_tokens: usize,
-        opts: &SubmitOptions<'_>,
-        from: Resumed<'_>,
-        now: f64,
-    ) -> KvResult<u64> {
-        let Resumed {
-            generated: restored,
-            displace,
-        } = from;
-        self.accept_now(now)?;
-        let Some(tid) = self.tenants.id(tenant) else {
-            return Err(self.reject(
-                None,
-                Rejection {
-                    reason: RejectReason::UnknownTenant,
-                    retry_after: None,
-                    tenant: Some(tenant.to_owned()),
-                    message: format!("no tenant named {tenant:?}"),
-                    permanent: true,
-                },
-            ));
-        };
-        if self.lifecycle != Lifecycle::Ready {
-            let (reason, why) = match self.lifecycle {
-                Lifecycle::Cold | Lifecycle::Warming => (RejectReason::NotReady, "warming up"),
-                _ => (RejectReason::Draining, "draining: no new requests"),
-            };
-            let retry_after = Some(self.config.retry_after_hint_s);
-            return Err(self.reject(
-                Some(tid),
-                Rejection {
-                    reason,
-                    retry_after,
-                    tenant: Some(tenant.to_owned()),
-                    message: why.to_owned(),
-                    permanent: false,
-                },
-            ));
-        }
-        // What is wrong with the request itself is refused before the ladder
-        // reads the pressure: such a refusal moves nothing but its counter.
-        let vocab = self.config.vocab_size;
-        if let Err(rejection) = admission::check_request(
-            self.tenants.get(tid),
-            self.config.max_seq_len,
-            vocab,
-            prompt,
-            max_tokens,
-        )
-        .and_then(|()| {
-            admission::check_vocab(self.tenants.get(tid), vocab, restored, "generated token")
-        }) {
-            return Err(self.reject(Some(tid), rejection));
-        }
-        self.update_ladder(now);
-        let effects = self.ladder.effects();
-        // The ladder degrades the lower tiers and spares the top one: the
-        // max_tokens cap and reject-fast apply to every tier but the top (to
-        // everyone when all tenants share one tier), shedding to the lowest.
-        let (top, lowest) = self.tier_range();
-        let tier = self.tenants.get(tid).config.tier;
-        let spared = top < lowest && tier == top;
-        let asked = max_tokens;
-        let max_tokens = match effects.cap_max_tokens {
-            Some(c) if restored.is_empty() && !spared => max_tokens.min(c),
-            _ => max_tokens,
-        };
-        // The lowest tier, never the only one.
-        let shed_tier = (effects.shed_lowest_tier && top < lowest).then_some(lowest);
-        let capacity = Capacity {
-            shed_tier,
-            reject_fast_would_wait: effects.reject_fast && !spared && self.would_wait(tid),
-            shed_retry_after: self.ladder.config().retry_after_s,
-            block_size: self.config.block_size,
-            max_seq_len: self.config.max_seq_len,
-            usable_blocks: self.usable_blocks(),
-            committed_blocks: self.tenants.committed(),
-            live_requests: self.requests.len(),
-            // Saturating: a huge max_waiting means no limit but the pool's.
-            max_live_requests: self
-                .config
-                .max_num_seqs
-                .saturating_add(self.config.max_waiting),
-            overcommit_watermark_blocks: self.config.admission.watermark_blocks(),
-        };
-        let namespace = self
-            .kv
-            .namespace(tid, self.tenants.get(tid), opts.cache_salt);
-        let mut hits: Vec<u32> = Vec::new();
-        let mut chain = self.kv.chain(namespace.root);
-        let mut newly_shared = 0;
-        let mut room = None;
-        let decision = self.decide(
-            tid,
-            &capacity,
-            prompt,
-            max_tokens,
-            now,
-            (&mut hits, &mut chain, &mut newly_shared),
-            &mut room,
-        );
-        let admit = match decision {
-            Ok(a) => a,
-            Err(rejection) => {
-                // A global limit (the live-request cap, the pool) that lower
-                // tiers hold: displace some of them if that is enough.
-                let limit = match (rejection.reason, room) {
-                    (RejectReason::Concurrency, Some(Room::Requests(_))) if displace => {
-                        "concurrency"
-                    }
-                    (RejectReason::PoolFull, Some(Room::Pool { .. })) if displace => "pool_full",
-                    _ => return Err(self.reject(Some(tid), rejection)),
-                };
-                let Some(victims) =
-                    self.displacement(tid, &capacity, prompt, max_tokens, now, namespace.root)
-                else {
-                    return Err(self.reject(Some(tid), rejection));
-                };
-                for slab in victims {
-                    self.end_displaced(slab, tid, limit, now);
-                }
-                let capacity = Capacity {
-                    committed_blocks: self.tenants.committed(),
-                    live_requests: self.requests.len(),
-                    ..capacity
-                };
-                hits.clear();
-                chain = self.kv.chain(namespace.root);
-                newly_shared = 0;
-                let again = self.decide(
-                    tid,
-                    &capacity,
-                    prompt,
-                    max_tokens,
-                    now,
-                    (&mut hits, &mut chain, &mut newly_shared),
-                    &mut None,
-                );
-                // `displacement` counts the room it frees conservatively.
-                debug_assert!(again.is_ok(), "displacement fell short: {again:?}");
-                match again {
-                    Ok(a) => a,
-                    Err(rejection) => return Err(self.reject(Some(tid), rejection)),
-                }
-            }
-        };
-
-        // An idle tenant rejoins at the lowest virtual time of its tier's active
-        // tenants: it gets its fair share from now on, not a credit for the past.
-        if self.tenants.get(tid).live_requests == 0 {
-            let tier = self.tenants.get(tid).config.tier;
-            let floor = self
-                .tenants
-                .iter()
-                .filter(|(_, t)| t.config.tier == tier && t.live_requests > 0)
-                .map(|(_, t)| t.vtime)
-                .fold(f64::INFINITY, f64::min);
-            self.tenants.get_mut(tid).rejoin(floor);
-        }
-        self.tenants.reserve(tid, admit.blocks);
-        let cached_tokens = hits.len() * self.config.block_size;
-        let t = self.tenants.get_mut(tid);
-        t.admit(prompt.len(), admit.rate_cost, now);
-        if self.kv.shares_at_submit() {
-            t.count_prefix_lookup(prompt.len(), cached_tokens, self.config.block_size);
-        }
-        if !hits.is_empty() {
-            t.hold_pages(hits.len());
-            self.kv.share_hits(&hits)?;
-            self.tenants.share(tid, newly_shared, 0);
-        }
-        // Its new reservation comes out of the unused floor its cached
-        // blocks were kept in (partitioned).
-        self.trim_cache(tid);
-
-        let id = self.requests.next_id();
-        self.clock = self.clock.max(now);
-        let mut tokens = Vec::with_capacity(prompt.len() + max_tokens);
-        tokens.extend_from_slice(prompt);
-        tokens.extend_from_slice(restored);
-        let req = Request {
-            id,
-            tenant: tid,
-            tokens,
-            prompt_len: prompt.len(),
-            max_tokens,
-            stop_token_ids: opts.stop_token_ids.to_vec(),
-            reserved_blocks: admit.blocks,
-            pages: hits,
-            num_computed: cached_tokens,
-            chain,
-            namespace,
-            cached_tokens,
-            place: Place::Queued,
-            arrival: now,
-            first_scheduled: None,
-            first_token: None,
-            last_token_at: -1.0,
-            live: Live::Yes,
-            preemptions: 0,
-            cache_salt: opts.cache_salt.map(<[u8]>::to_vec),
-            waiting_since: now,
-            asked_max_tokens: asked,
-        };
-        let slab = self.requests.insert(req);
-        self.tenants.get_mut(tid).waiting.push_back(slab);
-        if max_tokens < asked {
-            let tenant = self.tenants.get(tid).config.name.clone();
-            self.push_event(SchedulerEvent::MaxTokensCapped {
-                request: id,
-                tenant,
-                asked,
-                admitted: max_tokens,
-                at: now,
-            });
-        }
-        Ok(id)
-    }
-
-    /// `admission::decide` for tenant `tid` now. `lookup` receives the prefix
-    /// hits (when the pool is consulted); `room` the room a capacity refusal
-    /// waits for.
-    #[allow(clippy::too_many_arguments)]
-    fn decide(
-        &self,
-        tid: TenantId,
-        capacity: &Capacity,
-        prompt: &[i32],
-        max_tokens: usize,
-        now: f64,
-        lookup: (&mut Vec<u32>, &mut BlockChain, &mut usize),
-        room: &mut Option<Room>,
-    ) -> Result<admission::Admission, Rejection> {
-        let kv = &self.kv;
-        let (hits, chain, newly_shared) = lookup;
-        admission::decide(
-            self.tenants.get(tid),
-            capacity,
-            prompt,
-            max_tokens,
-            now,
-            || {
-                // Over-committed, waiting requests must not pin pages (nothing
-                // could preempt them): the lookup waits for entry.
-                *newly_shared = kv.lookup_at_submit(tid, prompt, hits, chain);
-                *newly_shared
-            },
-            |r| {
-                *room = Some(r);
-                self.room_wait(tid, r)
-            },
-        )
-    }
-
-    /// Count a refusal (for its tenant too, when it has one) and turn it into
-    /// the error `submit` returns. A refusal changes nothing else.
-    fn reject(&mut self, tid: Option<TenantId>, rejection: Rejection) -> KvError {
-        let reason = rejection.reason;
-        if let Some(tid) = tid {
-            self.tenants.get_mut(tid).count_rejection(reason);
-        }
-        self.rejected[reason.index()] += 1;
-        KvError::Rejected(rejection)
     }
 
     /// Remove a request from wherever it sits, free its pages and reservation.

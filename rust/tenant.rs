@@ -15,7 +15,7 @@ use crate::metrics::TenantMetrics;
 pub const MAX_NAME_LEN: usize = 128;
 
 /// The most pages any pool can have: slots (`page * block_size + offset`)
-/// are int32 in the step plan (see `pool::validate_shape`). A floor above it
+/// are int32 in the step plan (see `page::validate_shape`). A floor above it
 /// could never be honoured, whatever the pool.
 pub const MAX_POOL_BLOCKS: usize = i32::MAX as usize;
 

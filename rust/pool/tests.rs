@@ -24,8 +24,11 @@ fn a_pool_without_prefix_cache_allocates_frees_and_names_nothing() {
     pool.allocate_into(3, &mut got).unwrap();
     assert_eq!(got, vec![1, 2, 3]);
     assert!(pool.allocate_one().is_err(), "exhausted: no evictable page");
-    assert!(!pool.register(1, 7, Scope::Shared), "nothing is named");
-    assert_eq!(pool.cache().lookup(7), None);
+    assert!(
+        !pool.register(1, CacheKey::new(7), Scope::Shared),
+        "nothing is named"
+    );
+    assert_eq!(pool.cache().lookup(CacheKey::new(7)), None);
     pool.retain(&got[..1]).unwrap();
     assert!(pool.free(&[0, 1]).is_err());
     pool.free(&got).unwrap();
@@ -81,17 +84,6 @@ fn shared_pages_free_on_last_reference() {
 }
 
 #[test]
-fn block_size_math_matches_division() {
-    for size in [1usize, 3, 8, 16, 24, 64] {
-        let b = BlockSize::new(size);
-        for pos in 0..200 {
-            assert_eq!(b.split(pos), (pos / size, pos % size));
-            assert_eq!(b.blocks_for(pos), pos.div_ceil(size));
-        }
-    }
-}
-
-#[test]
 fn config_limits() {
     assert!(BlockPool::new(1, 16).is_err());
     assert!(BlockPool::new(16, 0).is_err());
@@ -104,7 +96,7 @@ fn evictable_pages_go_after_free_ones_oldest_first_and_a_hit_revives_them() {
     let mut pages: Vec<u32> = Vec::new();
     pool.allocate_into(4, &mut pages).unwrap(); // 1..=4; 5, 6 free
     for (i, &p) in pages.iter().enumerate() {
-        assert!(pool.register(p, 100 + i as u128, Scope::Tenant(0)));
+        assert!(pool.register(p, CacheKey::new(100 + i as u128), Scope::Tenant(0)));
     }
     // Released last to first: 4 is the oldest evictable page, 1 the newest.
     pool.free(&pages).unwrap();
@@ -124,12 +116,12 @@ fn evictable_pages_go_after_free_ones_oldest_first_and_a_hit_revives_them() {
         "free pages, then the oldest evictable"
     );
     assert_eq!(
-        pool.cache().lookup(103),
+        pool.cache().lookup(CacheKey::new(103)),
         None,
         "an evicted page loses its name"
     );
     assert_eq!(
-        pool.cache().lookup(101),
+        pool.cache().lookup(CacheKey::new(101)),
         Some(2),
         "the referenced page keeps it"
     );
@@ -150,7 +142,7 @@ fn retain_cached_takes_hits_and_refuses_an_unnamed_page_whole() {
     let mut pages: Vec<u32> = Vec::new();
     pool.allocate_into(4, &mut pages).unwrap();
     for (i, &p) in pages[..3].iter().enumerate() {
-        pool.register(p, 50 + i as u128, Scope::Shared);
+        pool.register(p, CacheKey::new(50 + i as u128), Scope::Shared);
     }
     pool.retain(&pages[..1]).unwrap();
     pool.free(&pages).unwrap(); // 2 and 3 parked; 1 still held; 4 free
@@ -172,7 +164,7 @@ fn a_failed_free_puts_parked_pages_back() {
     let mut pool = BlockPool::new(5, 16).unwrap();
     let mut pages: Vec<u32> = Vec::new();
     pool.allocate_into(2, &mut pages).unwrap();
-    pool.register(pages[1], 7, Scope::Shared);
+    pool.register(pages[1], CacheKey::new(7), Scope::Shared);
     // Freed last to first: pages[1] is parked, then the null page fails.
     assert!(pool.free(&[0, pages[1]]).is_err());
     assert_eq!(pool.refcount(pages[1]), 1);
@@ -188,7 +180,11 @@ fn partitioned_pages_park_on_their_tenants_list_and_only_its_allocations_evict_t
     pool.allocate_into_for(0, 3, &mut a).unwrap(); // 1 2 3
     pool.allocate_into_for(1, 3, &mut b).unwrap(); // 4 5 6
     for (i, &p) in a.iter().chain(&b).enumerate() {
-        pool.register(p, 10 + i as u128, Scope::Tenant(p as usize / 4));
+        pool.register(
+            p,
+            CacheKey::new(10 + i as u128),
+            Scope::Tenant(p as usize / 4),
+        );
     }
     pool.free_counting_by(0, &a, None).unwrap();
     pool.free_counting_by(1, &b, None).unwrap();
@@ -216,13 +212,21 @@ fn partitioned_pages_park_on_their_tenants_list_and_only_its_allocations_evict_t
         (3, 1)
     );
     for (i, &p) in a.iter().enumerate() {
-        assert_eq!(pool.cache().lookup(10 + i as u128), Some(p), "kept");
+        assert_eq!(
+            pool.cache().lookup(CacheKey::new(10 + i as u128)),
+            Some(p),
+            "kept"
+        );
     }
     // A hit takes a page off its list; trimming frees the oldest.
     pool.retain_cached(&[1]).unwrap();
     assert_eq!(pool.cache().parked_by(0), 2);
     assert_eq!(pool.trim_parked(0, 1), 1);
-    assert_eq!(pool.cache().lookup(12), None, "page 3, the oldest, went");
+    assert_eq!(
+        pool.cache().lookup(CacheKey::new(12)),
+        None,
+        "page 3, the oldest, went"
+    );
     assert_eq!(pool.forget_tenant(0), 1);
     assert_eq!(pool.cache().parked_by(0), 0);
     pool.check_invariants().unwrap();
@@ -288,7 +292,7 @@ proptest! {
                 Op::Register(i) if !held.is_empty() => {
                     let p = held[i % held.len()];
                     if !named[p as usize] {
-                        prop_assert!(pool.register(p as u32, next_key, Scope::Shared));
+                        prop_assert!(pool.register(p as u32, CacheKey::new(next_key), Scope::Shared));
                         named[p as usize] = true;
                         next_key += 1;
                     }

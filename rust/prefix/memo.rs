@@ -8,7 +8,7 @@
 //! names the hash would give: equal bytes, not equal hashes, decide. Comparing
 //! a 16-token block is a 64-byte compare; naming it is about 15 SipHash
 //! rounds. An entry is a cache of the hash function only: which pages hold
-//! those names is still the prefix index's to say.
+//! those names is still the pool's prefix cache's to say.
 //!
 //! A few entries (`SLOTS`), each following the latest prompt named from its
 //! start: the blocks after the first that differs are replaced by the new

@@ -221,7 +221,7 @@ mod core_module {
                 "release"
             },
         )?;
-        m.add("NULL_PAGE", crate::pool::NULL_PAGE)?;
+        m.add("NULL_PAGE", crate::page::NULL_PAGE)?;
         // Private, so set as an attribute (not in `__all__`, not in the stub).
         m.setattr("_heap_bytes", wrap_pyfunction!(super::heap_bytes, m)?)?;
         let reasons: Vec<&str> = crate::scheduler::FinishReason::ALL

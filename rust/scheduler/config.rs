@@ -142,7 +142,7 @@ impl Default for SchedulerConfig {
 impl SchedulerConfig {
     pub fn validate(&self) -> KvResult<()> {
         let bad = |m: &str| Err(KvError::InvalidConfig(m.to_owned()));
-        crate::pool::validate_shape(self.num_blocks, self.block_size)?;
+        crate::page::validate_shape(self.num_blocks, self.block_size)?;
         if self.max_num_seqs == 0 {
             return bad("max_num_seqs must be at least 1");
         }
@@ -233,7 +233,7 @@ impl SchedulerConfig {
             max_tokens: self.plan_buckets()?.largest(),
             max_seqs: self.max_num_seqs.min(pages),
             pages_per_seq: self.max_seq_len.div_ceil(self.block_size).min(pages),
-            block_size: crate::pool::BlockSize::new(self.block_size),
+            block_size: crate::page::BlockSize::new(self.block_size),
             pad_slot: (self.num_blocks * self.block_size) as i32,
         })
     }

@@ -1,17 +1,66 @@
 //! Tier 0 first under global limits: the lower-tier requests a higher tier's
 //! request may displace when the live-request cap or the pool would refuse it
-//! (see `Scheduler::displacement`; the caller ends them with `end_displaced`).
+//! (see `Scheduler::displacement`), and the submit stage that ends them and
+//! decides again (`admit_or_displace`).
 
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::ops::ControlFlow;
 
+use super::submit::{PrefixHits, Submission};
 use super::{Place, Scheduler};
-use crate::admission::{self, Capacity};
-use crate::error::RejectReason;
+use crate::admission::{self, Admission, Capacity, Room};
+use crate::error::{KvResult, RejectReason};
 use crate::prefix::BlockKey;
 use crate::tenant::TenantId;
 
 impl Scheduler {
+    /// Admission for `sub` (see `decide`), with displace-and-retry: refused
+    /// for a global limit that lower tiers hold (the live-request cap, the
+    /// pool) while `displace` allows it, the lower-tier requests whose ending
+    /// is enough (`displacement`) end `Shed`, and the request is decided
+    /// again against the room they left, its prefix looked up afresh from
+    /// `root`. Any other refusal, or one that displacing cannot lift, is
+    /// counted (`reject`) and returned.
+    pub(super) fn admit_or_displace(
+        &mut self,
+        sub: &Submission<'_>,
+        capacity: &Capacity,
+        root: BlockKey,
+        displace: bool,
+        hits: &mut PrefixHits,
+    ) -> KvResult<Admission> {
+        let mut room = None;
+        let rejection = match self.decide(sub, capacity, hits, &mut room) {
+            Ok(admit) => return Ok(admit),
+            Err(rejection) => rejection,
+        };
+        // A global limit (the live-request cap, the pool) that lower
+        // tiers hold: displace some of them if that is enough.
+        let limit = match (rejection.reason, room) {
+            (RejectReason::Concurrency, Some(Room::Requests(_))) if displace => "concurrency",
+            (RejectReason::PoolFull, Some(Room::Pool { .. })) if displace => "pool_full",
+            _ => return Err(self.reject(Some(sub.tid), rejection)),
+        };
+        let Some(victims) =
+            self.displacement(sub.tid, capacity, sub.prompt, sub.max_tokens, sub.now, root)
+        else {
+            return Err(self.reject(Some(sub.tid), rejection));
+        };
+        for slab in victims {
+            self.end_displaced(slab, sub.tid, limit, sub.now);
+        }
+        let capacity = Capacity {
+            committed_blocks: self.tenants.committed(),
+            live_requests: self.requests.len(),
+            ..*capacity
+        };
+        hits.reset(self.kv.chain(root));
+        let again = self.decide(sub, &capacity, hits, &mut None);
+        // `displacement` counts the room it frees conservatively.
+        debug_assert!(again.is_ok(), "displacement fell short: {again:?}");
+        again.map_err(|rejection| self.reject(Some(sub.tid), rejection))
+    }
+
     /// The top (smallest) and lowest (largest) tier among the tenants.
     pub(super) fn tier_range(&self) -> (u32, u32) {
         let tiers = self.tenants.iter().map(|(_, t)| t.config.tier);

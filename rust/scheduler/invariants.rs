@@ -1,6 +1,7 @@
 //! `check_invariants`: every cross-structure invariant, for tests.
 
 use super::*;
+use crate::pool::CacheKey;
 
 impl Scheduler {
     /// `full_validation` (and debug builds): every page-table row of the plan
@@ -159,7 +160,7 @@ impl Scheduler {
                 }
                 // A cached page holds exactly the block the request's chain names.
                 match (cache.key_of(p), names.get(b)) {
-                    (Some(k), Some(&mine)) if k != mine => {
+                    (Some(k), Some(&mine)) if k != CacheKey::new(mine) => {
                         return Err(format!(
                             "request {} page {p} is cached under another name",
                             r.id

@@ -18,6 +18,7 @@
 use super::*;
 use std::cell::RefCell;
 
+use crate::pool::CacheKey;
 use crate::prefix::{BlockChain, NameMemo, TokenWidth};
 
 pub(super) struct KvManager {
@@ -168,7 +169,7 @@ impl KvManager {
         };
         let mut held = 0;
         loop {
-            let found = cache.lookup(name);
+            let found = cache.lookup(CacheKey::new(name));
             let next = blocks.next();
             let Some(p) = found else {
                 return held;
@@ -310,10 +311,10 @@ impl KvManager {
         }
         self.pool
             .cache()
-            .prefetch(self.named.iter().map(|&(_, key, _)| key));
+            .prefetch(self.named.iter().map(|&(_, key, _)| CacheKey::new(key)));
         for &(page, key, scope) in &self.named {
             if !self.pool.cache().is_cached(page) {
-                self.pool.register(page, key, scope);
+                self.pool.register(page, CacheKey::new(key), scope);
             }
         }
         self.named.clear();

@@ -26,7 +26,30 @@
 //! fills at most three quarters of the slots: 64/9 ≈ 7.1 bytes per page, set
 //! once, never grown (no rehash, no transient).
 
-use super::BlockKey;
+use crate::prefix::BlockKey;
+
+/// What a cached page is found by: today its block's name alone. Every
+/// comparison of cached pages' keys and every hash the index takes of one
+/// goes through this type, so a page keyed by more than its name changes
+/// this type and `home_and_tag` only. Its bits are uniform (a name is the
+/// output of a keyed PRF), so the index takes them as the hash.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(transparent)]
+pub struct CacheKey(BlockKey);
+
+impl CacheKey {
+    /// The key of the block named `name`.
+    #[inline]
+    pub fn new(name: BlockKey) -> Self {
+        CacheKey(name)
+    }
+
+    /// The name of the block.
+    #[inline]
+    pub fn name(self) -> BlockKey {
+        self.0
+    }
+}
 
 /// Slots per bucket: 12 one-byte tags, a 4-byte count and 12 4-byte page ids
 /// fill one 64-byte line.
@@ -101,19 +124,20 @@ pub(super) struct PageIndex {
 
 /// Where a name's probe starts and the tag it looks for.
 #[inline]
-fn home_and_tag(key: BlockKey, buckets: usize) -> (usize, u8) {
+fn home_and_tag(key: CacheKey, buckets: usize) -> (usize, u8) {
+    let bits = key.0;
     // Multiply-shift maps the low 64 bits uniformly onto 0..buckets, any count.
-    let home = ((u128::from(key as u64) * buckets as u128) >> 64) as usize;
-    (home, 0x80 | (key >> 121) as u8)
+    let home = ((u128::from(bits as u64) * buckets as u128) >> 64) as usize;
+    (home, 0x80 | (bits >> 121) as u8)
 }
 
 impl PageIndex {
     /// An index for a pool of `num_blocks` pages (0: one that holds nothing),
-    /// allocated fallibly and written through (see `pool::resident`).
+    /// allocated fallibly and written through (see `page::resident`).
     pub(super) fn new(num_blocks: usize) -> Result<Self, std::collections::TryReserveError> {
         let n = num_blocks.div_ceil(PAGES_PER_BUCKET);
         Ok(PageIndex {
-            buckets: crate::pool::resident(n, Bucket::default())?,
+            buckets: crate::page::resident(n, Bucket::default())?,
             len: 0,
         })
     }
@@ -135,7 +159,7 @@ impl PageIndex {
 
     /// The page stored under `key`; `name_of(page)` is the name of a page.
     #[inline]
-    pub(super) fn find(&self, key: BlockKey, name_of: impl Fn(u32) -> BlockKey) -> Option<u32> {
+    pub(super) fn find(&self, key: CacheKey, name_of: impl Fn(u32) -> CacheKey) -> Option<u32> {
         if self.buckets.is_empty() {
             return None;
         }
@@ -164,9 +188,9 @@ impl PageIndex {
     /// per page, and `name_of` gives the names of the pages stored.
     pub(super) fn insert(
         &mut self,
-        key: BlockKey,
+        key: CacheKey,
         page: u32,
-        name_of: impl Fn(u32) -> BlockKey,
+        name_of: impl Fn(u32) -> CacheKey,
     ) -> bool {
         if self.buckets.is_empty() {
             return false;
@@ -217,7 +241,7 @@ impl PageIndex {
     }
 
     /// Take out `page`, stored under `key`. False when it is not there.
-    pub(super) fn remove(&mut self, key: BlockKey, page: u32) -> bool {
+    pub(super) fn remove(&mut self, key: CacheKey, page: u32) -> bool {
         if self.buckets.is_empty() {
             return false;
         }
@@ -259,7 +283,7 @@ impl PageIndex {
     /// Read the home bucket of each of `keys`: registering them next finds
     /// those lines in the cache, their misses overlapped here instead of each
     /// stalling its insert. It changes nothing.
-    pub(super) fn touch(&self, keys: impl Iterator<Item = BlockKey>) {
+    pub(super) fn touch(&self, keys: impl Iterator<Item = CacheKey>) {
         if self.buckets.is_empty() {
             return;
         }
@@ -281,7 +305,7 @@ impl PageIndex {
     }
 
     /// The overflow counts agree with where the entries sit, for tests.
-    pub(super) fn check(&self, name_of: impl Fn(u32) -> BlockKey) -> Result<(), String> {
+    pub(super) fn check(&self, name_of: impl Fn(u32) -> CacheKey) -> Result<(), String> {
         let n = self.buckets.len();
         let mut passing = vec![0u32; n];
         let mut count = 0;
@@ -347,8 +371,8 @@ mod tests {
                 let page = (rand() % num_pages as u64) as u32;
                 if name[page as usize] != 0 {
                     let key = name[page as usize];
-                    assert!(index.remove(key, page));
-                    assert!(!index.remove(key, page), "removed twice");
+                    assert!(index.remove(CacheKey::new(key), page));
+                    assert!(!index.remove(CacheKey::new(key), page), "removed twice");
                     model.remove(&key);
                     name[page as usize] = 0;
                 } else {
@@ -358,7 +382,8 @@ mod tests {
                     let key = (u128::from(rand() | 1) << 64) | u128::from(lo);
                     let names = &name;
                     let fresh = !model.contains_key(&key);
-                    assert_eq!(index.insert(key, page, |p| names[p as usize]), fresh);
+                    let name_of = |p: u32| CacheKey::new(names[p as usize]);
+                    assert_eq!(index.insert(CacheKey::new(key), page, name_of), fresh);
                     if fresh {
                         model.insert(key, page);
                         name[page as usize] = key;
@@ -366,12 +391,13 @@ mod tests {
                 }
                 if step % 97 == 0 {
                     let names = &name;
-                    index.check(|p| names[p as usize]).unwrap();
+                    let name_of = |p: u32| CacheKey::new(names[p as usize]);
+                    index.check(name_of).unwrap();
                     assert_eq!(index.len(), model.len());
                     for (&k, &p) in &model {
-                        assert_eq!(index.find(k, |q| names[q as usize]), Some(p));
+                        assert_eq!(index.find(CacheKey::new(k), name_of), Some(p));
                     }
-                    assert_eq!(index.find(1, |q| names[q as usize]), None);
+                    assert_eq!(index.find(CacheKey::new(1), name_of), None);
                     let mut stored: Vec<u32> = index.pages().collect();
                     stored.sort_unstable();
                     let mut want: Vec<u32> = model.values().copied().collect();
@@ -385,10 +411,11 @@ mod tests {
     #[test]
     fn an_index_of_no_pages_holds_nothing() {
         let mut index = PageIndex::new(0).unwrap();
-        assert!(!index.insert(5, 1, |_| 5));
-        assert_eq!(index.find(5, |_| 5), None);
-        assert!(!index.remove(5, 1));
-        index.touch([5u128].into_iter());
+        let five = CacheKey::new(5);
+        assert!(!index.insert(five, 1, |_| five));
+        assert_eq!(index.find(five, |_| five), None);
+        assert!(!index.remove(five, 1));
+        index.touch([five].into_iter());
         assert_eq!(index.len(), 0);
         assert_eq!(index.pages().count(), 0);
     }
