@@ -19,7 +19,7 @@
 //! # Layout
 //!
 //! One concept a file under `scheduler/`; docs/DESIGN.md ("The house") lists
-//! them, and the `Scheduler` doc below says which holds each step of a
+//! them, and README.md's Layout section says which holds each step of a
 //! request. This file: the `Scheduler` struct, `new`, its accessors,
 //! `release` and `commit`.
 //!
@@ -112,20 +112,8 @@ const STEP_ID_BITS: u32 = 40;
 /// The scheduler: admission, the queues, the running set and the KV pages of
 /// every live request, changed together by one caller at a time.
 ///
-/// The data flow, and where each step lives:
-/// - `submit` (`scheduler/submit.rs`) checks the request and admits it
-///   (`admission.rs` decides, `scheduler/displace.rs` makes room from lower
-///   tiers under a global limit, the KV manager in `scheduler/kv.rs` shares
-///   its cached prefix) into its tenant's queue (`scheduler/queues.rs`);
-/// - `step` (`scheduler/step.rs`) grows decode pages, moves prefills on in
-///   chunks, lets waiting requests enter and writes the plan (`planner.rs`);
-/// - `commit` (here) appends the sampled tokens, names the blocks they filled
-///   and ends the requests that finished.
-///
-/// Around them: cancel and stop (`scheduler/ending.rs`), lifecycle and drain
-/// (`scheduler/lifecycle.rs`), checkpoints (`scheduler/checkpoint.rs`), the
-/// ladder and events (`scheduler/events.rs`), `retry_after`
-/// (`scheduler/retry.rs`), stats and invariants.
+/// Which file holds each step of a request (submit, wait, step, commit, end)
+/// is README.md's Layout section, the one route map.
 pub struct Scheduler {
     config: SchedulerConfig,
     /// This scheduler's step ids are `instance << STEP_ID_BITS | step`.

@@ -1,4 +1,5 @@
-"""The README's shown output, as patterns a real run must match.
+"""The documents' shown output (README.md and docs/), as patterns a real run must
+match.
 
 A `text` block that shows what a command prints matches that command's output
 when each of its lines matches a line of the output, in order (the output may
@@ -11,14 +12,16 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+# README.md, then the manual's pages.
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^```(\w+)\n(.*?)^```", re.S | re.M)
 NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
 
 
 def text_block(first_line_prefix: str) -> str:
-    """The README's one `text` block whose first line starts so."""
-    found = [body for kind, body in BLOCK.findall(README.read_text())
+    """The documents' one `text` block whose first line starts so."""
+    found = [body for doc in DOCUMENTS for kind, body in BLOCK.findall(doc.read_text())
              if kind == "text" and body.startswith(first_line_prefix)]  # fmt: skip
     assert len(found) == 1, f"{len(found)} text blocks start with {first_line_prefix!r}"
     return found[0]

@@ -1,7 +1,8 @@
-"""The README's code blocks run as written, and print what they show.
+"""The code blocks of README.md and of every page of docs/ run as written, and
+print what they show.
 
-Python blocks run in order in one namespace (as a reader pastes them into one
-session); a comment after a `print(...)` is what it prints (`<...>` a figure
+Python blocks run in order, one namespace a page (as a reader pastes a page's
+blocks into one session); a comment after a `print(...)` is what it prints (`<...>` a figure
 that varies, `e.g.` an illustration of a branch not taken), checked against
 what the block printed, and a bare expression with such a comment (which would
 print nothing in a script) is refused. `text` blocks that show a command's
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from readme_output import assert_shows, text_block
+from readme_output import DOCUMENTS, assert_shows, text_block
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 BLOCK = re.compile(r"^```(\w+)\n(.*?)^```", re.S | re.M)
@@ -47,8 +48,10 @@ COVERED = (
 )
 
 
-def blocks(lang: str) -> list[str]:
-    return [body for kind, body in BLOCK.findall(README.read_text()) if kind == lang]
+def blocks(lang: str, doc: Path | None = None) -> list[str]:
+    """The `lang` blocks of one document, or of all of them (README first)."""
+    docs = DOCUMENTS if doc is None else [doc]
+    return [body for d in docs for kind, body in BLOCK.findall(d.read_text()) if kind == lang]
 
 
 def commands(body: str) -> list[str]:
@@ -103,31 +106,35 @@ def test_shown_prints_reads_comments_and_refuses_bare_expressions():
         shown_prints("stats = {}\nstats  # pool, tenants\n")
 
 
-def test_the_readme_has_python_and_bash_blocks():
-    assert len(blocks("python")) >= 2 and len(blocks("bash")) >= 3
+def test_the_documents_have_python_and_bash_blocks():
+    assert README in DOCUMENTS and len(DOCUMENTS) >= 8, DOCUMENTS
+    assert len(blocks("python")) >= 4 and len(blocks("bash")) >= 5
+    assert blocks("python", README) and blocks("bash", README)
 
 
-def test_python_blocks_run_as_written(tmp_path, monkeypatch):
+@pytest.mark.parametrize("doc", [d for d in DOCUMENTS if blocks("python", d)],
+                         ids=lambda d: d.name)  # fmt: skip
+def test_python_blocks_run_as_written(doc, tmp_path, monkeypatch):
     """Blocks that call the server (`OpenAI(base_url=...:8000)`) run against a
-    `kvsched serve` started here with the README's tenants file, on a free port
+    `kvsched serve` started here with the page's tenants file, on a free port
     written in place of 8000."""
     monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": "readme"}
     server = None
     try:
-        for body in blocks("python"):
+        for body in blocks("python", doc):
             if "127.0.0.1:8000" in body:
                 if server is None:
-                    server, url = start_readme_server(tmp_path)
+                    server, url = start_readme_server(tmp_path, doc)
                 body = body.replace("http://127.0.0.1:8000", url)
             printed = io.StringIO()
             with contextlib.redirect_stdout(printed):
-                exec(compile(body, str(README), "exec"), namespace)  # noqa: S102
+                exec(compile(body, str(doc), "exec"), namespace)  # noqa: S102
             out = printed.getvalue()
             lines = iter(out.splitlines())  # each shown output is a whole line, in order
             for shown in shown_prints(body):
                 assert any(shown.fullmatch(line) for line in lines), (
-                    f"the README shows {shown.pattern!r}; the block printed:\n{out}"
+                    f"{doc.name} shows {shown.pattern!r}; the block printed:\n{out}"
                 )
     finally:
         if server is not None:
@@ -135,15 +142,15 @@ def test_python_blocks_run_as_written(tmp_path, monkeypatch):
             server.wait(timeout=60)
 
 
-def start_readme_server(tmp_path):
-    """`kvsched serve` over the real model with the README's tenants file."""
+def start_readme_server(tmp_path, doc):
+    """`kvsched serve` over the real model with the page's tenants file."""
     for name in ("fastapi", "uvicorn", "openai", "gguf"):
         pytest.importorskip(name)
     from serve_helpers import start_serve
     from smollm2_helpers import smollm2
 
     smollm2()  # skips with the reason when the model cannot be fetched
-    (toml,) = blocks("toml")
+    (toml,) = blocks("toml", doc)
     (tmp_path / "tenants.toml").write_text(toml)
     return start_serve(
         ["--tenants", str(tmp_path / "tenants.toml"), "--max-seq-len", "256"],

@@ -294,8 +294,8 @@ def test_the_readmes_chunked_prefill_claim_reproduces_from_the_cli(capsys):
     chunked, unchunked = rows["continuous"], rows["unchunked"]
     assert chunked[1] < 100 < 800 < unchunked[1]
     assert chunked[3] < 100 < unchunked[3]
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    claim = " ".join(readme.split("On the prefill-heavy mix, ", 1)[1].split("\n\n")[0].split())
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "capacity.md").read_text()
+    claim = " ".join(docs.split("On the prefill-heavy mix, ", 1)[1].split("\n\n")[0].split())
     assert "kvsched simulate --trace prefill-vs-decode" in claim
     assert f"p99 and max at {chunked[1]:.1f} ms" in claim and chunked[1] == chunked[3]
     assert f"stalls it {unchunked[3]:.1f} ms (p99 = max)" in claim
