@@ -56,13 +56,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     import kvsched
     from kvsched.engine import AttentionInputs, reference_attention
-    from kvsched.engine.kernels import cost
-    from kvsched.engine.kernels.gpu import (
-        default_block_q,
-        default_kv_splits,
-        default_tile_pages,
-        ragged_paged_attention_gpu,
-    )
+    from kvsched.engine.kernels import cost, tiling
+    from kvsched.engine.kernels.gpu import default_kv_splits, ragged_paged_attention_gpu
 
     on_gpu = jax.default_backend() == "gpu"
     if not on_gpu and not args.interpret:
@@ -139,8 +134,8 @@ def main(argv: list[str] | None = None) -> dict:
     limit = kv_bytes / (args.hbm_tbs * 1e12)
     # Each kernel's description at the block size it runs with here.
     splits = default_kv_splits(t, seqs, hkv, per_seq)
-    v2 = cost.ours_gpu_v2(default_block_q(t, seqs, hq // hkv), kv_splits=splits,
-                          tile_pages=default_tile_pages(bs, per_seq))  # fmt: skip
+    v2 = cost.ours_gpu_v2(tiling.gpu_block_q(t, seqs, hq // hkv), kv_splits=splits,
+                          tile_pages=tiling.gpu_tile_pages(bs, per_seq))  # fmt: skip
     descs = {"pallas_gpu": v2,
              "v1": cost.ours_gpu(16)}  # fmt: skip
     model_plan = cost.Plan((1,) * seqs, (ctx,) * seqs, t)

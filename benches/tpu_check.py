@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     import kvsched
     from kvsched.engine import AttentionInputs, paged_attention
-    from kvsched.engine.kernels import cost
+    from kvsched.engine.kernels import cost, tiling
     from kvsched.engine.kernels.reference import reference_attention
     from kvsched.engine.kernels.tpu import ragged_paged_attention
     from kvsched.engine.kernels.tpu2 import ragged_paged_attention_v2
@@ -183,12 +183,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     plan_model = cost.Plan((1,) * seqs, (ctx,) * seqs, t)
     bkv, bq = cost.jax_rpa_block_sizes(shapes, t, per_seq, dev_name)
     kvh = cost.jax_rpa_kv_heads_per_block(shapes)
-    bq2 = cost.tpu_v2_block_q(t, seqs, hq // hkv)  # v2's default, from the shape
+    bq2 = tiling.tpu_block_q(t, seqs, hq // hkv)  # v2's default, from the shape
+    ppb2 = tiling.tpu_pages_per_block(bs, per_seq, tiling.tpu_decode_path(bq2, hq // hkv))
     runs: list[tuple[str, Any, cost.KernelDesc | None]] = [
         ("pallas", jax.jit(lambda q, c: ragged_paged_attention(
             q, c, inputs, scale=scale, block_q=args.block_q)), cost.ours_tpu(args.block_q)),
         ("pallas2", jax.jit(lambda q, c: ragged_paged_attention_v2(q, c, inputs, scale=scale)),
-         cost.ours_tpu_v2(bq2, cost.tpu_v2_pages_per_block(bs, per_seq, bq2 * hq // hkv <= 8))),
+         cost.ours_tpu_v2(bq2, ppb2)),
     ]  # fmt: skip
     if jax_known:
         runs.append(("jax", jax.jit(lambda q, c: paged_attention(

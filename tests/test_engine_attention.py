@@ -254,7 +254,8 @@ def test_tpu_v2_decode_path_matches_jaxs_tpu_decode_kernel():
     from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as jax_decode
 
     from kvsched.engine import AttentionInputs
-    from kvsched.engine.kernels.tpu2 import default_block_q, ragged_paged_attention_v2
+    from kvsched.engine.kernels.tiling import tpu_block_q
+    from kvsched.engine.kernels.tpu2 import ragged_paged_attention_v2
 
     rng = np.random.default_rng(0)
     s, hq, hkv, d, bs, pps, p, nseq = 8, 8, 2, 128, 16, 4, 40, 7
@@ -269,7 +270,7 @@ def test_tpu_v2_decode_path_matches_jaxs_tpu_decode_kernel():
         num_seqs=jnp.asarray([nseq], np.int32),
     )  # fmt: skip
     scale = d**-0.5
-    assert default_block_q(s, s, hq // hkv) == 2
+    assert tpu_block_q(s, s, hq // hkv) == 2
     got = ragged_paged_attention_v2(q, cache, inputs, scale=scale, pages_per_block=2)
     got = np.asarray(got, np.float32)
     k_pages = jnp.moveaxis(cache[:, :, 0::2], 2, 0)  # [Hkv, P, bs, D]
@@ -326,19 +327,19 @@ def test_tpu_v2_refuses_bad_arguments_by_name():
 
 
 def test_tpu_v2_picks_the_decode_path_from_the_shape():
-    from kvsched.engine.kernels.tpu2 import default_block_q, default_pages_per_block
+    from kvsched.engine.kernels.tiling import tpu_block_q, tpu_pages_per_block
 
-    assert default_block_q(256, 256, 4) == 2  # decode: M = 2 x 4 = 8 rows
-    assert default_block_q(256, 256, 8) == 1
-    assert default_block_q(256, 256, 3) == 8  # a group that does not divide 8
-    assert default_block_q(512, 8, 4) == 128  # prefill: 128-token blocks
-    assert default_block_q(20, 4, 4) == 24
-    assert default_pages_per_block(16, 128) == 16 and default_pages_per_block(64, 2) == 2
-    assert default_pages_per_block(16, 128, decode=True) == 32
+    assert tpu_block_q(256, 256, 4) == 2  # decode: M = 2 x 4 = 8 rows
+    assert tpu_block_q(256, 256, 8) == 1
+    assert tpu_block_q(256, 256, 3) == 8  # a group that does not divide 8
+    assert tpu_block_q(512, 8, 4) == 128  # prefill: 128-token blocks
+    assert tpu_block_q(20, 4, 4) == 24
+    assert tpu_pages_per_block(16, 128) == 16 and tpu_pages_per_block(64, 2) == 2
+    assert tpu_pages_per_block(16, 128, decode=True) == 32
     # Pages of 64 and 128 (TPU): the same 512 / 256 tokens per block, fewer pages.
-    assert default_pages_per_block(64, 32, decode=True) == 8
-    assert default_pages_per_block(128, 16, decode=True) == 4
-    assert default_pages_per_block(128, 16) == 2 and default_pages_per_block(128, 1) == 1
+    assert tpu_pages_per_block(64, 32, decode=True) == 8
+    assert tpu_pages_per_block(128, 16, decode=True) == 4
+    assert tpu_pages_per_block(128, 16) == 2 and tpu_pages_per_block(128, 1) == 1
 
 
 @pytest.mark.parametrize(("d", "packed", "bs", "ppb"),

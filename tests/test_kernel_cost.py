@@ -10,6 +10,7 @@ import functools
 import pytest
 
 from kvsched.engine.kernels import cost as C
+from kvsched.engine.kernels import tiling
 
 # q heads 2, KV heads 1 (group 2), head_dim 8, pages of 4 tokens, bf16:
 # one page of every head, K and V, is 4 * 2 * 1 * 8 * 2 = 128 bytes.
@@ -137,7 +138,7 @@ def test_gpu_split_kv_fills_the_sms_for_one_long_sequence():
     the kernel picks from the shape (16) gives 128; the model's pipeline term
     shrinks with the busy programs, to over 90% of the H200's HBM bandwidth."""
     plan = C.Plan.decode(1, 32768)
-    splits = C.gpu_v2_kv_splits(1, 1, 8, 2048)
+    splits = tiling.gpu_kv_splits(1, 1, 8, 2048)
     assert splits == 16
     old = C.predict(plan, C.LLAMA3_8B, C.ours_gpu(), "h200")
     flat = C.predict(plan, C.LLAMA3_8B, C.ours_gpu_v2(), "h200")
@@ -147,7 +148,7 @@ def test_gpu_split_kv_fills_the_sms_for_one_long_sequence():
     assert split.t_pipeline == pytest.approx(flat.t_pipeline / 16)
     assert old.hbm_fraction < 0.01 < flat.hbm_fraction < 0.25 < 0.9 < split.hbm_fraction
     # A full decode batch (2048 programs) is not split.
-    assert C.gpu_v2_kv_splits(256, 256, 8, 128) == 1
+    assert tiling.gpu_kv_splits(256, 256, 8, 128) == 1
 
 
 def test_gpu_v2_description_matches_the_kernels_program_table():
@@ -251,8 +252,8 @@ def test_decode_and_prefill_for_tpu_v2():
     512-token chunk at 2k in blocks of 128 rows (16 pages per block) reads up
     to each block's causal bound (104, 112, 120, 128 pages, rounded up to whole
     blocks of 16)."""
-    bq = C.tpu_v2_block_q(256, 256, C.LLAMA3_8B.group)
-    ppb = C.tpu_v2_pages_per_block(16, 128, decode=True)
+    bq = tiling.tpu_block_q(256, 256, C.LLAMA3_8B.group)
+    ppb = tiling.tpu_pages_per_block(16, 128, decode=True)
     assert (bq, ppb) == (2, 32)
     v = C.count(DECODE, C.LLAMA3_8B, C.ours_tpu_v2(bq, ppb))
     assert ideal_bounds(v, ppb) == (True, True)
@@ -263,9 +264,9 @@ def test_decode_and_prefill_for_tpu_v2():
     assert before.kv_bytes_moved == v.kv_bytes_moved and before.dma_starts == v.dma_starts
     assert v.mxu_flops == 2 * v.useful_flops  # M = 8 rows, 4 of them real
     plan = C.Plan.prefill_chunk(512, 2048)
-    ppb = C.tpu_v2_pages_per_block(16, 128)
+    ppb = tiling.tpu_pages_per_block(16, 128)
     assert ppb == 16
-    p = C.count(plan, C.LLAMA3_8B, C.ours_tpu_v2(C.tpu_v2_block_q(512, 1, 4), ppb))
+    p = C.count(plan, C.LLAMA3_8B, C.ours_tpu_v2(tiling.tpu_block_q(512, 1, 4), ppb))
     assert p.kv_blocks == 7 + 7 + 8 + 8 and p.kv_bytes_moved == 30 * 16 * 65536
     for dev in ("tpu-v5e", "tpu-v6e"):
         ours = C.predict(DECODE, C.LLAMA3_8B, C.ours_tpu(), dev)
@@ -293,8 +294,8 @@ def test_tpu_v2_decode_at_tpu_page_sizes():
     for ps, ppb in ((16, 32), (64, 8), (128, 4)):
         shapes = dataclasses.replace(C.LLAMA3_8B, page_size=ps)
         pages = 256 * 2048 // ps
-        bq = C.tpu_v2_block_q(256, 256, shapes.group)
-        assert C.tpu_v2_pages_per_block(ps, 2048 // ps, decode=True) == ppb
+        bq = tiling.tpu_block_q(256, 256, shapes.group)
+        assert tiling.tpu_pages_per_block(ps, 2048 // ps, decode=True) == ppb
         p = C.predict(DECODE, shapes, C.ours_tpu_v2(bq, ppb), "tpu-v5e")
         c = p.counts
         assert (c.dma_starts, c.dma_waits, c.kv_blocks) == (pages, 1024, 1024)
@@ -677,7 +678,7 @@ def test_tpu_v2_counts_are_what_it_does_in_the_interpreter(dma_log):
             out = ragged_paged_attention_v2(q, cache, inputs, scale=0.25, block_q=bq,
                                             pages_per_block=3)  # fmt: skip
             out.block_until_ready()
-            block_q = bq or C.tpu_v2_block_q(q.shape[0], slots, shapes.group)
+            block_q = bq or tiling.tpu_block_q(q.shape[0], slots, shapes.group)
             c = C.count(model, shapes, C.ours_tpu_v2(block_q, min(3, pps)))
             assert (len(dma_log["starts"]), len(dma_log["waits"])) == (c.dma_starts, c.dma_waits)
             assert sum(dma_log["waits"]) == c.kv_bytes_moved

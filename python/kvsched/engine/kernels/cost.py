@@ -51,7 +51,7 @@ than it credits (issue 15's decode has 128 programs for 132 SMs). The
 latency constants are the largest unknowns: the first device run
 (benches/tpu_check.py, gpu_check.py) calibrates them.
 
-Imports numpy and kvsched.capacity at import (no JAX); `mosaic_summary` imports
+Imports numpy, kvsched.capacity and kernels.tiling at import (no JAX); `mosaic_summary` imports
 jaxlib's MLIR bindings on use, `jax_rpa_block_sizes` reads JAX's tuned table
 when jax is installed.
 """
@@ -68,6 +68,7 @@ from typing import Any, Literal
 import numpy as np
 
 from kvsched.capacity import ACCELERATORS
+from kvsched.engine.kernels import tiling
 
 # -- devices -------------------------------------------------------------------
 
@@ -260,33 +261,6 @@ def ours_gpu(block_q: int = 16) -> KernelDesc:
     )  # fmt: skip
 
 
-def gpu_v2_block_q(tokens: int, seqs: int, group: int) -> int:
-    """The query rows per block kernels/gpu.py version 2 picks from a plan's
-    shape (its `default_block_q`): M = block_q x group is 16 (one tensor-core
-    tile) for decode-heavy buckets (tokens <= 2 x sequences), 64 otherwise."""
-    m = 16 if tokens <= 2 * seqs else 64
-    return max(1, m // group)
-
-
-def gpu_v2_kv_splits(tokens: int, seqs: int, kv_heads: int, pages_per_seq: int,
-                     units: int = 132) -> int:  # fmt: skip
-    """KV splits kernels/gpu.py version 2 picks from a plan's shape (its
-    `default_kv_splits`): a decode-heavy bucket (tokens <= 2 x sequence slots)
-    whose seqs x kv_heads programs leave SMs idle gets ceil(units / programs)
-    splits (at most 16, at most the pages of a sequence); otherwise 1. The
-    slots, not the live sequences, decide: the choice is static per shape."""
-    programs = seqs * kv_heads
-    if tokens > 2 * seqs or programs >= units:
-        return 1
-    return max(1, min(16, pages_per_seq, -(-units // programs)))
-
-
-def gpu_v2_tile_pages(block_size: int, pages_per_seq: int) -> int:
-    """Pages per KV tile kernels/gpu.py version 2 picks: 64 keys per tile, at
-    least one page, at most a sequence's pages."""
-    return max(1, min(pages_per_seq, 64 // block_size))
-
-
 def ours_gpu_v2(block_q: int = 4, num_stages: int = 3, kv_splits: int = 1,
                 tile_pages: int = 4) -> KernelDesc:  # fmt: skip
     """kernels/gpu.py version 2 (issue 15 section 3): grid (query blocks of
@@ -404,20 +378,6 @@ def ours_tpu_v2(block_q: int = 2, pages_per_block: int = 32, depth: int = 2,
         scan_all_seqs=False, rows="block", operands="bf16", wait_per_page=False,
         chain_per_step=not across_steps,
     )  # fmt: skip
-
-
-def tpu_v2_block_q(tokens: int, seqs: int, group: int) -> int:
-    """The query rows per block kernels/tpu2.py picks from a bucket's shape (its
-    `default_block_q`, repeated here so the model needs no JAX)."""
-    if tokens <= 2 * seqs:
-        return 8 // group if 8 % group == 0 else 8
-    return min(128, -(-tokens // 8) * 8)
-
-
-def tpu_v2_pages_per_block(page_size: int, pages_per_seq: int, decode: bool = False) -> int:
-    """kernels/tpu2.py's default_pages_per_block: 512 tokens' worth of pages on
-    the decode path, 256 otherwise."""
-    return max(1, min(pages_per_seq, (512 if decode else 256) // page_size))
 
 
 def target_tpu(pages_per_block: int = 32, block_q: int = 128, depth: int = 2) -> KernelDesc:
@@ -653,17 +613,18 @@ def kernels_for(plan: Plan, shapes: Shapes, device: str) -> list[KernelDesc]:
     """Today's kernels for a device, JAX's (TPU) with the block sizes it picks
     there, and the target design (TPU): what the table in the README compares."""
     if DEVICES[device].platform == "gpu":
-        bq = gpu_v2_block_q(plan.padded_tokens, len(plan.q_lens), shapes.group)
+        bq = tiling.gpu_block_q(plan.padded_tokens, len(plan.q_lens), shapes.group)
         pps = max(-(-kv // shapes.page_size) for kv in plan.kv_lens)
-        splits = gpu_v2_kv_splits(plan.padded_tokens, len(plan.q_lens), shapes.kv_heads, pps,
-                                  DEVICES[device].units)  # fmt: skip
-        tiles = gpu_v2_tile_pages(shapes.page_size, pps)
+        splits = tiling.gpu_kv_splits(plan.padded_tokens, len(plan.q_lens), shapes.kv_heads,
+                                      pps, DEVICES[device].units)  # fmt: skip
+        tiles = tiling.gpu_tile_pages(shapes.page_size, pps)
         return [ours_gpu(), ours_gpu_v2(bq, kv_splits=splits, tile_pages=tiles)]
     pps = max(-(-kv // shapes.page_size) for kv in plan.kv_lens)
     bkv, bq = jax_rpa_block_sizes(shapes, plan.padded_tokens, pps, device)
     kvh = jax_rpa_kv_heads_per_block(shapes)
-    bq2 = tpu_v2_block_q(plan.padded_tokens, len(plan.q_lens), shapes.group)
-    v2 = ours_tpu_v2(bq2, tpu_v2_pages_per_block(shapes.page_size, pps, bq2 * shapes.group <= 8))
+    bq2 = tiling.tpu_block_q(plan.padded_tokens, len(plan.q_lens), shapes.group)
+    decode = tiling.tpu_decode_path(bq2, shapes.group)
+    v2 = ours_tpu_v2(bq2, tiling.tpu_pages_per_block(shapes.page_size, pps, decode))
     return [ours_tpu(), v2, jax_tpu(bkv, bq, None if kvh == shapes.kv_heads else kvh),
             target_tpu()]  # fmt: skip
 
@@ -808,7 +769,5 @@ __all__ = [
     "DEVICES", "LLAMA3_8B", "Counts", "Device", "KernelDesc", "MosaicSummary", "Plan",
     "Prediction", "Shapes", "count", "format_table", "jax_rpa_block_sizes",
     "jax_rpa_kv_heads_per_block", "jax_tpu", "kernels_for", "mosaic_summary", "ours_gpu",
-    "ours_gpu_v2", "gpu_v2_block_q", "gpu_v2_kv_splits", "gpu_v2_tile_pages",
-    "ours_tpu", "ours_tpu_v2", "predict", "table", "target_tpu", "tpu_v2_block_q",
-    "tpu_v2_pages_per_block",
+    "ours_gpu_v2", "ours_tpu", "ours_tpu_v2", "predict", "table", "target_tpu",
 ]  # fmt: skip

@@ -12,7 +12,7 @@ kernel, into tokens / block_q + S programs: a static grid per plan shape). The
 block's rows and the GQA group's query heads form one [block_q * group, D]
 operand (gathered so before the kernel). The program reads its own sequence's
 pages only, up to the causal bound of its last row, in KV tiles of
-`tile_pages` pages (64 keys by default, `default_tile_pages`): K and V are one
+`tile_pages` pages (64 keys by default, `tiling.gpu_tile_pages`): K and V are one
 gather load each, and each tile costs one QK and one PV dot for the whole
 group. bf16 / fp16 caches: dot operands in that type (tensor cores), f32
 accumulation and softmax; f32 caches: f32 operands at HIGHEST (IEEE)
@@ -45,8 +45,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from kvsched.engine.inputs import AttentionInputs
 from kvsched.engine.kernels.common import MASK, run_padded
-from kvsched.engine.kernels.cost import gpu_v2_block_q, gpu_v2_kv_splits, gpu_v2_tile_pages
 from kvsched.engine.kernels.reference import token_seq
+from kvsched.engine.kernels.tiling import H200_SMS, gpu_block_q, gpu_kv_splits, gpu_tile_pages
 
 HIGHEST = lax.Precision.HIGHEST
 
@@ -320,7 +320,7 @@ def _call(
         qb = jnp.pad(qb, ((0, 0), (0, 0), (0, bm - block_q * group), (0, 0)))
     kernel = functools.partial(_kernel, group=group, pages_per_seq=pps, scale=scale,
                                dtype=dot_dtype(cache.dtype), splits=kv_splits,
-                               tile_pages=tile_pages or default_tile_pages(cache.shape[1], pps)
+                               tile_pages=tile_pages or gpu_tile_pages(cache.shape[1], pps)
                                )  # fmt: skip
 
     def full(shape: tuple[int, ...]) -> pl.BlockSpec:
@@ -375,32 +375,13 @@ def _call(
     return jnp.where(valid[:, None, None], out.reshape(t, hq, d), 0).astype(q.dtype)
 
 
-def default_tile_pages(block_size: int, pages_per_seq: int) -> int:
-    """Pages per KV tile: 64 keys a tile (4 pages of 16, 2 of 32), at most a
-    sequence's pages. Fewer, longer loop iterations: each waits on its loads
-    once (kernels.cost.gpu_v2_tile_pages)."""
-    return gpu_v2_tile_pages(block_size, pages_per_seq)
-
-
-def default_block_q(tokens: int, seqs: int, group: int) -> int:
-    """Query rows per block, from the plan's shape (static): M = block_q * group
-    is 16 (one tensor-core tile) for decode-heavy buckets (tokens <= 2 x
-    sequence slots: most blocks hold one row), 64 otherwise (a prefill chunk
-    re-reads its KV once per block: bigger blocks, fewer re-reads). The rule
-    lives in the cost model (kernels.cost.gpu_v2_block_q), which describes
-    this kernel at the block size it runs with."""
-    return gpu_v2_block_q(tokens, seqs, group)
-
-
 def default_kv_splits(tokens: int, seqs: int, kv_heads: int, pages_per_seq: int) -> int:
-    """Split-KV from the plan's shape (static): decode-heavy buckets with fewer
-    (sequence slots x KV heads) programs than the GPU has SMs share each
-    sequence's pages over several programs (kernels.cost.gpu_v2_kv_splits; the
-    SM count is the device's where jax reports it, else an H200's 132)."""
-    units = 132
+    """Split-KV from the plan's shape (static): `tiling.gpu_kv_splits` with the
+    device's SM count where jax reports it, else an H200's 132."""
+    units = H200_SMS
     if jax.default_backend() == "gpu":
         units = int(getattr(jax.devices()[0], "core_count", units) or units)
-    return gpu_v2_kv_splits(tokens, seqs, kv_heads, pages_per_seq, units)
+    return gpu_kv_splits(tokens, seqs, kv_heads, pages_per_seq, units)
 
 
 def ragged_paged_attention_gpu(
@@ -418,8 +399,8 @@ def ragged_paged_attention_gpu(
     """As kernels.tpu.ragged_paged_attention, for NVIDIA GPUs (Triton).
     version 2 (default): query blocks of one sequence each, the GQA group as
     the dot's M, bf16/fp16 caches on tensor cores; `block_q` defaults to
-    `default_block_q`, `kv_splits` (split-KV) to `default_kv_splits`,
-    `kv_tile_pages` (pages per KV tile) to `default_tile_pages`.
+    `tiling.gpu_block_q`, `kv_splits` (split-KV) to `default_kv_splits`,
+    `kv_tile_pages` (pages per KV tile) to `tiling.gpu_tile_pages`.
     version 1: the previous kernel (block_q default 16, no split-KV)."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
@@ -432,7 +413,7 @@ def ragged_paged_attention_gpu(
     if q.shape[1] % hkv:
         raise ValueError(f"{q.shape[1]} query heads do not group over {hkv} KV heads")
     if block_q is None:
-        block_q = default_block_q(q.shape[0], inputs.kv_lens.shape[0], q.shape[1] // hkv)
+        block_q = gpu_block_q(q.shape[0], inputs.kv_lens.shape[0], q.shape[1] // hkv)
     if kv_splits is None:
         s, pps = inputs.page_indices.shape
         kv_splits = default_kv_splits(q.shape[0], s, hkv, pps)

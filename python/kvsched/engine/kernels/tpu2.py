@@ -24,12 +24,12 @@ what changes is how KV reaches the MXU:
   not by scanning every sequence.
 - Causal KV bound: a query block reads each sequence's pages only up to its
   last row's position in the block (a prefill chunk's early blocks read less).
-- Query block size chosen from the static shape (`default_block_q`): a
+- Query block size chosen from the static shape (`tiling.tpu_block_q`): a
   decode-heavy bucket (tokens <= 2 x sequence slots) gets block_q x group = 8
   rows (one sublane tile: the GQA group is the matmul's M), others 128 tokens.
 - Page sizes: any (the kernel is written per page); 64 and 128 tokens, the
   sizes recommended on TPU (fewer, larger DMAs), are tested in the
-  interpreter and lowered. `default_pages_per_block` keeps a block at 512
+  interpreter and lowered. `tiling.tpu_pages_per_block` keeps a block at 512
   tokens on the decode path and 256 otherwise whatever the page size (32, 8
   or 4 pages on the decode path at 16, 64, 128: 2 MiB at Llama-3-8B's heads).
 - Operands in the cache's dtype (bf16 stays bf16; an f32 cache stays f32) with
@@ -64,6 +64,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kvsched.engine.inputs import AttentionInputs
 from kvsched.engine.kernels.common import MASK, run_padded
+from kvsched.engine.kernels.tiling import tpu_block_q, tpu_decode_path, tpu_pages_per_block
 from kvsched.engine.kernels.tpu import cache_mode, checked_cache_mode, on_tpu
 
 if TYPE_CHECKING:
@@ -72,27 +73,6 @@ if TYPE_CHECKING:
 # (sequence, block) computed next, this step's (sequence, block) fetched last,
 # the next step's (sequence, block) to fetch next.
 _Carry = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]
-
-PREFILL_BLOCK_Q = 128  # query rows per block outside the decode path
-SUBLANES = 8
-
-
-def default_block_q(tokens: int, seqs: int, group: int) -> int:
-    """Query rows per block from a plan's static shape: decode-heavy buckets
-    (tokens <= 2 x sequence slots) get M = block_q x group = 8 rows (one
-    sublane tile) when the group divides 8, else 8 tokens; other buckets get
-    128 tokens (at most the bucket rounded up to 8)."""
-    if tokens <= 2 * seqs:
-        return SUBLANES // group if SUBLANES % group == 0 else SUBLANES
-    return min(PREFILL_BLOCK_Q, -(-tokens // SUBLANES) * SUBLANES)
-
-
-def default_pages_per_block(page_size: int, pages_per_seq: int, decode: bool = False) -> int:
-    """KV pages per DMA block: 512 tokens' worth on the decode path (32 pages of
-    16: 2 MiB at Llama-3-8B's heads, 6 MiB of VMEM for three slots), 256 tokens
-    otherwise (the 128-row query blocks' q, output and scores need VMEM too); at
-    least one page, at most a sequence's page row."""
-    return max(1, min(pages_per_seq, (512 if decode else 256) // page_size))
 
 
 def _kv_block(
@@ -374,8 +354,8 @@ def _call(
     g = hq // hkv
     qw = 2 * d if mode == "row" else d
     s, pps = page_indices.shape
-    decode = block_q * g <= SUBLANES
-    ppb = default_pages_per_block(bs, pps, decode) if pages_per_block is None else pages_per_block
+    decode = tpu_decode_path(block_q, g)
+    ppb = tpu_pages_per_block(bs, pps, decode) if pages_per_block is None else pages_per_block
     ppb = min(ppb, pps)
     rows = block_q * g
     q3 = q.reshape(t, hkv, g, d).transpose(1, 0, 2, 3).reshape(hkv, t * g, d)
@@ -431,8 +411,8 @@ def ragged_paged_attention_v2(
     layer: jax.Array | int | None = None,
 ) -> jax.Array:
     """Version 2 of kernels/tpu.py's `ragged_paged_attention`, same arguments
-    and result; `block_q` defaults to `default_block_q` of the bucket's shape,
-    `pages_per_block` to `default_pages_per_block`; `prefetch_depth` blocks are
+    and result; `block_q` defaults to `tiling.tpu_block_q` of the bucket's shape,
+    `pages_per_block` to `tiling.tpu_pages_per_block`; `prefetch_depth` blocks are
     in flight while one is computed (depth + 1 VMEM slots). Values below 1 are a
     ValueError naming the knob."""
     if interpret is None:
@@ -446,7 +426,7 @@ def ragged_paged_attention_v2(
     if q.shape[1] % hkv:
         raise ValueError(f"{q.shape[1]} query heads do not group over {hkv} KV heads")
     if block_q is None:
-        block_q = default_block_q(q.shape[0], inputs.page_indices.shape[0], q.shape[1] // hkv)
+        block_q = tpu_block_q(q.shape[0], inputs.page_indices.shape[0], q.shape[1] // hkv)
     call = functools.partial(_call, pages_per_block=pages_per_block,
                              prefetch_depth=prefetch_depth)  # fmt: skip
     if layer is not None:
