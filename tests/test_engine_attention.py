@@ -294,7 +294,7 @@ def test_tpu_v2_reads_the_packed_layout_and_a_stacked_cache():
 
     import jax
 
-    from kvsched.engine.kernels.tpu import pack_cache
+    from kvsched.engine.kernels.layout import pack_cache
     from kvsched.engine.kernels.tpu2 import ragged_paged_attention_v2
 
     for q, cache, inputs, plan, _ in plans(steps=2):

@@ -132,7 +132,7 @@ def test_the_stacked_cache_is_read_at_a_traced_layer_without_slicing():
 
 
 def test_a_packed_cache_is_read_as_the_same_bytes():
-    from kvsched.engine.kernels.tpu import pack_cache
+    from kvsched.engine.kernels.layout import pack_cache
 
     q, cache, inputs, _ = small_plans()[2]
     got = paged_attention(q, pack_cache(cache), inputs, scale=0.25, backend="jax")

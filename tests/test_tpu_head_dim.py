@@ -16,12 +16,9 @@ import jax.numpy as jnp  # noqa: E402
 from engine_helpers import plans  # noqa: E402
 
 from kvsched.engine import reference_attention  # noqa: E402
+from kvsched.engine.kernels.layout import pack_cache  # noqa: E402
 from kvsched.engine.kernels.reference import oracle_attention  # noqa: E402
-from kvsched.engine.kernels.tpu import (  # noqa: E402
-    _call,
-    pack_cache,
-    ragged_paged_attention,
-)
+from kvsched.engine.kernels.tpu import _call, ragged_paged_attention  # noqa: E402
 
 
 def as_layout(cache, layout):

@@ -75,12 +75,11 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kvsched.engine.inputs import AttentionInputs
 from kvsched.engine.kernels.common import MASK, run_padded
+from kvsched.engine.kernels.layout import cache_mode, checked_cache_mode, on_tpu
 
 if TYPE_CHECKING:
     # make_async_copy's result type: jax.experimental.pallas.tpu does not export it.
     from jax._src.pallas.mosaic.primitives import AsyncCopyDescriptor
-
-LANES = 128
 
 # A kernel's refs (q_ref, cache_hbm, kv_buf, ...) are typed jax.Ref: Pallas hands
 # the kernel references, read and written by indexing; the running state of the
@@ -206,61 +205,6 @@ def _kernel(
     out = jnp.where(denom == 0, 0.0, acc / jnp.where(denom == 0, 1.0, denom))  # [Hkv, rows, QW]
     for h in range(kv_heads):
         o_ref[h] = out[h].astype(o_ref.dtype)
-
-
-def on_tpu() -> bool:
-    return jax.default_backend() == "tpu"
-
-
-def checked_cache_mode(
-    q: jax.Array, cache: jax.Array, layer: jax.Array | int | None, interpret: bool
-) -> tuple[str, int]:
-    """`cache_mode` for q [T, Hq, D] and a cache of one layer (rank 4) or of
-    every layer with `layer` (rank 5); off the interpreter, a ValueError for a
-    cache whose rows are not whole multiples of the TPU's lane width."""
-    d = q.shape[-1]
-    if cache.ndim != (4 if layer is None else 5):
-        raise ValueError(
-            f"cache of rank {cache.ndim}: expected [P, bs, X, W], or [L, P, bs, X, W] with layer"
-        )
-    mode, hkv = cache_mode(d, cache.shape)
-    if not interpret:
-        if mode == "split" and d % LANES:
-            raise ValueError(
-                f"head_dim {d} with a [P, bs, 2*Hkv, D] cache on TPU: each K or V row is {d} "
-                f"lanes, the lane width is {LANES} (the cache would be lane padding in HBM); "
-                f"store the cache packed, [P, bs, Hkv, 2*D] (see kernels.tpu.pack_cache)"
-            )
-        if (2 * d) % LANES:
-            raise ValueError(
-                f"head_dim {d} on TPU: a packed [K | V] row of {2 * d} lanes is not a "
-                f"multiple of the {LANES}-lane width (head_dim must be a multiple of 64)"
-            )
-    return mode, hkv
-
-
-def cache_mode(head_dim: int, cache_shape: tuple[int, ...]) -> tuple[str, int]:
-    """How a cache of this shape is read for queries of `head_dim`: ("split",
-    Hkv) for [..., 2*Hkv, D]; ("halves" or "row", Hkv) for the packed
-    [..., Hkv, 2*D] ("halves" when D is a multiple of 128)."""
-    x, w = cache_shape[-2], cache_shape[-1]
-    if w == head_dim:
-        if x % 2:
-            raise ValueError(f"a [..., 2*Hkv, D] cache needs an even head axis, got {x}")
-        return "split", x // 2
-    if w == 2 * head_dim:
-        return ("halves" if head_dim % LANES == 0 else "row"), x
-    raise ValueError(
-        f"cache rows of {w} fit neither head_dim {head_dim} ([..., 2*Hkv, D]) "
-        f"nor its packed layout ([..., Hkv, 2*D])"
-    )
-
-
-def pack_cache(cache: jax.Array) -> jax.Array:
-    """[..., 2*Hkv, D] -> [..., Hkv, 2*D], [K_h | V_h] per row: the same bytes in
-    row-major order (free on CPU / GPU; on TPU a relayout, so allocate it packed)."""
-    *lead, x, d = cache.shape
-    return cache.reshape(*lead, x // 2, 2 * d)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "interpret"))

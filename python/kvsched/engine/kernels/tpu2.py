@@ -64,8 +64,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kvsched.engine.inputs import AttentionInputs
 from kvsched.engine.kernels.common import MASK, run_padded
+from kvsched.engine.kernels.layout import cache_mode, checked_cache_mode, on_tpu
 from kvsched.engine.kernels.tiling import tpu_block_q, tpu_decode_path, tpu_pages_per_block
-from kvsched.engine.kernels.tpu import cache_mode, checked_cache_mode, on_tpu
 
 if TYPE_CHECKING:
     from jax._src.pallas.mosaic.primitives import AsyncCopyDescriptor
