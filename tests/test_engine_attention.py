@@ -99,8 +99,8 @@ def test_pallas_matches_the_reference_on_mixed_plans(hq, hkv, block_size, block_
 
 @pytest.mark.parametrize("backend", ["reference", "pallas", "pallas_gpu"])
 def test_any_bucket_size_and_stale_non_finite_kv_are_harmless(backend):
-    """Found in review: a bucket not a multiple of block_q was refused, and inf
-    or NaN left in a reused page's unused slots poisoned the output (0 x inf)."""
+    """A bucket that is not a multiple of block_q runs, and inf or NaN left in a
+    reused page's unused slots does not poison the output (0 x inf)."""
     from kvsched.engine import paged_attention
 
     q, cache, inputs, plan, _ = next(iter(plans(steps=2)))
@@ -147,10 +147,10 @@ def test_the_kernel_lowers_to_mosaic_for_tpu():
     assert "tpu_custom_call" in text and "kvsched_ragged_paged_attention" in text
 
 
-# TPU kernel version 2 (kernels/tpu2.py): blocks of several pages, one wait per
-# block, causal KV bound. bf16: operands stay bf16 (q rounded to bf16 after
+# The TPU kernel's own knobs (kernels/tpu.py): blocks of several pages, one wait
+# per block, causal KV bound. bf16: operands stay bf16 (q rounded to bf16 after
 # scaling, probabilities rounded to bf16 for PV), f32 accumulation: the
-# reference computes in f32 from bf16 inputs, so 3e-2 as for version 1.
+# reference computes in f32 from bf16 inputs, hence 3e-2.
 @pytest.mark.parametrize(
     ("hq", "hkv", "block_size", "block_q", "ppb", "dtype", "tol"),
     [
@@ -162,14 +162,14 @@ def test_the_kernel_lowers_to_mosaic_for_tpu():
 )
 def test_tpu_v2_matches_the_reference_on_mixed_plans(hq, hkv, block_size, block_q, ppb, dtype,
                                                      tol):  # fmt: skip
-    from kvsched.engine.kernels.tpu2 import ragged_paged_attention_v2
+    from kvsched.engine.kernels.tpu import ragged_paged_attention
 
     d, scale = 16, 0.25
     mixed = 0
     for q, cache, inputs, plan, _ in plans(hq=hq, hkv=hkv, d=d, block_size=block_size,
                                            dtype=dtype, steps=4):  # fmt: skip
         kw = {"block_q": block_q, "pages_per_block": ppb}
-        got = np.asarray(ragged_paged_attention_v2(q, cache, inputs, scale=scale, **kw))
+        got = np.asarray(ragged_paged_attention(q, cache, inputs, scale=scale, **kw))
         want = np.asarray(reference_attention(q, cache, inputs, scale=scale))
         np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64),
                                    atol=tol, rtol=tol)  # fmt: skip
@@ -190,7 +190,7 @@ def test_tpu_v2_matches_the_reference_at_tpu_page_sizes(block_size, block_q, dty
     whose block re-reads its first page); at 128, a page holds a whole sequence
     and its slots past kv_len are masked, over several grid steps (block_q 8).
     Two interpreter calls per size: each costs seconds."""
-    from kvsched.engine.kernels.tpu2 import ragged_paged_attention_v2
+    from kvsched.engine.kernels.tpu import ragged_paged_attention
 
     runs = 0
     for q, cache, inputs, plan, _ in plans(block_size=block_size, num_blocks=12, dtype=dtype,
@@ -198,7 +198,7 @@ def test_tpu_v2_matches_the_reference_at_tpu_page_sizes(block_size, block_q, dty
         kv = np.asarray(inputs.kv_lens)[: len(plan)]
         if runs == 2 or not 0 < plan.num_decode < len(plan) or kv.max() <= min_kv:
             continue
-        got = ragged_paged_attention_v2(q, cache, inputs, scale=0.25, block_q=block_q)
+        got = ragged_paged_attention(q, cache, inputs, scale=0.25, block_q=block_q)
         got = np.asarray(got)
         want = np.asarray(reference_attention(q, cache, inputs, scale=0.25))
         np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64),
@@ -216,7 +216,7 @@ def test_tpu_v2_prefetch_chain_crosses_grid_steps(depth):
     started in this step's prologue or loop; trailing padding steps read
     nothing. Against the reference: decodes, a 3-token chunk, an empty slot."""
     from kvsched.engine import AttentionInputs
-    from kvsched.engine.kernels.tpu2 import ragged_paged_attention_v2
+    from kvsched.engine.kernels.tpu import ragged_paged_attention
 
     rng = np.random.default_rng(1)
     hq, hkv, d, bs, p, s, pps = 4, 2, 16, 4, 24, 5, 4
@@ -236,7 +236,7 @@ def test_tpu_v2_prefetch_chain_crosses_grid_steps(depth):
     q = np.asarray(rng.standard_normal((t, hq, d)), np.float32)
     q[6:] = 0.0
     q = jnp.asarray(q)
-    got = ragged_paged_attention_v2(q, cache, inputs, scale=0.25, block_q=1, pages_per_block=1,
+    got = ragged_paged_attention(q, cache, inputs, scale=0.25, block_q=1, pages_per_block=1,
                                     prefetch_depth=depth)  # fmt: skip
     want = reference_attention(q, cache, inputs, scale=0.25)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
@@ -255,7 +255,7 @@ def test_tpu_v2_decode_path_matches_jaxs_tpu_decode_kernel():
 
     from kvsched.engine import AttentionInputs
     from kvsched.engine.kernels.tiling import tpu_block_q
-    from kvsched.engine.kernels.tpu2 import ragged_paged_attention_v2
+    from kvsched.engine.kernels.tpu import ragged_paged_attention
 
     rng = np.random.default_rng(0)
     s, hq, hkv, d, bs, pps, p, nseq = 8, 8, 2, 128, 16, 4, 40, 7
@@ -271,7 +271,7 @@ def test_tpu_v2_decode_path_matches_jaxs_tpu_decode_kernel():
     )  # fmt: skip
     scale = d**-0.5
     assert tpu_block_q(s, s, hq // hkv) == 2
-    got = ragged_paged_attention_v2(q, cache, inputs, scale=scale, pages_per_block=2)
+    got = ragged_paged_attention(q, cache, inputs, scale=scale, pages_per_block=2)
     got = np.asarray(got, np.float32)
     k_pages = jnp.moveaxis(cache[:, :, 0::2], 2, 0)  # [Hkv, P, bs, D]
     v_pages = jnp.moveaxis(cache[:, :, 1::2], 2, 0)
@@ -295,7 +295,7 @@ def test_tpu_v2_reads_the_packed_layout_and_a_stacked_cache():
     import jax
 
     from kvsched.engine.kernels.layout import pack_cache
-    from kvsched.engine.kernels.tpu2 import ragged_paged_attention_v2
+    from kvsched.engine.kernels.tpu import ragged_paged_attention
 
     for q, cache, inputs, plan, _ in plans(steps=2):
         want = np.asarray(reference_attention(q, cache, inputs, scale=0.25))
@@ -307,23 +307,23 @@ def test_tpu_v2_reads_the_packed_layout_and_a_stacked_cache():
             for pos in range(kv_len, -(-kv_len // bs) * bs):
                 c[row[pos // bs], pos % bs] = np.inf
         packed = pack_cache(jnp.asarray(c))
-        got = ragged_paged_attention_v2(q, packed, inputs, scale=0.25, pages_per_block=3)
+        got = ragged_paged_attention(q, packed, inputs, scale=0.25, pages_per_block=3)
         np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
         stacked = jnp.stack([jnp.zeros_like(jnp.asarray(c)), jnp.asarray(c)])
-        f = jax.jit(functools.partial(ragged_paged_attention_v2, scale=0.25, pages_per_block=2))
+        f = jax.jit(functools.partial(ragged_paged_attention, scale=0.25, pages_per_block=2))
         got = f(q, stacked, inputs, layer=jnp.int32(1))
         np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
 
 
 def test_tpu_v2_refuses_bad_arguments_by_name():
-    from kvsched.engine.kernels.tpu2 import ragged_paged_attention_v2
+    from kvsched.engine.kernels.tpu import ragged_paged_attention
 
     q, cache, inputs, _, _ = next(plans())
     for kw in ({"block_q": 0}, {"pages_per_block": 0}, {"prefetch_depth": 0}):
         with pytest.raises(ValueError, match=next(iter(kw))):
-            ragged_paged_attention_v2(q, cache, inputs, scale=1.0, **kw)
+            ragged_paged_attention(q, cache, inputs, scale=1.0, **kw)
     with pytest.raises(ValueError, match="group"):
-        ragged_paged_attention_v2(q[:, :3], cache, inputs, scale=1.0)
+        ragged_paged_attention(q[:, :3], cache, inputs, scale=1.0)
 
 
 def test_tpu_v2_picks_the_decode_path_from_the_shape():
@@ -354,7 +354,7 @@ def test_tpu_v2_lowers_to_mosaic_for_tpu(d, packed, bs, ppb):
     import jax
     from jax import export
 
-    from kvsched.engine.kernels.tpu2 import _call
+    from kvsched.engine.kernels.tpu import _call
 
     t, hq, p, hkv, s = 64, 8, 64, 2, 8
     pps = 256 // bs
@@ -365,13 +365,14 @@ def test_tpu_v2_lowers_to_mosaic_for_tpu(d, packed, bs, ppb):
     f = jax.jit(functools.partial(_call, scale=0.1, block_q=16, pages_per_block=ppb,
                                   interpret=False))  # fmt: skip
     text = export.export(f, platforms=["tpu"])(*args).mlir_module()
-    assert "tpu_custom_call" in text and "kvsched_ragged_paged_attention_v2" in text
+    assert "tpu_custom_call" in text and "kvsched_ragged_paged_attention" in text
 
 
-@pytest.mark.parametrize(("knob", "v2"), [("ours", True), ("ours1", False)])
-def test_pallas_on_tpu_runs_the_kernel_the_knob_names(monkeypatch, knob, v2):
-    """KVSCHED_TPU_ATTENTION=ours is version 2, ours1 version 1: the paged_attention
-    dispatch on a (faked) TPU, with the stacked cache at a traced layer, lowered."""
+@pytest.mark.parametrize("knob", ["kvsched", "ours"])
+def test_pallas_on_tpu_runs_the_kernel_the_knob_names(monkeypatch, knob):
+    """KVSCHED_TPU_ATTENTION=kvsched (and its deprecated alias ours) is kvsched's
+    kernels/tpu.py: the paged_attention dispatch on a (faked) TPU, with the
+    stacked cache at a traced layer, lowered."""
     import functools
 
     import jax
@@ -393,7 +394,6 @@ def test_pallas_on_tpu_runs_the_kernel_the_knob_names(monkeypatch, knob, v2):
 
     text = export.export(jax.jit(functools.partial(f)), platforms=["tpu"])(*args).mlir_module()
     assert "tpu_custom_call" in text and "kvsched_ragged_paged_attention" in text
-    assert ("kvsched_ragged_paged_attention_v2" in text) == v2
 
 
 @pytest.mark.parametrize(("hq", "hkv", "block_q"), [(4, 2, 8), (4, 4, 16), (8, 1, 8)])

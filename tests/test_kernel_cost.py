@@ -407,41 +407,6 @@ def _export(f):
         pytest.skip(str(e))
 
 
-def test_todays_tpu_kernel_description_matches_its_mosaic_program():
-    """Lowered for TPU on this CPU: the kernel's grid, its DMAs (one page of all
-    heads each, one wait per page in the page loop, plus a cold start per
-    sequence visit outside it) and its matmuls (f32, M = block_q x group, N =
-    one page) are what ours_tpu() says. Lowering duplicates loop bodies (a main
-    loop and a remainder), so loop bodies are checked, not site counts."""
-    pytest.importorskip("jax")
-    from kvsched.engine.kernels.tpu import _call
-
-    block_q = 16
-    m = _export(functools.partial(_call, scale=0.1, block_q=block_q, interpret=False))
-    desc = C.ours_tpu(block_q)
-    shapes = C.Shapes(HQ, HKV, D, BS)
-    plan = C.Plan((1,) * S, (PPS * BS,) * S, T)
-    assert m.name == "kvsched_ragged_paged_attention"
-    assert m.grid == (C.count(plan, shapes, desc).grid_steps,) == (T // block_q,)
-    dmas = [o for o in m.ops if o.op in ("enqueue_dma", "wait_dma")]
-    assert dmas and all(C.memref_bytes(o.shapes[0], o.dtypes[0]) == shapes.page_bytes
-                        for o in dmas)  # fmt: skip
-    assert desc.pages_per_block == 1 and desc.wait_per_page
-    bodies = m.loops_with("wait_dma")
-    assert bodies
-    for ops in bodies.values():
-        kinds = [o.op for o in ops]
-        assert kinds.count("wait_dma") == 1 and kinds.count("enqueue_dma") == 1  # depth 1
-        mm = [o for o in ops if o.op == "matmul"]
-        assert len(mm) == 2 * HKV
-        for o in mm:
-            assert o.dtypes == ("f32", "f32") == (desc.operands, desc.pv)
-            assert o.shapes[2][0] == block_q * shapes.group  # M: rows x group
-            assert BS in o.shapes[2] or o.shapes[0][1] == BS  # N (QK) or K (PV): one page
-    cold = [o for o in m.ops if o.op == "enqueue_dma" and o.loop not in bodies]
-    assert cold and all(o.depth == 1 for o in cold)  # in the sequence loop: a chain each
-
-
 def test_tpu_v2_description_matches_its_mosaic_program():
     """Version 2 lowered for TPU: in each loop that waits, one wait for a whole
     block of pages_per_block pages and two exclusive sites of pages_per_block
@@ -452,7 +417,7 @@ def test_tpu_v2_description_matches_its_mosaic_program():
     `prefetch_depth` blocks of the chain (this step's own on step 0, else the
     next step's when this one has fewer), the same two sites per block."""
     pytest.importorskip("jax")
-    from kvsched.engine.kernels.tpu2 import _call
+    from kvsched.engine.kernels.tpu import _call
 
     block_q, ppb = 16, 4
     m = _export(functools.partial(_call, scale=0.1, block_q=block_q, pages_per_block=ppb,
@@ -460,7 +425,7 @@ def test_tpu_v2_description_matches_its_mosaic_program():
     desc = C.ours_tpu_v2(block_q, ppb)
     shapes = C.Shapes(HQ, HKV, D, BS)
     plan = C.Plan((1,) * S, (PPS * BS,) * S, T)
-    assert m.name == "kvsched_ragged_paged_attention_v2"
+    assert m.name == "kvsched_ragged_paged_attention"
     assert m.grid == (C.count(plan, shapes, desc).grid_steps,) == (T // block_q,)
     bodies = m.loops_with("wait_dma")
     assert bodies and not desc.wait_per_page
@@ -571,57 +536,6 @@ def dma_log(monkeypatch):
     jax.clear_caches()
 
 
-def test_the_counts_are_what_the_kernel_does_in_the_interpreter(dma_log):
-    """Today's TPU kernel run in the interpreter on the hand-counted plan, then on
-    real mixed plans from the scheduler (padding rows, padding sequence slots,
-    chunks straddling query blocks): the DMAs it starts, the waits and the bytes
-    they move are exactly the model's counts."""
-    import jax.numpy as jnp
-    import numpy as np
-    from engine_helpers import plans
-
-    from kvsched.engine import AttentionInputs
-    from kvsched.engine.kernels.tpu import ragged_paged_attention
-
-    # The hand-counted plan: rows 0 | 1..3, kv 5 and 7, pages of 4, blocks of 2.
-    inputs = AttentionInputs(
-        positions=jnp.asarray([4, 4, 5, 6], jnp.int32),
-        cu_q_lens=jnp.asarray([0, 1, 4], jnp.int32),
-        kv_lens=jnp.asarray([5, 7], jnp.int32),
-        page_indices=jnp.asarray([[1, 2], [3, 4]], jnp.int32),
-        num_seqs=jnp.asarray([2], jnp.int32),
-    )
-    q = jnp.ones((4, 2, 8), jnp.bfloat16)
-    cache = jnp.ones((5, 4, 2, 8), jnp.bfloat16)
-    ragged_paged_attention(q, cache, inputs, scale=0.5, block_q=2).block_until_ready()
-    want = C.count(MIXED, SMALL, C.ours_tpu(block_q=2))
-    assert len(dma_log["starts"]) == want.dma_starts == 6
-    assert len(dma_log["waits"]) == want.dma_waits
-    assert sum(dma_log["waits"]) == want.kv_bytes_moved == 6 * 128
-
-    shapes = C.Shapes(q_heads=4, kv_heads=2, head_dim=16, page_size=4)
-    seen = mixed = 0
-    for q, cache, inputs, plan, _ in plans(dtype=jnp.bfloat16, steps=3):
-        mixed += 0 < plan.num_decode < len(plan)
-        dma_log["starts"].clear()
-        dma_log["waits"].clear()
-        ragged_paged_attention(q, cache, inputs, scale=0.25, block_q=8).block_until_ready()
-        model = C.Plan.from_arrays(np.asarray(inputs.cu_q_lens), np.asarray(inputs.kv_lens),
-                                   int(inputs.num_seqs[0]), tokens=q.shape[0])  # fmt: skip
-        # The Rust planner's positions agree with the model's row layout.
-        pos = np.asarray(inputs.positions)
-        ends = np.cumsum(model.q_lens)
-        assert [int(pos[e - 1]) + 1 for e in ends if e] == [
-            k for k, ql in zip(model.kv_lens, model.q_lens, strict=True) if ql
-        ]
-        c = C.count(model, shapes, C.ours_tpu(block_q=8))
-        assert (len(dma_log["starts"]), len(dma_log["waits"])) == (c.dma_starts, c.dma_waits)
-        assert sum(dma_log["waits"]) == c.kv_bytes_moved
-        assert set(dma_log["waits"]) == {shapes.page_bytes}
-        seen += c.dma_starts > 0
-    assert seen == 3 and mixed, "three plans that read KV, one of them mixed"
-
-
 def started_before_each_wait(order: list[int], pages_per_block: int) -> list[int]:
     """From the interpreter's sequence of DMA starts (0) and waits (1): the KV
     blocks started (pages_per_block DMAs each) before each wait."""
@@ -645,7 +559,7 @@ def test_tpu_v2_counts_are_what_it_does_in_the_interpreter(dma_log):
     from engine_helpers import plans
 
     from kvsched.engine import AttentionInputs
-    from kvsched.engine.kernels.tpu2 import ragged_paged_attention_v2
+    from kvsched.engine.kernels.tpu import ragged_paged_attention
 
     inputs = AttentionInputs(
         positions=jnp.asarray([4, 4, 5, 6], jnp.int32),
@@ -656,7 +570,7 @@ def test_tpu_v2_counts_are_what_it_does_in_the_interpreter(dma_log):
     )
     q = jnp.ones((4, 2, 8), jnp.bfloat16)
     cache = jnp.ones((5, 4, 2, 8), jnp.bfloat16)
-    ragged_paged_attention_v2(q, cache, inputs, scale=0.5, block_q=2, pages_per_block=2)
+    ragged_paged_attention(q, cache, inputs, scale=0.5, block_q=2, pages_per_block=2)
     want = C.count(MIXED, SMALL, C.ours_tpu_v2(block_q=2, pages_per_block=2))
     assert (len(dma_log["starts"]), len(dma_log["waits"])) == (want.dma_starts, want.dma_waits)
     assert dma_log["waits"] == [2 * 128] * 3 and want.kv_bytes_moved == 6 * 128
@@ -670,12 +584,18 @@ def test_tpu_v2_counts_are_what_it_does_in_the_interpreter(dma_log):
         mixed += 0 < plan.num_decode < len(plan)
         model = C.Plan.from_arrays(np.asarray(inputs.cu_q_lens), np.asarray(inputs.kv_lens),
                                    int(inputs.num_seqs[0]), tokens=q.shape[0])  # fmt: skip
+        # The Rust planner's positions agree with the model's row layout.
+        pos = np.asarray(inputs.positions)
+        ends = np.cumsum(model.q_lens)
+        assert [int(pos[e - 1]) + 1 for e in ends if e] == [
+            k for k, ql in zip(model.kv_lens, model.q_lens, strict=True) if ql
+        ]
         slots, pps = inputs.page_indices.shape
         for bq in (None, 8):
             dma_log["starts"].clear()
             dma_log["waits"].clear()
             dma_log["order"].clear()
-            out = ragged_paged_attention_v2(q, cache, inputs, scale=0.25, block_q=bq,
+            out = ragged_paged_attention(q, cache, inputs, scale=0.25, block_q=bq,
                                             pages_per_block=3)  # fmt: skip
             out.block_until_ready()
             block_q = bq or tiling.tpu_block_q(q.shape[0], slots, shapes.group)
