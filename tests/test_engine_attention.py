@@ -407,18 +407,6 @@ def test_the_gpu_variant_matches_the_reference_in_the_interpreter(hq, hkv, block
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
 
-def test_the_previous_gpu_kernel_still_matches_the_reference():
-    """version=1 (the kernel before issue 15's rebuild) stays available for
-    comparison on a device."""
-    from kvsched.engine.kernels.gpu import ragged_paged_attention_gpu
-
-    for q, cache, inputs, _, _ in plans(hq=4, hkv=2, d=16, block_size=4, steps=4):
-        got = np.asarray(ragged_paged_attention_gpu(q, cache, inputs, scale=0.25, block_q=8,
-                                                    version=1))  # fmt: skip
-        want = np.asarray(reference_attention(q, cache, inputs, scale=0.25))
-        np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
-
-
 # Per cache dtype: f32 caches keep f32 dots at HIGHEST precision (the reference's
 # accuracy); bf16 / fp16 caches feed the dots in their own type with f32
 # accumulation, and the softmax weights are rounded to it for the PV dot (one
@@ -492,8 +480,6 @@ def test_the_gpu_kernel_refuses_bad_arguments_by_name():
     for knob in ("block_q", "kv_splits", "kv_tile_pages"):
         with pytest.raises(ValueError, match=f"{knob} must be >= 1, got 0"):
             ragged_paged_attention_gpu(q, cache, inputs, scale=1.0, **{knob: 0})
-    with pytest.raises(ValueError, match="version 3"):
-        ragged_paged_attention_gpu(q, cache, inputs, scale=1.0, version=3)
 
 
 def test_the_gpu_kernel_picks_split_kv_from_the_plan_shape():
