@@ -392,6 +392,17 @@ def test_table_has_every_kernel_and_device():
     assert text.count("\n") == len(rows) + 1 and "HBM share" in text
 
 
+def test_the_table_in_docs_kernels_md_is_the_models():
+    """docs/kernels.md prints the model's table for its two cases: regenerated
+    here, so a change to the model or the tiling defaults shows up there."""
+    from pathlib import Path
+
+    plans = {"decode 256x2k": C.Plan.decode(256, 2048),
+             "prefill 512@2k": C.Plan.prefill_chunk(512, 2048)}  # fmt: skip
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "kernels.md").read_text()
+    assert C.format_table(C.table(plans)) in doc
+
+
 # -- the exported programs -------------------------------------------------------
 
 T, HQ, D, P, BS, HKV, S, PPS = 64, 8, 128, 64, 16, 2, 8, 16
