@@ -7,12 +7,11 @@ GPU, and decode attention timed against the HBM bandwidth limit.
 
 1. Correctness: mixed plans (prefill chunks and decodes) made by a real
    kvsched Scheduler, bf16 KV, Llama-3-8B-like heads (32 query, 8 KV, dim 128);
-   each kernel's output against the jnp reference: `pallas_gpu` (version 2,
-   the default) and `v1` (the kernel before issue 15's rebuild).
+   the kernel's output (`pallas_gpu`, kernels/gpu.py) against the jnp reference.
 2. Speed: decode only, S sequences of L cached tokens each (256 x 2048 by
-   default, issue 15's case); the kernel must read every K and V once,
-   S * L * 2 * Hkv * D * 2 bytes, so the time is bounded below by those bytes /
-   HBM bandwidth. The script reports the median time, the bytes/s it reached and
+   default: the decode case of docs/kernels.md); the kernel must read every K
+   and V once, S * L * 2 * Hkv * D * 2 bytes, so the time is bounded below by
+   those bytes / HBM bandwidth. The script reports the median time, the bytes/s it reached and
    that as a share of the bandwidth (`--hbm-tbs`, default 4.8 TB/s: an H200's
    HBM3e), beside the reference, and the cost model's predicted time and share
    for the kernel (kvsched.engine.kernels.cost, device `--model-device`, h200).
@@ -56,13 +55,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     import kvsched
     from kvsched.engine import AttentionInputs, reference_attention
-    from kvsched.engine.kernels import cost
-    from kvsched.engine.kernels.gpu import (
-        default_block_q,
-        default_kv_splits,
-        default_tile_pages,
-        ragged_paged_attention_gpu,
-    )
+    from kvsched.engine.kernels import cost, tiling
+    from kvsched.engine.kernels.gpu import default_kv_splits, ragged_paged_attention_gpu
 
     on_gpu = jax.default_backend() == "gpu"
     if not on_gpu and not args.interpret:
@@ -88,8 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
     for n in (5, 40, 90, 200, 17)[: 5 if not args.interpret else 3]:
         sched.submit("t", rng.integers(0, 1000, n, dtype=np.int32), 8, now=0.0)
     cache = jnp.asarray(rng.standard_normal((pages, bs, 2 * hkv, d)), jnp.bfloat16)
-    versions = {"pallas_gpu": 2, "v1": 1}
-    worst = dict.fromkeys(versions, 0.0)
+    worst = 0.0
     mixed = False
     for step in range(4):
         plan = sched.step(now=float(step))
@@ -99,19 +92,14 @@ def main(argv: list[str] | None = None) -> dict:
         q = jnp.asarray(rng.standard_normal((plan.bucket, hq, d)), jnp.bfloat16)
         inputs = AttentionInputs.from_plan(plan)
         want = reference_attention(q, cache, inputs, scale=d**-0.5).astype(jnp.float32)
-        for name, version in versions.items():
-            got = ragged_paged_attention_gpu(q, cache, inputs, scale=d**-0.5,
-                                             interpret=interpret, version=version)  # fmt: skip
-            err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)))
-            worst[name] = max(worst[name], err)
+        got = ragged_paged_attention_gpu(q, cache, inputs, scale=d**-0.5, interpret=interpret)
+        worst = max(worst, float(jnp.max(jnp.abs(got.astype(jnp.float32) - want))))
         sched.commit(plan, np.zeros(len(plan), np.int32), now=float(step))
     tolerance = 3e-2  # bf16 KV and queries
-    ok = max(worst.values()) <= tolerance
+    ok = worst <= tolerance
     kind = f"bf16{', a mixed one' if mixed else ''}"
-    for name, err in worst.items():
-        print(f"kernel version {versions[name]} vs reference on mixed plans ({kind}): "
-              f"max abs error {err:.2e} "
-              f"({'within' if err <= tolerance else 'OVER'} {tolerance})")  # fmt: skip
+    print(f"kernel vs reference on mixed plans ({kind}): max abs error {worst:.2e} "
+          f"({'within' if ok else 'OVER'} {tolerance})")  # fmt: skip
 
     # 2. Decode attention against the bandwidth limit.
     per_seq = -(-ctx // bs)
@@ -128,40 +116,30 @@ def main(argv: list[str] | None = None) -> dict:
         num_seqs=jnp.asarray([seqs], np.int32),
     )
     q = jnp.asarray(rng.standard_normal((t, hq, d)), jnp.bfloat16)
-    times = {}
-    for name, version in versions.items():
-        kernel = jax.jit(lambda q, c, v=version: ragged_paged_attention_gpu(
-            q, c, inputs, scale=d**-0.5, interpret=interpret, version=v))  # fmt: skip
-        times[name] = median_time(kernel, q, cache, reps=reps)
+    kernel = jax.jit(lambda q, c: ragged_paged_attention_gpu(
+        q, c, inputs, scale=d**-0.5, interpret=interpret))  # fmt: skip
+    t_kernel = median_time(kernel, q, cache, reps=reps)
     ref = jax.jit(lambda q, c: reference_attention(q, c, inputs, scale=d**-0.5))
     t_ref = median_time(ref, q, cache, reps=max(1, reps // 4))
     kv_bytes = seqs * ctx * 2 * hkv * d * 2
     limit = kv_bytes / (args.hbm_tbs * 1e12)
-    # Each kernel's description at the block size it runs with here.
+    # The kernel's description at the sizes it runs with here.
     splits = default_kv_splits(t, seqs, hkv, per_seq)
-    v2 = cost.ours_gpu_v2(default_block_q(t, seqs, hq // hkv), kv_splits=splits,
-                          tile_pages=default_tile_pages(bs, per_seq))  # fmt: skip
-    descs = {"pallas_gpu": v2,
-             "v1": cost.ours_gpu(16)}  # fmt: skip
+    desc = cost.ours_gpu_v2(tiling.gpu_block_q(t, seqs, hq // hkv), kv_splits=splits,
+                            tile_pages=tiling.gpu_tile_pages(bs, per_seq))  # fmt: skip
     model_plan = cost.Plan((1,) * seqs, (ctx,) * seqs, t)
-    models = {name: cost.predict(model_plan, cost.Shapes(hq, hkv, d, bs), desc,
-                                 args.model_device) for name, desc in descs.items()}  # fmt: skip
+    model = cost.predict(model_plan, cost.Shapes(hq, hkv, d, bs), desc, args.model_device)
     print(f"decode: {seqs} seqs x {ctx} tokens, {kv_bytes / 1e9:.2f} GB of KV to read")
     print(f"  {'kernel':<10} {'ms':>9} {'GB/s':>9} {'HBM':>7}   {'model ms':>9} {'model HBM':>9}"
           f"  model bound ({args.model_device})")  # fmt: skip
-    for name, t_kernel in times.items():
-        model = models[name]
-        print(f"  {name:<10} {t_kernel * 1e3:9.3f} {kv_bytes / t_kernel / 1e9:9.1f} "
-              f"{limit / t_kernel:7.1%}   {model.step_s * 1e3:9.3f} {model.hbm_fraction:9.1%}  "
-              f"{model.bound}")  # fmt: skip
+    print(f"  {'pallas_gpu':<10} {t_kernel * 1e3:9.3f} {kv_bytes / t_kernel / 1e9:9.1f} "
+          f"{limit / t_kernel:7.1%}   {model.step_s * 1e3:9.3f} {model.hbm_fraction:9.1%}  "
+          f"{model.bound}")  # fmt: skip
     print(f"  {'reference':<10} {t_ref * 1e3:9.3f} {kv_bytes / t_ref / 1e9:9.1f} "
           f"{limit / t_ref:7.1%}   {'-':>9} {'-':>9}  -")  # fmt: skip
-    t_kernel, model = times["pallas_gpu"], models["pallas_gpu"]
-    return {"ran": True, "ok": ok, "max_error": max(worst.values()), "errors": worst,
-            "mixed": mixed, "kernel_s": t_kernel, "v1_s": times["v1"], "reference_s": t_ref,
-            "bandwidth_share": limit / t_kernel, "model_s": model.step_s,
-            "model_share": model.hbm_fraction,
-            "v1_model_share": models["v1"].hbm_fraction}  # fmt: skip
+    return {"ran": True, "ok": ok, "max_error": worst, "mixed": mixed, "kernel_s": t_kernel,
+            "reference_s": t_ref, "bandwidth_share": limit / t_kernel, "model_s": model.step_s,
+            "model_share": model.hbm_fraction}  # fmt: skip
 
 
 def exit_code(result: dict) -> int:

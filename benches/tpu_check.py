@@ -1,7 +1,7 @@
-"""TPU check: kvsched's Pallas TPU kernels, version 1 ("pallas", kernels/tpu.py)
-and version 2 ("pallas2", kernels/tpu2.py), and JAX's (backend "jax") against the
-reference on a real mixed plan, then decode attention timed beside the cost
-model's prediction. Run this first on any TPU lent to the project.
+"""TPU check: kvsched's Pallas TPU kernel ("pallas", kernels/tpu.py) and JAX's
+(backend "jax") against the reference on a real mixed plan, then decode
+attention timed beside the cost model's prediction. Run this first on any TPU
+lent to the project.
 
     python benches/tpu_check.py            # on a TPU host (v5e, v6e)
     python benches/tpu_check.py --small    # tiny shapes, Pallas' interpreter on CPU
@@ -64,7 +64,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--seqs", type=int, default=256)
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--block-q", type=int, default=8, help="our kernel's query block rows")
+    ap.add_argument("--block-q", type=int, default=None,
+                    help="kvsched's kernel's query block tokens (default: its own, from the "
+                         "plan's shape)")  # fmt: skip
     ap.add_argument("--page-size", type=int, choices=(16, 64, 128), default=16,
                     help="KV page size in tokens (64 and 128: recommended on TPU)")  # fmt: skip
     ap.add_argument("--model-device", default=None,
@@ -77,10 +79,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     import kvsched
     from kvsched.engine import AttentionInputs, paged_attention
-    from kvsched.engine.kernels import cost
+    from kvsched.engine.kernels import cost, tiling
     from kvsched.engine.kernels.reference import reference_attention
     from kvsched.engine.kernels.tpu import ragged_paged_attention
-    from kvsched.engine.kernels.tpu2 import ragged_paged_attention_v2
 
     on_tpu = jax.default_backend() == "tpu"
     if not on_tpu and not args.small:
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for n in (5, 40, 90, 200, 17)[: 3 if args.small else 5]:
         sched.submit("t", rng.integers(0, 1000, n, dtype=np.int32), 8, now=0.0)
     cache = jnp.asarray(rng.standard_normal((pages, bs, 2 * hkv, d)), jnp.bfloat16)
-    worst: dict[str, float] = {"pallas": 0.0, "pallas2": 0.0}
+    worst: dict[str, float] = {"pallas": 0.0}
     jax_known = True
     mixed = False
     for step in range(4):
@@ -142,9 +143,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         got = ragged_paged_attention(q, cache, inputs, scale=scale, block_q=args.block_q)
         err = float(jnp.max(jnp.abs(got.astype(jnp.float32)[:n] - want)))
         worst["pallas"] = max(worst["pallas"], err)
-        got = ragged_paged_attention_v2(q, cache, inputs, scale=scale)
-        err = float(jnp.max(jnp.abs(got.astype(jnp.float32)[:n] - want)))
-        worst["pallas2"] = max(worst["pallas2"], err)
         if jax_known:
             got_jax = run_jax(q, cache, inputs)
             if got_jax is None:
@@ -168,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     per_seq = -(-ctx // bs)
     n_pages = seqs * per_seq + 1
     cache = jnp.asarray(rng.standard_normal((n_pages, bs, 2 * hkv, d)), jnp.bfloat16)
-    t = -(-seqs // args.block_q) * args.block_q
+    t = -(-seqs // (args.block_q or 8)) * (args.block_q or 8)  # whole query blocks
     page_indices = (1 + np.arange(seqs * per_seq, dtype=np.int32)).reshape(seqs, per_seq)
     rng.shuffle(page_indices.reshape(-1))
     inputs = AttentionInputs(
@@ -183,12 +181,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     plan_model = cost.Plan((1,) * seqs, (ctx,) * seqs, t)
     bkv, bq = cost.jax_rpa_block_sizes(shapes, t, per_seq, dev_name)
     kvh = cost.jax_rpa_kv_heads_per_block(shapes)
-    bq2 = cost.tpu_v2_block_q(t, seqs, hq // hkv)  # v2's default, from the shape
+    # The kernel's own sizes for this shape, unless --block-q names one.
+    bq = args.block_q or tiling.tpu_block_q(t, seqs, hq // hkv)
+    ppb = tiling.tpu_pages_per_block(bs, per_seq, tiling.tpu_decode_path(bq, hq // hkv))
     runs: list[tuple[str, Any, cost.KernelDesc | None]] = [
         ("pallas", jax.jit(lambda q, c: ragged_paged_attention(
-            q, c, inputs, scale=scale, block_q=args.block_q)), cost.ours_tpu(args.block_q)),
-        ("pallas2", jax.jit(lambda q, c: ragged_paged_attention_v2(q, c, inputs, scale=scale)),
-         cost.ours_tpu_v2(bq2, cost.tpu_v2_pages_per_block(bs, per_seq, bq2 * hq // hkv <= 8))),
+            q, c, inputs, scale=scale, block_q=args.block_q)), cost.ours_tpu_v2(bq, ppb)),
     ]  # fmt: skip
     if jax_known:
         runs.append(("jax", jax.jit(lambda q, c: paged_attention(

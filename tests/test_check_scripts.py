@@ -47,9 +47,9 @@ def test_tpu_check_runs_small_in_the_interpreter(capsys):
     assert rows["pallas"][6] == "latency"
     assert 0 < pallas["model_hbm"] < 1 and pallas["model_s"] > 0
     assert rows["reference"][4:6] == ["-", "-"]
-    # Kernel version 2 beside it: checked against the reference, timed, modelled.
-    assert out["max_error"]["pallas2"] < 1e-2 and "pallas2" in out["decode"]
-    assert 0 < out["decode"]["pallas2"]["model_hbm"] < 1
+    # One kvsched kernel: the one a TPU runs (kernels/tpu.py), checked and timed as pallas.
+    assert set(out["max_error"]) <= {"pallas", "jax"}
+    assert set(out["decode"]) <= {"pallas", "jax", "reference"}
 
 
 def test_the_check_scripts_exit_codes():

@@ -99,8 +99,8 @@ def test_pallas_matches_the_reference_on_mixed_plans(hq, hkv, block_size, block_
 
 @pytest.mark.parametrize("backend", ["reference", "pallas", "pallas_gpu"])
 def test_any_bucket_size_and_stale_non_finite_kv_are_harmless(backend):
-    """Found in review: a bucket not a multiple of block_q was refused, and inf
-    or NaN left in a reused page's unused slots poisoned the output (0 x inf)."""
+    """A bucket that is not a multiple of block_q runs, and inf or NaN left in a
+    reused page's unused slots does not poison the output (0 x inf)."""
     from kvsched.engine import paged_attention
 
     q, cache, inputs, plan, _ = next(iter(plans(steps=2)))
@@ -147,10 +147,10 @@ def test_the_kernel_lowers_to_mosaic_for_tpu():
     assert "tpu_custom_call" in text and "kvsched_ragged_paged_attention" in text
 
 
-# TPU kernel version 2 (kernels/tpu2.py): blocks of several pages, one wait per
-# block, causal KV bound. bf16: operands stay bf16 (q rounded to bf16 after
+# The TPU kernel's own knobs (kernels/tpu.py): blocks of several pages, one wait
+# per block, causal KV bound. bf16: operands stay bf16 (q rounded to bf16 after
 # scaling, probabilities rounded to bf16 for PV), f32 accumulation: the
-# reference computes in f32 from bf16 inputs, so 3e-2 as for version 1.
+# reference computes in f32 from bf16 inputs, hence 3e-2.
 @pytest.mark.parametrize(
     ("hq", "hkv", "block_size", "block_q", "ppb", "dtype", "tol"),
     [
@@ -162,14 +162,14 @@ def test_the_kernel_lowers_to_mosaic_for_tpu():
 )
 def test_tpu_v2_matches_the_reference_on_mixed_plans(hq, hkv, block_size, block_q, ppb, dtype,
                                                      tol):  # fmt: skip
-    from kvsched.engine.kernels.tpu2 import ragged_paged_attention_v2
+    from kvsched.engine.kernels.tpu import ragged_paged_attention
 
     d, scale = 16, 0.25
     mixed = 0
     for q, cache, inputs, plan, _ in plans(hq=hq, hkv=hkv, d=d, block_size=block_size,
                                            dtype=dtype, steps=4):  # fmt: skip
         kw = {"block_q": block_q, "pages_per_block": ppb}
-        got = np.asarray(ragged_paged_attention_v2(q, cache, inputs, scale=scale, **kw))
+        got = np.asarray(ragged_paged_attention(q, cache, inputs, scale=scale, **kw))
         want = np.asarray(reference_attention(q, cache, inputs, scale=scale))
         np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64),
                                    atol=tol, rtol=tol)  # fmt: skip
@@ -190,7 +190,7 @@ def test_tpu_v2_matches_the_reference_at_tpu_page_sizes(block_size, block_q, dty
     whose block re-reads its first page); at 128, a page holds a whole sequence
     and its slots past kv_len are masked, over several grid steps (block_q 8).
     Two interpreter calls per size: each costs seconds."""
-    from kvsched.engine.kernels.tpu2 import ragged_paged_attention_v2
+    from kvsched.engine.kernels.tpu import ragged_paged_attention
 
     runs = 0
     for q, cache, inputs, plan, _ in plans(block_size=block_size, num_blocks=12, dtype=dtype,
@@ -198,7 +198,7 @@ def test_tpu_v2_matches_the_reference_at_tpu_page_sizes(block_size, block_q, dty
         kv = np.asarray(inputs.kv_lens)[: len(plan)]
         if runs == 2 or not 0 < plan.num_decode < len(plan) or kv.max() <= min_kv:
             continue
-        got = ragged_paged_attention_v2(q, cache, inputs, scale=0.25, block_q=block_q)
+        got = ragged_paged_attention(q, cache, inputs, scale=0.25, block_q=block_q)
         got = np.asarray(got)
         want = np.asarray(reference_attention(q, cache, inputs, scale=0.25))
         np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64),
@@ -216,7 +216,7 @@ def test_tpu_v2_prefetch_chain_crosses_grid_steps(depth):
     started in this step's prologue or loop; trailing padding steps read
     nothing. Against the reference: decodes, a 3-token chunk, an empty slot."""
     from kvsched.engine import AttentionInputs
-    from kvsched.engine.kernels.tpu2 import ragged_paged_attention_v2
+    from kvsched.engine.kernels.tpu import ragged_paged_attention
 
     rng = np.random.default_rng(1)
     hq, hkv, d, bs, p, s, pps = 4, 2, 16, 4, 24, 5, 4
@@ -236,7 +236,7 @@ def test_tpu_v2_prefetch_chain_crosses_grid_steps(depth):
     q = np.asarray(rng.standard_normal((t, hq, d)), np.float32)
     q[6:] = 0.0
     q = jnp.asarray(q)
-    got = ragged_paged_attention_v2(q, cache, inputs, scale=0.25, block_q=1, pages_per_block=1,
+    got = ragged_paged_attention(q, cache, inputs, scale=0.25, block_q=1, pages_per_block=1,
                                     prefetch_depth=depth)  # fmt: skip
     want = reference_attention(q, cache, inputs, scale=0.25)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
@@ -254,7 +254,8 @@ def test_tpu_v2_decode_path_matches_jaxs_tpu_decode_kernel():
     from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as jax_decode
 
     from kvsched.engine import AttentionInputs
-    from kvsched.engine.kernels.tpu2 import default_block_q, ragged_paged_attention_v2
+    from kvsched.engine.kernels.tiling import tpu_block_q
+    from kvsched.engine.kernels.tpu import ragged_paged_attention
 
     rng = np.random.default_rng(0)
     s, hq, hkv, d, bs, pps, p, nseq = 8, 8, 2, 128, 16, 4, 40, 7
@@ -269,8 +270,8 @@ def test_tpu_v2_decode_path_matches_jaxs_tpu_decode_kernel():
         num_seqs=jnp.asarray([nseq], np.int32),
     )  # fmt: skip
     scale = d**-0.5
-    assert default_block_q(s, s, hq // hkv) == 2
-    got = ragged_paged_attention_v2(q, cache, inputs, scale=scale, pages_per_block=2)
+    assert tpu_block_q(s, s, hq // hkv) == 2
+    got = ragged_paged_attention(q, cache, inputs, scale=scale, pages_per_block=2)
     got = np.asarray(got, np.float32)
     k_pages = jnp.moveaxis(cache[:, :, 0::2], 2, 0)  # [Hkv, P, bs, D]
     v_pages = jnp.moveaxis(cache[:, :, 1::2], 2, 0)
@@ -293,8 +294,8 @@ def test_tpu_v2_reads_the_packed_layout_and_a_stacked_cache():
 
     import jax
 
-    from kvsched.engine.kernels.tpu import pack_cache
-    from kvsched.engine.kernels.tpu2 import ragged_paged_attention_v2
+    from kvsched.engine.kernels.layout import pack_cache
+    from kvsched.engine.kernels.tpu import ragged_paged_attention
 
     for q, cache, inputs, plan, _ in plans(steps=2):
         want = np.asarray(reference_attention(q, cache, inputs, scale=0.25))
@@ -306,39 +307,39 @@ def test_tpu_v2_reads_the_packed_layout_and_a_stacked_cache():
             for pos in range(kv_len, -(-kv_len // bs) * bs):
                 c[row[pos // bs], pos % bs] = np.inf
         packed = pack_cache(jnp.asarray(c))
-        got = ragged_paged_attention_v2(q, packed, inputs, scale=0.25, pages_per_block=3)
+        got = ragged_paged_attention(q, packed, inputs, scale=0.25, pages_per_block=3)
         np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
         stacked = jnp.stack([jnp.zeros_like(jnp.asarray(c)), jnp.asarray(c)])
-        f = jax.jit(functools.partial(ragged_paged_attention_v2, scale=0.25, pages_per_block=2))
+        f = jax.jit(functools.partial(ragged_paged_attention, scale=0.25, pages_per_block=2))
         got = f(q, stacked, inputs, layer=jnp.int32(1))
         np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
 
 
 def test_tpu_v2_refuses_bad_arguments_by_name():
-    from kvsched.engine.kernels.tpu2 import ragged_paged_attention_v2
+    from kvsched.engine.kernels.tpu import ragged_paged_attention
 
     q, cache, inputs, _, _ = next(plans())
     for kw in ({"block_q": 0}, {"pages_per_block": 0}, {"prefetch_depth": 0}):
         with pytest.raises(ValueError, match=next(iter(kw))):
-            ragged_paged_attention_v2(q, cache, inputs, scale=1.0, **kw)
+            ragged_paged_attention(q, cache, inputs, scale=1.0, **kw)
     with pytest.raises(ValueError, match="group"):
-        ragged_paged_attention_v2(q[:, :3], cache, inputs, scale=1.0)
+        ragged_paged_attention(q[:, :3], cache, inputs, scale=1.0)
 
 
 def test_tpu_v2_picks_the_decode_path_from_the_shape():
-    from kvsched.engine.kernels.tpu2 import default_block_q, default_pages_per_block
+    from kvsched.engine.kernels.tiling import tpu_block_q, tpu_pages_per_block
 
-    assert default_block_q(256, 256, 4) == 2  # decode: M = 2 x 4 = 8 rows
-    assert default_block_q(256, 256, 8) == 1
-    assert default_block_q(256, 256, 3) == 8  # a group that does not divide 8
-    assert default_block_q(512, 8, 4) == 128  # prefill: 128-token blocks
-    assert default_block_q(20, 4, 4) == 24
-    assert default_pages_per_block(16, 128) == 16 and default_pages_per_block(64, 2) == 2
-    assert default_pages_per_block(16, 128, decode=True) == 32
+    assert tpu_block_q(256, 256, 4) == 2  # decode: M = 2 x 4 = 8 rows
+    assert tpu_block_q(256, 256, 8) == 1
+    assert tpu_block_q(256, 256, 3) == 8  # a group that does not divide 8
+    assert tpu_block_q(512, 8, 4) == 128  # prefill: 128-token blocks
+    assert tpu_block_q(20, 4, 4) == 24
+    assert tpu_pages_per_block(16, 128) == 16 and tpu_pages_per_block(64, 2) == 2
+    assert tpu_pages_per_block(16, 128, decode=True) == 32
     # Pages of 64 and 128 (TPU): the same 512 / 256 tokens per block, fewer pages.
-    assert default_pages_per_block(64, 32, decode=True) == 8
-    assert default_pages_per_block(128, 16, decode=True) == 4
-    assert default_pages_per_block(128, 16) == 2 and default_pages_per_block(128, 1) == 1
+    assert tpu_pages_per_block(64, 32, decode=True) == 8
+    assert tpu_pages_per_block(128, 16, decode=True) == 4
+    assert tpu_pages_per_block(128, 16) == 2 and tpu_pages_per_block(128, 1) == 1
 
 
 @pytest.mark.parametrize(("d", "packed", "bs", "ppb"),
@@ -353,7 +354,7 @@ def test_tpu_v2_lowers_to_mosaic_for_tpu(d, packed, bs, ppb):
     import jax
     from jax import export
 
-    from kvsched.engine.kernels.tpu2 import _call
+    from kvsched.engine.kernels.tpu import _call
 
     t, hq, p, hkv, s = 64, 8, 64, 2, 8
     pps = 256 // bs
@@ -364,13 +365,14 @@ def test_tpu_v2_lowers_to_mosaic_for_tpu(d, packed, bs, ppb):
     f = jax.jit(functools.partial(_call, scale=0.1, block_q=16, pages_per_block=ppb,
                                   interpret=False))  # fmt: skip
     text = export.export(f, platforms=["tpu"])(*args).mlir_module()
-    assert "tpu_custom_call" in text and "kvsched_ragged_paged_attention_v2" in text
+    assert "tpu_custom_call" in text and "kvsched_ragged_paged_attention" in text
 
 
-@pytest.mark.parametrize(("knob", "v2"), [("ours", True), ("ours1", False)])
-def test_pallas_on_tpu_runs_the_kernel_the_knob_names(monkeypatch, knob, v2):
-    """KVSCHED_TPU_ATTENTION=ours is version 2, ours1 version 1: the paged_attention
-    dispatch on a (faked) TPU, with the stacked cache at a traced layer, lowered."""
+@pytest.mark.parametrize("knob", ["kvsched", "ours"])
+def test_pallas_on_tpu_runs_the_kernel_the_knob_names(monkeypatch, knob):
+    """KVSCHED_TPU_ATTENTION=kvsched (and its deprecated alias ours) is kvsched's
+    kernels/tpu.py: the paged_attention dispatch on a (faked) TPU, with the
+    stacked cache at a traced layer, lowered."""
     import functools
 
     import jax
@@ -392,7 +394,6 @@ def test_pallas_on_tpu_runs_the_kernel_the_knob_names(monkeypatch, knob, v2):
 
     text = export.export(jax.jit(functools.partial(f)), platforms=["tpu"])(*args).mlir_module()
     assert "tpu_custom_call" in text and "kvsched_ragged_paged_attention" in text
-    assert ("kvsched_ragged_paged_attention_v2" in text) == v2
 
 
 @pytest.mark.parametrize(("hq", "hkv", "block_q"), [(4, 2, 8), (4, 4, 16), (8, 1, 8)])
@@ -402,18 +403,6 @@ def test_the_gpu_variant_matches_the_reference_in_the_interpreter(hq, hkv, block
     for q, cache, inputs, _, _ in plans(hq=hq, hkv=hkv, d=16, block_size=4, steps=6):
         got = np.asarray(ragged_paged_attention_gpu(q, cache, inputs, scale=0.25,
                                                     block_q=block_q))  # fmt: skip
-        want = np.asarray(reference_attention(q, cache, inputs, scale=0.25))
-        np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
-
-
-def test_the_previous_gpu_kernel_still_matches_the_reference():
-    """version=1 (the kernel before issue 15's rebuild) stays available for
-    comparison on a device."""
-    from kvsched.engine.kernels.gpu import ragged_paged_attention_gpu
-
-    for q, cache, inputs, _, _ in plans(hq=4, hkv=2, d=16, block_size=4, steps=4):
-        got = np.asarray(ragged_paged_attention_gpu(q, cache, inputs, scale=0.25, block_q=8,
-                                                    version=1))  # fmt: skip
         want = np.asarray(reference_attention(q, cache, inputs, scale=0.25))
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
@@ -491,8 +480,6 @@ def test_the_gpu_kernel_refuses_bad_arguments_by_name():
     for knob in ("block_q", "kv_splits", "kv_tile_pages"):
         with pytest.raises(ValueError, match=f"{knob} must be >= 1, got 0"):
             ragged_paged_attention_gpu(q, cache, inputs, scale=1.0, **{knob: 0})
-    with pytest.raises(ValueError, match="version 3"):
-        ragged_paged_attention_gpu(q, cache, inputs, scale=1.0, version=3)
 
 
 def test_the_gpu_kernel_picks_split_kv_from_the_plan_shape():

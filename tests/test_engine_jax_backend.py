@@ -132,7 +132,7 @@ def test_the_stacked_cache_is_read_at_a_traced_layer_without_slicing():
 
 
 def test_a_packed_cache_is_read_as_the_same_bytes():
-    from kvsched.engine.kernels.tpu import pack_cache
+    from kvsched.engine.kernels.layout import pack_cache
 
     q, cache, inputs, _ = small_plans()[2]
     got = paged_attention(q, pack_cache(cache), inputs, scale=0.25, backend="jax")
@@ -204,11 +204,17 @@ def test_which_kernel_pallas_runs_on_tpu_is_a_documented_knob(monkeypatch):
     assert resolve_backend("jax", "cpu") == "jax_reference"
     assert resolve_backend("pallas", "cpu") == "pallas"  # off TPU the knob changes nothing
     assert resolve_backend("pallas", "gpu") == "pallas_gpu"
-    monkeypatch.setenv("KVSCHED_TPU_ATTENTION", "ours")
-    assert resolve_backend("pallas", "tpu") == "pallas"
-    assert resolve_backend("jax", "tpu") == "jax_kernel"
+    for knob in ("kvsched", "ours", " KVSched "):  # ours: deprecated, same as kvsched
+        monkeypatch.setenv("KVSCHED_TPU_ATTENTION", knob)
+        assert tpu_attention() == "kvsched"
+        assert resolve_backend("pallas", "tpu") == "pallas"
+        assert resolve_backend("jax", "tpu") == "jax_kernel"
     monkeypatch.setenv("KVSCHED_TPU_ATTENTION", "fastest")
-    with pytest.raises(kvsched.InvalidConfig, match="KVSCHED_TPU_ATTENTION"):
+    with pytest.raises(kvsched.InvalidConfig, match="KVSCHED_TPU_ATTENTION.*jax, kvsched"):
+        resolve_backend("pallas", "tpu")
+    # Version 1 of kvsched's kernel is gone: its old name says so.
+    monkeypatch.setenv("KVSCHED_TPU_ATTENTION", "ours1")
+    with pytest.raises(kvsched.InvalidConfig, match="version 1.*removed.*jax, kvsched"):
         resolve_backend("pallas", "tpu")
     monkeypatch.delenv("KVSCHED_TPU_ATTENTION")
     with pytest.raises(kvsched.InvalidConfig, match="unknown attention backend"):
@@ -350,7 +356,7 @@ def test_the_engine_on_a_tpu_says_which_kernel_and_lays_the_cache_out_for_it(mon
     assert eng.attention_kernel == "pallas" and eng.spec.shape[-2:] == (1, 128)
     with pytest.raises(kvsched.InvalidConfig, match="multiple of 128"):
         make(narrow, backend="jax")
-    monkeypatch.setenv("KVSCHED_TPU_ATTENTION", "ours")
+    monkeypatch.setenv("KVSCHED_TPU_ATTENTION", "kvsched")
     assert make(wide, backend="pallas").attention_kernel == "pallas"
     with pytest.raises(kvsched.InvalidConfig, match="unknown attention backend"):
         make(wide, backend="mosaic")

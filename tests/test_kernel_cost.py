@@ -1,7 +1,10 @@
 """The kernel cost model (kvsched.engine.kernels.cost): its counts on plans small
-enough to count by hand, the bounds issue 15 sets for the decode and prefill
-cases, and its kernel descriptions held to the Mosaic programs the kernels
-export for TPU (today's kvsched kernel and JAX's ragged_paged_attention)."""
+enough to count by hand, the bounds a bandwidth-bound kernel meets on the
+decode and prefill cases of docs/kernels.md, and its kernel descriptions held
+to the Mosaic programs the kernels export for TPU (kvsched's kernels/tpu.py
+and JAX's ragged_paged_attention) and to the DMAs kvsched's runs in Pallas'
+interpreter. ours_tpu_v1 / ours_gpu_v1 describe kvsched's removed version 1
+kernels, kept in the model for comparison."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import functools
 import pytest
 
 from kvsched.engine.kernels import cost as C
+from kvsched.engine.kernels import tiling
 
 # q heads 2, KV heads 1 (group 2), head_dim 8, pages of 4 tokens, bf16:
 # one page of every head, K and V, is 4 * 2 * 1 * 8 * 2 = 128 bytes.
@@ -24,10 +28,11 @@ def test_small_shapes_page_bytes():
 
 
 def test_todays_tpu_kernel_counts_by_hand():
-    """block_q 2: block 0 = rows 0, 1 meets both sequences, block 1 = rows 2, 3
-    meets the chunk only; no causal bound, so every visit reads the sequence's
-    whole KV: 2 + 2 + 2 pages, one DMA and one wait each."""
-    c = C.count(MIXED, SMALL, C.ours_tpu(block_q=2))
+    """Version 1's description, block_q 2: block 0 = rows 0, 1 meets both
+    sequences, block 1 = rows 2, 3 meets the chunk only; no causal bound, so
+    every visit reads the sequence's whole KV: 2 + 2 + 2 pages, one DMA and one
+    wait each."""
+    c = C.count(MIXED, SMALL, C.ours_tpu_v1(block_q=2))
     assert (c.grid_steps, c.pairs, c.seq_visits) == (2, 3, 4)  # 2 blocks x 2 seqs scanned
     assert (c.kv_blocks, c.dma_starts, c.dma_waits, c.chains) == (6, 6, 6, 3)
     assert c.kv_bytes_moved == 6 * 128
@@ -62,7 +67,7 @@ def test_causal_bound_by_hand():
     """An 8-token chunk ending at 16, blocks of 4 rows: without a causal bound
     each block reads all 4 pages; with it block 0 (positions 8..11) reads 3."""
     plan = C.Plan((8,), (16,))
-    assert C.count(plan, SMALL, C.ours_tpu(block_q=4)).kv_bytes_moved == 8 * 128
+    assert C.count(plan, SMALL, C.ours_tpu_v1(block_q=4)).kv_bytes_moved == 8 * 128
     target = C.target_tpu(pages_per_block=1, block_q=4, depth=1)
     assert C.count(plan, SMALL, target).kv_bytes_moved == (3 + 4) * 128
 
@@ -102,7 +107,7 @@ def test_gpu_v2_counts_by_hand():
     # pages, where the old GPU kernel reads 4 + 4.
     plan = C.Plan((8,), (16,))
     assert C.count(plan, SMALL, C.ours_gpu_v2(block_q=4, tile_pages=1)).kv_bytes_moved == 7 * 128
-    assert C.count(plan, SMALL, C.ours_gpu(block_q=4)).kv_bytes_moved == 8 * 128
+    assert C.count(plan, SMALL, C.ours_gpu_v1(block_q=4)).kv_bytes_moved == 8 * 128
 
 
 def test_gpu_v2_kv_tiles_by_hand():
@@ -133,13 +138,13 @@ def test_gpu_v2_split_kv_by_hand():
 
 
 def test_gpu_split_kv_fills_the_sms_for_one_long_sequence():
-    """Issue 15: one 32k sequence gave today's GPU kernel 8 programs. The split
+    """One 32k sequence gives version 1 of the GPU kernel 8 programs. The split
     the kernel picks from the shape (16) gives 128; the model's pipeline term
     shrinks with the busy programs, to over 90% of the H200's HBM bandwidth."""
     plan = C.Plan.decode(1, 32768)
-    splits = C.gpu_v2_kv_splits(1, 1, 8, 2048)
+    splits = tiling.gpu_kv_splits(1, 1, 8, 2048)
     assert splits == 16
-    old = C.predict(plan, C.LLAMA3_8B, C.ours_gpu(), "h200")
+    old = C.predict(plan, C.LLAMA3_8B, C.ours_gpu_v1(), "h200")
     flat = C.predict(plan, C.LLAMA3_8B, C.ours_gpu_v2(), "h200")
     split = C.predict(plan, C.LLAMA3_8B, C.ours_gpu_v2(kv_splits=splits), "h200")
     assert old.counts.grid_steps == 8 and flat.counts.busy_programs == 8
@@ -147,7 +152,7 @@ def test_gpu_split_kv_fills_the_sms_for_one_long_sequence():
     assert split.t_pipeline == pytest.approx(flat.t_pipeline / 16)
     assert old.hbm_fraction < 0.01 < flat.hbm_fraction < 0.25 < 0.9 < split.hbm_fraction
     # A full decode batch (2048 programs) is not split.
-    assert C.gpu_v2_kv_splits(256, 256, 8, 128) == 1
+    assert tiling.gpu_kv_splits(256, 256, 8, 128) == 1
 
 
 def test_gpu_v2_description_matches_the_kernels_program_table():
@@ -178,7 +183,7 @@ def test_gpu_kernel_counts_per_head_program():
     """One program per (query block, KV head), each loading its head's K and V
     tiles page by page: two loads per page and head."""
     shapes = C.Shapes(q_heads=4, kv_heads=2, head_dim=8, page_size=4)
-    c = C.count(MIXED, shapes, C.ours_gpu(block_q=4))
+    c = C.count(MIXED, shapes, C.ours_gpu_v1(block_q=4))
     assert c.grid_steps == 2  # 1 query block x 2 heads
     assert c.kv_blocks == 2 * 4  # (2 + 2 pages) per head
     assert c.dma_starts == c.dma_waits == 2 * 4 * 2
@@ -186,9 +191,9 @@ def test_gpu_kernel_counts_per_head_program():
 
 
 def test_prediction_arithmetic_by_hand():
-    """Today's TPU kernel on the small plan, v5e: every term of the formula."""
+    """Version 1's TPU description on the small plan, v5e: every term of the formula."""
     dev = C.DEVICES["tpu-v5e"]
-    p = C.predict(MIXED, SMALL, C.ours_tpu(block_q=2), "tpu-v5e")
+    p = C.predict(MIXED, SMALL, C.ours_tpu_v1(block_q=2), "tpu-v5e")
     c = p.counts
     bw, lat = dev.hbm_bytes_per_s, dev.dma_latency_s
     assert p.t_hbm == pytest.approx(c.bytes_moved / bw)
@@ -208,8 +213,9 @@ PAGES = 256 * 2048 // 16
 
 
 def ideal_bounds(c: C.Counts, pages_per_block: int, seqs: int = 256) -> tuple[bool, bool]:
-    """Issue 15's decode bounds: bytes <= 1.1 x the KV to read, and DMA blocks
-    (waits on a block) <= pages / pages-per-block + sequences."""
+    """The decode bounds of a bandwidth-bound kernel: bytes <= 1.1 x the KV to
+    read, and DMA blocks (waits on a block) <= pages / pages-per-block +
+    sequences."""
     return (
         c.kv_bytes_moved <= 1.1 * c.kv_bytes_needed,
         c.kv_blocks <= PAGES / pages_per_block + seqs,
@@ -231,9 +237,9 @@ def test_decode_bounds_hold_for_the_target_and_jax_not_for_todays_kernel():
     assert ideal_bounds(j, bkv) == (True, True)
     assert (j.kv_blocks, j.dma_starts, j.dma_waits) == (256, PAGES, PAGES)
 
-    # Today's kernel reads the KV once (decode rows never straddle blocks), but
+    # Version 1 reads the KV once (decode rows never straddle blocks), but
     # one page per DMA and a wait per page: 32x the target's DMA blocks, 25x the bound.
-    o = C.count(DECODE, C.LLAMA3_8B, C.ours_tpu())
+    o = C.count(DECODE, C.LLAMA3_8B, C.ours_tpu_v1())
     assert o.kv_bytes_moved == needed
     assert (o.kv_blocks, o.dma_starts, o.dma_waits) == (PAGES, PAGES, PAGES)
     assert ideal_bounds(o, target.pages_per_block) == (True, False)
@@ -244,15 +250,16 @@ def test_decode_bounds_hold_for_the_target_and_jax_not_for_todays_kernel():
 
 
 def test_decode_and_prefill_for_tpu_v2():
-    """Version 2 at its defaults for the decode case (block_q 2: M = 8, 32 pages
-    per block, two in flight): the KV read once, in 1024 blocks of 2 MiB, one
-    wait each, within issue 15's bounds; 128 grid steps and one chain for the
-    call (a cold chain per grid step before the cross-step prefetch). A
+    """The TPU kernel's description at its defaults for the decode case
+    (block_q 2: M = 8, 32 pages per block, two in flight): the KV read once, in
+    1024 blocks of 2 MiB, one wait each, within the decode bounds; 128 grid
+    steps and one chain for the call (a cold chain per grid step without the
+    cross-step prefetch). A
     512-token chunk at 2k in blocks of 128 rows (16 pages per block) reads up
     to each block's causal bound (104, 112, 120, 128 pages, rounded up to whole
     blocks of 16)."""
-    bq = C.tpu_v2_block_q(256, 256, C.LLAMA3_8B.group)
-    ppb = C.tpu_v2_pages_per_block(16, 128, decode=True)
+    bq = tiling.tpu_block_q(256, 256, C.LLAMA3_8B.group)
+    ppb = tiling.tpu_pages_per_block(16, 128, decode=True)
     assert (bq, ppb) == (2, 32)
     v = C.count(DECODE, C.LLAMA3_8B, C.ours_tpu_v2(bq, ppb))
     assert ideal_bounds(v, ppb) == (True, True)
@@ -263,16 +270,16 @@ def test_decode_and_prefill_for_tpu_v2():
     assert before.kv_bytes_moved == v.kv_bytes_moved and before.dma_starts == v.dma_starts
     assert v.mxu_flops == 2 * v.useful_flops  # M = 8 rows, 4 of them real
     plan = C.Plan.prefill_chunk(512, 2048)
-    ppb = C.tpu_v2_pages_per_block(16, 128)
+    ppb = tiling.tpu_pages_per_block(16, 128)
     assert ppb == 16
-    p = C.count(plan, C.LLAMA3_8B, C.ours_tpu_v2(C.tpu_v2_block_q(512, 1, 4), ppb))
+    p = C.count(plan, C.LLAMA3_8B, C.ours_tpu_v2(tiling.tpu_block_q(512, 1, 4), ppb))
     assert p.kv_blocks == 7 + 7 + 8 + 8 and p.kv_bytes_moved == 30 * 16 * 65536
     for dev in ("tpu-v5e", "tpu-v6e"):
-        ours = C.predict(DECODE, C.LLAMA3_8B, C.ours_tpu(), dev)
+        ours = C.predict(DECODE, C.LLAMA3_8B, C.ours_tpu_v1(), dev)
         new = C.predict(DECODE, C.LLAMA3_8B, C.ours_tpu_v2(bq, 32), dev)
         target = C.predict(DECODE, C.LLAMA3_8B, C.target_tpu(), dev)
         assert ours.hbm_fraction * 5 < new.hbm_fraction < target.hbm_fraction
-        before = C.predict(plan, C.LLAMA3_8B, C.ours_tpu(), dev)
+        before = C.predict(plan, C.LLAMA3_8B, C.ours_tpu_v1(), dev)
         after = C.predict(plan, C.LLAMA3_8B, C.ours_tpu_v2(128, ppb), dev)
         assert after.step_s * 50 < before.step_s
 
@@ -293,16 +300,16 @@ def test_tpu_v2_decode_at_tpu_page_sizes():
     for ps, ppb in ((16, 32), (64, 8), (128, 4)):
         shapes = dataclasses.replace(C.LLAMA3_8B, page_size=ps)
         pages = 256 * 2048 // ps
-        bq = C.tpu_v2_block_q(256, 256, shapes.group)
-        assert C.tpu_v2_pages_per_block(ps, 2048 // ps, decode=True) == ppb
+        bq = tiling.tpu_block_q(256, 256, shapes.group)
+        assert tiling.tpu_pages_per_block(ps, 2048 // ps, decode=True) == ppb
         p = C.predict(DECODE, shapes, C.ours_tpu_v2(bq, ppb), "tpu-v5e")
         c = p.counts
         assert (c.dma_starts, c.dma_waits, c.kv_blocks) == (pages, 1024, 1024)
         assert c.kv_bytes_moved == c.kv_bytes_needed and set(c.block_sizes) == {2 << 20}
         assert p.bound == "hbm" and p.t_scalar < p.t_hbm
         shares.append(p.hbm_fraction)
-        # Before the cross-step prefetch: 128 grid steps, each with a cold first
-        # fetch; after, only the first. 127 exposed DMA latencies saved.
+        # Without the cross-step prefetch: 128 grid steps, each with a cold first
+        # fetch; with it, only the first. 127 exposed DMA latencies saved.
         v2_before = C.ours_tpu_v2(bq, ppb, across_steps=False)
         before = C.predict(DECODE, shapes, v2_before, "tpu-v5e")
         lat = C.DEVICES["tpu-v5e"].dma_latency_s
@@ -312,11 +319,11 @@ def test_tpu_v2_decode_at_tpu_page_sizes():
 
 
 def test_decode_predictions_order_the_kernels():
-    """Under the stated constants: today's TPU kernel is latency bound, far from
-    the bandwidth (a few percent, as the design review estimated); the target
-    design is bandwidth bound. The exact figures are in the README's table."""
+    """Under the stated constants: version 1 of the TPU kernel is latency bound,
+    far from the bandwidth (a few percent); the target design is bandwidth
+    bound. The exact figures are in docs/kernels.md's table."""
     for dev in ("tpu-v5e", "tpu-v6e"):
-        ours = C.predict(DECODE, C.LLAMA3_8B, C.ours_tpu(), dev)
+        ours = C.predict(DECODE, C.LLAMA3_8B, C.ours_tpu_v1(), dev)
         target = C.predict(DECODE, C.LLAMA3_8B, C.target_tpu(), dev)
         jax_ = C.predict(DECODE, C.LLAMA3_8B, C.jax_tpu(128, 32), dev)
         assert ours.bound == "latency" and ours.hbm_fraction < 0.10
@@ -327,9 +334,9 @@ def test_decode_predictions_order_the_kernels():
         assert ours.t_pipeline == pytest.approx(
             PAGES * max(d.dma_latency_s + 65536 / d.hbm_bytes_per_s, ours.t_mxu / PAGES)
         )
-    gpu = C.predict(DECODE, C.LLAMA3_8B, C.ours_gpu(), "h200")
+    gpu = C.predict(DECODE, C.LLAMA3_8B, C.ours_gpu_v1(), "h200")
     assert gpu.bound == "latency" and gpu.hbm_fraction < 0.25
-    # The rebuilt GPU kernel reads each page once per KV head (no re-read),
+    # The GPU kernel (version 2) reads each page once per KV head (no re-read),
     # M 16 instead of 16 x 4 dots, 4-page tiles two ahead: bandwidth bound in
     # the model. One page per tile would stay latency bound (74%).
     v2 = C.predict(DECODE, C.LLAMA3_8B, C.ours_gpu_v2(), "h200")
@@ -340,11 +347,11 @@ def test_decode_predictions_order_the_kernels():
 
 
 def test_prefill_chunk_rereads_per_query_block():
-    """A 512-token chunk at 2k context: today's kernel re-reads all 128 pages for
+    """A 512-token chunk at 2k context: version 1 re-reads all 128 pages for
     each of 64 8-row blocks (512 MiB to use 8 MiB); a causal bound reads, per
     128-row block, only the pages up to its last row."""
     plan = C.Plan.prefill_chunk(512, 2048)
-    o = C.count(plan, C.LLAMA3_8B, C.ours_tpu())
+    o = C.count(plan, C.LLAMA3_8B, C.ours_tpu_v1())
     assert o.kv_bytes_needed == 8 * 2**20
     assert o.kv_bytes_moved == 64 * 128 * 65536 == 512 * 2**20
     assert o.reread == 64
@@ -366,7 +373,7 @@ def test_plans_from_arrays_and_bad_plans():
     with pytest.raises(ValueError, match="cover"):
         C.Plan((4,), (4,), tokens=2)
     with pytest.raises(ValueError, match="group"):
-        C.count(MIXED, C.Shapes(3, 2, 8, 4), C.ours_tpu())
+        C.count(MIXED, C.Shapes(3, 2, 8, 4), C.ours_tpu_v1())
 
 
 def test_table_has_every_kernel_and_device():
@@ -375,14 +382,25 @@ def test_table_has_every_kernel_and_device():
         (d, k)
         for d in ("tpu-v5e", "tpu-v6e")
         for k in (
-            "kvsched pallas (TPU)",
+            "kvsched TPU v1 (removed)",
             "kvsched pallas v2 (TPU)",
             "jax ragged_paged_attention (TPU)",
             "target design (not built)",
         )
-    } | {("h200", "kvsched pallas_gpu (Triton)"), ("h200", "kvsched pallas_gpu v2 (Triton)")}
+    } | {("h200", "kvsched GPU v1 (removed)"), ("h200", "kvsched pallas_gpu v2 (Triton)")}
     text = C.format_table(rows)
     assert text.count("\n") == len(rows) + 1 and "HBM share" in text
+
+
+def test_the_table_in_docs_kernels_md_is_the_models():
+    """docs/kernels.md prints the model's table for its two cases: regenerated
+    here, so a change to the model or the tiling defaults shows up there."""
+    from pathlib import Path
+
+    plans = {"decode 256x2k": C.Plan.decode(256, 2048),
+             "prefill 512@2k": C.Plan.prefill_chunk(512, 2048)}  # fmt: skip
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "kernels.md").read_text()
+    assert C.format_table(C.table(plans)) in doc
 
 
 # -- the exported programs -------------------------------------------------------
@@ -406,44 +424,9 @@ def _export(f):
         pytest.skip(str(e))
 
 
-def test_todays_tpu_kernel_description_matches_its_mosaic_program():
-    """Lowered for TPU on this CPU: the kernel's grid, its DMAs (one page of all
-    heads each, one wait per page in the page loop, plus a cold start per
-    sequence visit outside it) and its matmuls (f32, M = block_q x group, N =
-    one page) are what ours_tpu() says. Lowering duplicates loop bodies (a main
-    loop and a remainder), so loop bodies are checked, not site counts."""
-    pytest.importorskip("jax")
-    from kvsched.engine.kernels.tpu import _call
-
-    block_q = 16
-    m = _export(functools.partial(_call, scale=0.1, block_q=block_q, interpret=False))
-    desc = C.ours_tpu(block_q)
-    shapes = C.Shapes(HQ, HKV, D, BS)
-    plan = C.Plan((1,) * S, (PPS * BS,) * S, T)
-    assert m.name == "kvsched_ragged_paged_attention"
-    assert m.grid == (C.count(plan, shapes, desc).grid_steps,) == (T // block_q,)
-    dmas = [o for o in m.ops if o.op in ("enqueue_dma", "wait_dma")]
-    assert dmas and all(C.memref_bytes(o.shapes[0], o.dtypes[0]) == shapes.page_bytes
-                        for o in dmas)  # fmt: skip
-    assert desc.pages_per_block == 1 and desc.wait_per_page
-    bodies = m.loops_with("wait_dma")
-    assert bodies
-    for ops in bodies.values():
-        kinds = [o.op for o in ops]
-        assert kinds.count("wait_dma") == 1 and kinds.count("enqueue_dma") == 1  # depth 1
-        mm = [o for o in ops if o.op == "matmul"]
-        assert len(mm) == 2 * HKV
-        for o in mm:
-            assert o.dtypes == ("f32", "f32") == (desc.operands, desc.pv)
-            assert o.shapes[2][0] == block_q * shapes.group  # M: rows x group
-            assert BS in o.shapes[2] or o.shapes[0][1] == BS  # N (QK) or K (PV): one page
-    cold = [o for o in m.ops if o.op == "enqueue_dma" and o.loop not in bodies]
-    assert cold and all(o.depth == 1 for o in cold)  # in the sequence loop: a chain each
-
-
 def test_tpu_v2_description_matches_its_mosaic_program():
-    """Version 2 lowered for TPU: in each loop that waits, one wait for a whole
-    block of pages_per_block pages and two exclusive sites of pages_per_block
+    """The TPU kernel lowered for TPU: in each loop that waits, one wait for a
+    whole block of pages_per_block pages and two exclusive sites of pages_per_block
     page DMAs each (the block `prefetch_depth` ahead in this grid step, or past
     its last block the next grid step's first: the chain crosses grid steps;
     how many run is the interpreter test's count); bf16 QK and PV with M =
@@ -451,7 +434,7 @@ def test_tpu_v2_description_matches_its_mosaic_program():
     `prefetch_depth` blocks of the chain (this step's own on step 0, else the
     next step's when this one has fewer), the same two sites per block."""
     pytest.importorskip("jax")
-    from kvsched.engine.kernels.tpu2 import _call
+    from kvsched.engine.kernels.tpu import _call
 
     block_q, ppb = 16, 4
     m = _export(functools.partial(_call, scale=0.1, block_q=block_q, pages_per_block=ppb,
@@ -459,7 +442,7 @@ def test_tpu_v2_description_matches_its_mosaic_program():
     desc = C.ours_tpu_v2(block_q, ppb)
     shapes = C.Shapes(HQ, HKV, D, BS)
     plan = C.Plan((1,) * S, (PPS * BS,) * S, T)
-    assert m.name == "kvsched_ragged_paged_attention_v2"
+    assert m.name == "kvsched_ragged_paged_attention"
     assert m.grid == (C.count(plan, shapes, desc).grid_steps,) == (T // block_q,)
     bodies = m.loops_with("wait_dma")
     assert bodies and not desc.wait_per_page
@@ -570,57 +553,6 @@ def dma_log(monkeypatch):
     jax.clear_caches()
 
 
-def test_the_counts_are_what_the_kernel_does_in_the_interpreter(dma_log):
-    """Today's TPU kernel run in the interpreter on the hand-counted plan, then on
-    real mixed plans from the scheduler (padding rows, padding sequence slots,
-    chunks straddling query blocks): the DMAs it starts, the waits and the bytes
-    they move are exactly the model's counts."""
-    import jax.numpy as jnp
-    import numpy as np
-    from engine_helpers import plans
-
-    from kvsched.engine import AttentionInputs
-    from kvsched.engine.kernels.tpu import ragged_paged_attention
-
-    # The hand-counted plan: rows 0 | 1..3, kv 5 and 7, pages of 4, blocks of 2.
-    inputs = AttentionInputs(
-        positions=jnp.asarray([4, 4, 5, 6], jnp.int32),
-        cu_q_lens=jnp.asarray([0, 1, 4], jnp.int32),
-        kv_lens=jnp.asarray([5, 7], jnp.int32),
-        page_indices=jnp.asarray([[1, 2], [3, 4]], jnp.int32),
-        num_seqs=jnp.asarray([2], jnp.int32),
-    )
-    q = jnp.ones((4, 2, 8), jnp.bfloat16)
-    cache = jnp.ones((5, 4, 2, 8), jnp.bfloat16)
-    ragged_paged_attention(q, cache, inputs, scale=0.5, block_q=2).block_until_ready()
-    want = C.count(MIXED, SMALL, C.ours_tpu(block_q=2))
-    assert len(dma_log["starts"]) == want.dma_starts == 6
-    assert len(dma_log["waits"]) == want.dma_waits
-    assert sum(dma_log["waits"]) == want.kv_bytes_moved == 6 * 128
-
-    shapes = C.Shapes(q_heads=4, kv_heads=2, head_dim=16, page_size=4)
-    seen = mixed = 0
-    for q, cache, inputs, plan, _ in plans(dtype=jnp.bfloat16, steps=3):
-        mixed += 0 < plan.num_decode < len(plan)
-        dma_log["starts"].clear()
-        dma_log["waits"].clear()
-        ragged_paged_attention(q, cache, inputs, scale=0.25, block_q=8).block_until_ready()
-        model = C.Plan.from_arrays(np.asarray(inputs.cu_q_lens), np.asarray(inputs.kv_lens),
-                                   int(inputs.num_seqs[0]), tokens=q.shape[0])  # fmt: skip
-        # The Rust planner's positions agree with the model's row layout.
-        pos = np.asarray(inputs.positions)
-        ends = np.cumsum(model.q_lens)
-        assert [int(pos[e - 1]) + 1 for e in ends if e] == [
-            k for k, ql in zip(model.kv_lens, model.q_lens, strict=True) if ql
-        ]
-        c = C.count(model, shapes, C.ours_tpu(block_q=8))
-        assert (len(dma_log["starts"]), len(dma_log["waits"])) == (c.dma_starts, c.dma_waits)
-        assert sum(dma_log["waits"]) == c.kv_bytes_moved
-        assert set(dma_log["waits"]) == {shapes.page_bytes}
-        seen += c.dma_starts > 0
-    assert seen == 3 and mixed, "three plans that read KV, one of them mixed"
-
-
 def started_before_each_wait(order: list[int], pages_per_block: int) -> list[int]:
     """From the interpreter's sequence of DMA starts (0) and waits (1): the KV
     blocks started (pages_per_block DMAs each) before each wait."""
@@ -634,8 +566,8 @@ def started_before_each_wait(order: list[int], pages_per_block: int) -> list[int
 
 
 def test_tpu_v2_counts_are_what_it_does_in_the_interpreter(dma_log):
-    """Version 2 in the interpreter: on the hand-counted plan, then on real mixed
-    plans at the shape's default block_q and at block_q 8, the DMAs it starts,
+    """The TPU kernel in the interpreter: on the hand-counted plan, then on real
+    mixed plans at the shape's default block_q and at block_q 8, the DMAs it starts,
     its waits (one per block) and the bytes they wait for are the model's, and
     the blocks started before each wait are those of one chain over the whole
     grid (depth 2: the block waited and the two after it, across grid steps)."""
@@ -644,7 +576,7 @@ def test_tpu_v2_counts_are_what_it_does_in_the_interpreter(dma_log):
     from engine_helpers import plans
 
     from kvsched.engine import AttentionInputs
-    from kvsched.engine.kernels.tpu2 import ragged_paged_attention_v2
+    from kvsched.engine.kernels.tpu import ragged_paged_attention
 
     inputs = AttentionInputs(
         positions=jnp.asarray([4, 4, 5, 6], jnp.int32),
@@ -655,7 +587,7 @@ def test_tpu_v2_counts_are_what_it_does_in_the_interpreter(dma_log):
     )
     q = jnp.ones((4, 2, 8), jnp.bfloat16)
     cache = jnp.ones((5, 4, 2, 8), jnp.bfloat16)
-    ragged_paged_attention_v2(q, cache, inputs, scale=0.5, block_q=2, pages_per_block=2)
+    ragged_paged_attention(q, cache, inputs, scale=0.5, block_q=2, pages_per_block=2)
     want = C.count(MIXED, SMALL, C.ours_tpu_v2(block_q=2, pages_per_block=2))
     assert (len(dma_log["starts"]), len(dma_log["waits"])) == (want.dma_starts, want.dma_waits)
     assert dma_log["waits"] == [2 * 128] * 3 and want.kv_bytes_moved == 6 * 128
@@ -669,15 +601,21 @@ def test_tpu_v2_counts_are_what_it_does_in_the_interpreter(dma_log):
         mixed += 0 < plan.num_decode < len(plan)
         model = C.Plan.from_arrays(np.asarray(inputs.cu_q_lens), np.asarray(inputs.kv_lens),
                                    int(inputs.num_seqs[0]), tokens=q.shape[0])  # fmt: skip
+        # The Rust planner's positions agree with the model's row layout.
+        pos = np.asarray(inputs.positions)
+        ends = np.cumsum(model.q_lens)
+        assert [int(pos[e - 1]) + 1 for e in ends if e] == [
+            k for k, ql in zip(model.kv_lens, model.q_lens, strict=True) if ql
+        ]
         slots, pps = inputs.page_indices.shape
         for bq in (None, 8):
             dma_log["starts"].clear()
             dma_log["waits"].clear()
             dma_log["order"].clear()
-            out = ragged_paged_attention_v2(q, cache, inputs, scale=0.25, block_q=bq,
+            out = ragged_paged_attention(q, cache, inputs, scale=0.25, block_q=bq,
                                             pages_per_block=3)  # fmt: skip
             out.block_until_ready()
-            block_q = bq or C.tpu_v2_block_q(q.shape[0], slots, shapes.group)
+            block_q = bq or tiling.tpu_block_q(q.shape[0], slots, shapes.group)
             c = C.count(model, shapes, C.ours_tpu_v2(block_q, min(3, pps)))
             assert (len(dma_log["starts"]), len(dma_log["waits"])) == (c.dma_starts, c.dma_waits)
             assert sum(dma_log["waits"]) == c.kv_bytes_moved

@@ -16,12 +16,15 @@ import jax.numpy as jnp  # noqa: E402
 from engine_helpers import plans  # noqa: E402
 
 from kvsched.engine import reference_attention  # noqa: E402
+from kvsched.engine.kernels.layout import pack_cache  # noqa: E402
 from kvsched.engine.kernels.reference import oracle_attention  # noqa: E402
-from kvsched.engine.kernels.tpu import (  # noqa: E402
-    _call,
-    pack_cache,
-    ragged_paged_attention,
-)
+from kvsched.engine.kernels.tpu import _call, ragged_paged_attention  # noqa: E402
+
+# 4 KV pages per block: at these pages of 4 tokens the default would make each
+# sequence's whole page row one block; 4 gives several blocks per sequence (the
+# chain across them is read in every layout), and the interpreter compiles the
+# kernel in about half the time (each block's page DMAs are unrolled).
+PPB = 4
 
 
 def as_layout(cache, layout):
@@ -47,7 +50,7 @@ def test_head_dims_match_the_reference_on_mixed_plans(hq, hkv, d, layout, block_
     seen_mixed = False
     for q, cache, inputs, plan, _ in plans(hq=hq, hkv=hkv, d=d, dtype=dtype, steps=4):
         got = ragged_paged_attention(q, as_layout(cache, layout), inputs, scale=scale,
-                                     block_q=block_q)  # fmt: skip
+                                     block_q=block_q, pages_per_block=PPB)  # fmt: skip
         assert got.shape == q.shape and got.dtype == q.dtype
         got = np.asarray(got, np.float64)
         want = np.asarray(reference_attention(q, cache, inputs, scale=scale), np.float64)
@@ -70,8 +73,9 @@ def test_stale_non_finite_kv_is_harmless_at_head_dim_64(layout):
         for pos in range(kv_len, -(-kv_len // bs) * bs):
             c[row[pos // bs], pos % bs] = np.inf
     c[0] = np.nan
-    got = np.asarray(ragged_paged_attention(q, as_layout(jnp.asarray(c), layout), inputs,
-                                            scale=0.125, block_q=12))  # fmt: skip
+    got = ragged_paged_attention(q, as_layout(jnp.asarray(c), layout), inputs, scale=0.125,
+                                 block_q=12, pages_per_block=PPB)  # fmt: skip
+    got = np.asarray(got)
     want = oracle_attention(
         np.asarray(q, np.float64), np.asarray(cache, np.float64), np.asarray(inputs.positions),
         np.asarray(inputs.cu_q_lens), np.asarray(inputs.kv_lens), np.asarray(inputs.page_indices),
@@ -89,13 +93,16 @@ def test_a_layer_of_the_stacked_caches_equals_that_layer_sliced(d, layout):
     @jax.jit
     def every_layer(stacked):
         def body(carry, i):  # the engine's shape: a traced layer inside lax.scan
-            return carry, ragged_paged_attention(q, stacked, inputs, scale=0.125, layer=i)
+            out = ragged_paged_attention(q, stacked, inputs, scale=0.125, layer=i,
+                                         pages_per_block=PPB)  # fmt: skip
+            return carry, out
 
         return jax.lax.scan(body, 0, jnp.arange(3, dtype=jnp.int32))[1]
 
     outs = np.asarray(every_layer(stacked))
     for i in range(3):
-        sliced = np.asarray(ragged_paged_attention(q, stacked[i], inputs, scale=0.125))
+        sliced = ragged_paged_attention(q, stacked[i], inputs, scale=0.125, pages_per_block=PPB)
+        sliced = np.asarray(sliced)
         np.testing.assert_array_equal(outs[i], sliced)
         want = np.asarray(reference_attention(q, cache * (i + 1), inputs, scale=0.125))
         np.testing.assert_allclose(outs[i], want, atol=2e-5, rtol=2e-5)

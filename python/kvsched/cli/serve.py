@@ -267,7 +267,7 @@ def add_parsers(sub: Any) -> None:
     v.add_argument(
         "--backend", choices=["reference", "pallas", "jax"], default="reference",
         help="attention: reference (jnp), pallas (kvsched's kernel; on TPU JAX's unless "
-        "KVSCHED_TPU_ATTENTION=ours), jax (JAX's kernel on TPU, its jnp reference elsewhere); "
+        "KVSCHED_TPU_ATTENTION=kvsched), jax (JAX's kernel on TPU, its jnp reference elsewhere); "
         "default reference",
     )  # fmt: skip
     v.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")

@@ -19,8 +19,9 @@ tests/test_engine_imports.py checks the package has no import cycle):
   `mesh` (the tensor-parallel axis and partition specs), `kv_cache` (cache
   arrays; KV bytes via kvsched.shapes.kv_bytes), `sampling`, `detokenizer`,
   `kv_gate` (the int8 KV gate): no engine imports.
-- `kernels/`: `common`, then `reference`, `tpu` (Pallas, Mosaic), `gpu`
-  (Pallas, Triton) and `jax_rpa` (JAX's kernel).
+- `kernels/`: `tiling` (block sizes, no JAX), `common`, `layout` (cache
+  layouts), then `reference`, `tpu` (Pallas, Mosaic), `gpu` (Pallas, Triton),
+  `jax_rpa` (JAX's kernel) and `cost` (the kernel cost model).
 - `attention`: backend name -> kernel, nothing else.
 - `model` (the Llama forward passes), then `sharding` (weights and caches on
   the mesh) and `loaders/`.

@@ -8,45 +8,32 @@ of s's pages, with grouped-query attention (query head h reads KV head
 h // (Hq / Hkv)). Rows past the plan's tokens are padding: their output is 0.
 
 Backends: `reference` (pure jnp, static shapes; kernels/reference.py), `pallas`
-(kvsched's kernel for TPU, kernels/tpu.py; on an NVIDIA GPU it picks the Triton
-variant), `pallas_gpu` (the Triton variant, kernels/gpu.py) and `jax` (the
-ragged paged attention kernel JAX ships, on TPU; its jnp reference elsewhere;
-kernels/jax_rpa.py). The float64 numpy oracle for tests is
-kernels.reference.oracle_attention.
+(kvsched's kernel for TPU, kernels/tpu.py, run in Pallas' TPU interpreter off
+TPU; on an NVIDIA GPU it picks the Triton kernel), `pallas_gpu` (kvsched's
+Triton kernel, kernels/gpu.py) and `jax` (the ragged paged attention kernel
+JAX ships, on TPU; its jnp reference elsewhere; kernels/jax_rpa.py). The
+float64 numpy oracle for tests is kernels.reference.oracle_attention.
 
-Which kernel `pallas` runs on a TPU: kvsched's own or JAX's, chosen by the
+Which kernel `pallas` runs on a TPU, kvsched's or JAX's, is chosen by the
 environment variable KVSCHED_TPU_ATTENTION (`tpu_attention()`):
 
-    KVSCHED_TPU_ATTENTION   pallas on TPU runs               status
-    jax (default)           JAX's ragged_paged_attention     unmeasured
-                            (kvsched's when head_dim % 128)
-    ours                    kvsched's kernels/tpu2.py (v2)   unmeasured
-    ours1                   kvsched's kernels/tpu.py (v1)    unmeasured
+    KVSCHED_TPU_ATTENTION   pallas on TPU runs
+    jax (default)           JAX's ragged_paged_attention (kvsched's where
+                            head_dim % 128 != 0: JAX's cannot run there)
+    kvsched                 kvsched's kernels/tpu.py
+    ours                    deprecated, same as kvsched
 
-(kvsched's kernel where JAX's cannot run, head_dim % 128 != 0, is v2 unless
-the variable says ours1.)
-
-The default is JAX's because a design review (issue 15) predicts kvsched's
-kernel at 4-8% of HBM bandwidth on a v5e decode batch (one page per DMA, f32
-operands, 8-row query blocks), against a kernel that moves many pages per DMA
-and prefetches across sequences. Neither has run on a TPU yet: the choice is a
-prediction until benches/tpu_check.py measures both (it calls
-`paged_attention(..., backend="jax")` and `backend="pallas"` with
-KVSCHED_TPU_ATTENTION=ours); whoever measures sets the default from it.
-kvsched's version 2 (kernels/tpu2.py: several pages per DMA wait, two blocks
-in flight, causal bound, bf16 operands) is predicted by kernels/cost.py at
-94% / 88% of v5e / v6e HBM bandwidth on that decode batch, JAX's at 54% / 62%;
-v2 has been lowered for TPU but never compiled by Mosaic nor run on a TPU, so
-the default stays the kernel JAX ships until tpu_check measures both.
-Off TPU the variable changes nothing. It is read when a call is traced: a
-jitted function keeps the kernel it was traced with, so set it before the
-engine (or a benchmark's jit) first runs. `resolve_backend` names the kernel a
-backend runs on a platform. Keyword arguments go to the kernel that runs
-(`block_q` is kvsched's, `num_kv_pages_per_block` JAX's).
+Neither kernel has been measured on a TPU; docs/kernels.md has the cost
+model's predictions and how to measure (benches/tpu_check.py). Off TPU the
+variable changes nothing. It is read when a call is traced: a jitted function
+keeps the kernel it was traced with, so set it before the engine (or a
+benchmark's jit) first runs. `resolve_backend` names the kernel a backend runs
+on a platform. Keyword arguments go to the kernel that runs (`block_q` is
+kvsched's, `num_kv_pages_per_block` JAX's).
 
 Import order: this module sits above the kernels (kvsched.engine.kernels), the
 plan arrays (inputs) and the mesh axis (mesh), and below the model; it imports
-nothing that imports it. The two Pallas kernels are imported on first use: the
+nothing that imports it. The Pallas kernels are imported on first use: the
 Pallas TPU and Triton modules cost about 0.2 s to import, which a
 reference-only engine (and `import kvsched.engine`) never pays.
 """
@@ -78,21 +65,26 @@ __all__ = [
 
 BACKENDS = ("reference", "pallas", "pallas_gpu", "jax")
 TPU_ATTENTION_ENV = "KVSCHED_TPU_ATTENTION"
-TPU_ATTENTION_CHOICES = ("jax", "ours", "ours1")  # ours: kernels/tpu2.py; ours1: tpu.py
-TPU_ATTENTION_DEFAULT = "jax"  # a prediction, unmeasured: see the module docstring
+TPU_ATTENTION_CHOICES = ("jax", "kvsched")  # JAX's kernel, kvsched's kernels/tpu.py
+TPU_ATTENTION_ALIASES = {"ours": "kvsched"}  # deprecated, same as kvsched
+TPU_ATTENTION_DEFAULT = "jax"  # unmeasured: see docs/kernels.md
 JAX_KERNEL_HEAD_DIM = 128  # JAX's TPU kernel needs head_dim % 128 == 0
 
 
 def tpu_attention() -> str:
-    """Which kernel backend `pallas` runs on a TPU: "jax", "ours" (kvsched's
-    version 2) or "ours1" (kvsched's version 1), from
-    KVSCHED_TPU_ATTENTION (default "jax"). Any other value is
-    kvsched.InvalidConfig."""
+    """Which kernel backend `pallas` runs on a TPU, from KVSCHED_TPU_ATTENTION:
+    "jax" (the default: JAX's ragged_paged_attention) or "kvsched" (kvsched's
+    kernels/tpu.py). "ours" is deprecated, same as kvsched (returned as
+    "kvsched"). Any other value, "ours1" included (version 1 of kvsched's
+    kernel was removed), is kvsched.InvalidConfig."""
     value = os.environ.get(TPU_ATTENTION_ENV, TPU_ATTENTION_DEFAULT).strip().lower()
+    value = TPU_ATTENTION_ALIASES.get(value, value)
     if value not in TPU_ATTENTION_CHOICES:
+        removed = "version 1 of kvsched's TPU kernel was removed; " if value == "ours1" else ""
         raise kvsched.InvalidConfig(
-            f"{TPU_ATTENTION_ENV}={value!r}: must be one of {', '.join(TPU_ATTENTION_CHOICES)} "
-            f"(which kernel the pallas backend runs on a TPU)"
+            f"{TPU_ATTENTION_ENV}={value!r}: {removed}must be one of "
+            f"{', '.join(TPU_ATTENTION_CHOICES)} (which kernel the pallas backend runs on a "
+            f"TPU; 'ours' is a deprecated alias of 'kvsched')"
         )
     return value
 
@@ -163,12 +155,7 @@ def paged_attention(
     if kernel.startswith("jax_"):
         return _jax_attention(q, cache, inputs, scale=scale, mesh=mesh, layer=layer, **kw)
     if kernel == "pallas" and mesh is None and jax.default_backend() == "tpu":
-        if tpu_attention() == "ours1":
-            from kvsched.engine.kernels.tpu import ragged_paged_attention
-        else:  # version 2, also where JAX's kernel cannot run (head_dim % 128)
-            from kvsched.engine.kernels.tpu2 import (
-                ragged_paged_attention_v2 as ragged_paged_attention,
-            )
+        from kvsched.engine.kernels.tpu import ragged_paged_attention
 
         # On TPU the kernel reads the stacked cache at `layer`: no layer is copied
         # out. (The CPU interpreter copies a kernel's whole operands per call, so

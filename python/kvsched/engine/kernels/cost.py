@@ -1,15 +1,22 @@
 """A cost model for ragged paged attention kernels: what a kernel moves from HBM,
 how many DMAs it issues and waits on, what its matmuls cost, and the step time
-and share of HBM bandwidth that follow, per device. Before any hardware, it makes
-the performance claims about kernels/tpu.py, kernels/gpu.py and JAX's
-`ragged_paged_attention` falsifiable: tests fix the counts on hand-computed
-plans, check the TPU descriptions against the kernels' exported Mosaic programs
-(`mosaic_summary`) and today's TPU kernel's counts against the DMAs it runs in
+and share of HBM bandwidth that follow, per device. It makes the performance
+claims about kernels/tpu.py, kernels/gpu.py and JAX's `ragged_paged_attention`
+falsifiable without hardware: tests fix the counts on hand-computed plans,
+check the TPU descriptions against the kernels' exported Mosaic programs
+(`mosaic_summary`) and the TPU kernel's counts against the DMAs it runs in
 Pallas' interpreter; benches/tpu_check.py / gpu_check.py print the model's
 prediction beside the measured time. (The GPU kernel's Triton program is read
 back only where the jax CUDA plugin is installed: tests/test_engine_attention.py
-checks version 2's loop and dot shapes there; its query blocks are checked
-against the kernel's own program_table everywhere.)
+checks its loop and dot shapes there; its query blocks are checked against the
+kernel's own program_table everywhere.)
+
+Kernels described (`kernels_for`, `table`): kvsched's TPU and GPU kernels
+(`ours_tpu_v2`, `ours_gpu_v2`: the designs kernels/tpu.py and kernels/gpu.py
+implement), the version 1 designs they replaced (`ours_tpu_v1`,
+`ours_gpu_v1`: no longer in the code, kept for comparison), JAX's TPU kernel
+(`jax_tpu`) and a design not built (`target_tpu`). docs/kernels.md holds the
+prediction table and what has been measured.
 
 Counting (exact, from each kernel's own loops). A kernel is a `KernelDesc`: its
 query block rows, KV pages per block, prefetch depth and reach, whether a query
@@ -29,10 +36,11 @@ Timing (a model, with stated constants; see `DEVICES`):
   in flight while one is computed, a block of b bytes costs
   max((L + b / BW) / d, its matmul time); with d = 0 (each load waited before
   its use: num_stages=1 on GPU) L + b / BW_program + compute, serialised.
-- chains: a prefetch chain starts with an exposed fetch; today's TPU kernel
-  restarts its chain for every (query block, sequence) pair, JAX's kernel and
-  kernels/tpu2.py prefetch across sequences and grid steps (one chain per
-  call; tpu2's chain restarted per grid step before, `across_steps=False`).
+- chains: a prefetch chain starts with an exposed fetch; version 1 of the TPU
+  kernel restarts its chain for every (query block, sequence) pair, JAX's
+  kernel and kernels/tpu.py prefetch across sequences and grid steps (one
+  chain per call; `across_steps=False` describes a chain restarted at every
+  grid step, to show what the cross-step prefetch saves).
 - scalar: the scalar unit starts and waits on every DMA (`dma_issue_s` each)
   and runs the loops over sequences (`scalar_iter_s` per iteration); it works
   while the DMA engines and the MXU do, so it is a bound of its own.
@@ -47,13 +55,15 @@ What is not modelled: VPU/EUP work (the softmax's exp, masks, f32 relayouts),
 register spills, VMEM capacity, HBM bank conflicts; they can only make a kernel
 slower than predicted. On GPU the model runs one program per SM at a time;
 when programs outnumber SMs, several resident per SM would hide more latency
-than it credits (issue 15's decode has 128 programs for 132 SMs). The
+than it credits (the GPU kernel's 32k-token decode has 128 programs for 132
+SMs). The
 latency constants are the largest unknowns: the first device run
 (benches/tpu_check.py, gpu_check.py) calibrates them.
 
-Imports numpy and kvsched.shapes at import (no JAX); `mosaic_summary` imports
-jaxlib's MLIR bindings on use, `jax_rpa_block_sizes` reads JAX's tuned table
-when jax is installed.
+Imports numpy, kvsched.shapes and kernels.tiling at import (no JAX; the
+kernels' block sizes come from tiling, as the kernels' own defaults do);
+`mosaic_summary` imports jaxlib's MLIR bindings on use, `jax_rpa_block_sizes`
+reads JAX's tuned table when jax is installed.
 """
 
 from __future__ import annotations
@@ -67,6 +77,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from kvsched.engine.kernels import tiling
 from kvsched.shapes import ACCELERATORS
 
 # -- devices -------------------------------------------------------------------
@@ -95,7 +106,7 @@ class Device:
 
 
 # Constants and their sources. hbm_bytes_per_s and bf16_flops:
-# kvsched.capacity.ACCELERATORS (vendor datasheets). mxu_width: JAX's
+# kvsched.shapes.ACCELERATORS (vendor datasheets). mxu_width: JAX's
 # jax._src.pallas.mosaic.tpu_info (0.10.2): 128 on v5e, 256 on v6e; sublanes 8.
 # H200 FP32 67 TFLOP/s and 132 SMs: NVIDIA's H200 SXM datasheet. The latencies
 # and issue costs are ASSUMPTIONS, chosen as orders of magnitude and not yet
@@ -144,7 +155,7 @@ class Shapes:
 
     @property
     def page_bytes(self) -> int:
-        """One page of every KV head, K and V: what today's TPU kernel DMAs."""
+        """One page of every KV head, K and V: what one page DMA of the TPU kernel moves."""
         return self.page_size * 2 * self.kv_heads * self.head_dim * self.kv_bytes
 
 
@@ -197,7 +208,7 @@ class Plan:
 @dataclass(frozen=True)
 class KernelDesc:
     """A kernel's structure as the cost model reads it (see the module doc).
-    A rebuilt kernel plugs in by describing its own loops."""
+    A new kernel plugs in by describing its own loops."""
 
     name: str
     platform: Literal["tpu", "gpu"]
@@ -220,8 +231,7 @@ class KernelDesc:
     # over kv_splits programs, whose partial results a reduce step combines.
     kv_splits: int = 1
     # The prefetch chain crosses sequences within a grid step but restarts at
-    # each grid step that reads KV (kernels/tpu2.py before it prefetched across
-    # grid steps): one chain per such step.
+    # each grid step that reads KV: one chain per such step.
     chain_per_step: bool = False
 
     @property
@@ -229,77 +239,52 @@ class KernelDesc:
         return self.pv_operands or self.operands
 
 
-def ours_tpu(block_q: int = 8) -> KernelDesc:
-    """kernels/tpu.py today: grid over query blocks of `block_q` rows (8 by
-    default); each block loops over every sequence (`fori_loop(0, num_seqs)`
-    with a `cond`), and over the pages of those it meets, one page per DMA
-    (all heads, [bs, 2*Hkv, D]) and one wait per page; the next page of the
-    same sequence is in flight while one is computed (double buffering), the
-    first page of each (block, sequence) is fetched and waited cold. q and K/V
-    are upcast to f32 before both matmuls; M = block_q x group rows per KV head,
-    all of them computed for every sequence the block meets (masked)."""
+def ours_tpu_v1(block_q: int = 8) -> KernelDesc:
+    """Version 1 of kvsched's TPU kernel (removed from the code; described here
+    for comparison): grid over query blocks of `block_q` rows (8 by default);
+    each block loops over every sequence (`fori_loop(0, num_seqs)` with a
+    `cond`), and over the pages of those it meets, one page per DMA (all heads,
+    [bs, 2*Hkv, D]) and one wait per page; the next page of the same sequence
+    is in flight while one is computed (double buffering), the first page of
+    each (block, sequence) is fetched and waited cold. q and K/V are upcast to
+    f32 before both matmuls; M = block_q x group rows per KV head, all of them
+    computed for every sequence the block meets (masked)."""
     return KernelDesc(
-        f"kvsched pallas (TPU), block_q={block_q}", "tpu", block_q=block_q, pages_per_block=1,
+        f"kvsched TPU v1 (removed), block_q={block_q}", "tpu", block_q=block_q, pages_per_block=1,
         prefetch_depth=1, prefetch_across=False, causal_bound=False, fixed_blocks=False,
         scan_all_seqs=True, rows="block", operands="f32", wait_per_page=True,
     )  # fmt: skip
 
 
-def ours_gpu(block_q: int = 16) -> KernelDesc:
-    """kernels/gpu.py today: grid (query blocks of 16 rows, KV heads); each
-    program loops over every sequence and the pages of those its block meets,
+def ours_gpu_v1(block_q: int = 16) -> KernelDesc:
+    """Version 1 of kvsched's GPU kernel (removed from the code; described here
+    for comparison): grid (query blocks of 16 rows, KV heads); each program
+    loops over every sequence and the pages of those its block meets,
     loading one head's K and V of one page (two tile loads) per iteration;
     num_stages=1, so each load is waited before its dots (no prefetch); dots
     per query head ([block_q, D] x [D, bs]) in f32 at HIGHEST precision: CUDA
     cores, not tensor cores."""
     return KernelDesc(
-        f"kvsched pallas_gpu (Triton), block_q={block_q}", "gpu", block_q=block_q,
+        f"kvsched GPU v1 (removed), block_q={block_q}", "gpu", block_q=block_q,
         pages_per_block=1, prefetch_depth=0, prefetch_across=False, causal_bound=False,
         fixed_blocks=False, scan_all_seqs=True, rows="block", operands="f32",
         wait_per_page=True, kv_heads_per_program=1,
     )  # fmt: skip
 
 
-def gpu_v2_block_q(tokens: int, seqs: int, group: int) -> int:
-    """The query rows per block kernels/gpu.py version 2 picks from a plan's
-    shape (its `default_block_q`): M = block_q x group is 16 (one tensor-core
-    tile) for decode-heavy buckets (tokens <= 2 x sequences), 64 otherwise."""
-    m = 16 if tokens <= 2 * seqs else 64
-    return max(1, m // group)
-
-
-def gpu_v2_kv_splits(tokens: int, seqs: int, kv_heads: int, pages_per_seq: int,
-                     units: int = 132) -> int:  # fmt: skip
-    """KV splits kernels/gpu.py version 2 picks from a plan's shape (its
-    `default_kv_splits`): a decode-heavy bucket (tokens <= 2 x sequence slots)
-    whose seqs x kv_heads programs leave SMs idle gets ceil(units / programs)
-    splits (at most 16, at most the pages of a sequence); otherwise 1. The
-    slots, not the live sequences, decide: the choice is static per shape."""
-    programs = seqs * kv_heads
-    if tokens > 2 * seqs or programs >= units:
-        return 1
-    return max(1, min(16, pages_per_seq, -(-units // programs)))
-
-
-def gpu_v2_tile_pages(block_size: int, pages_per_seq: int) -> int:
-    """Pages per KV tile kernels/gpu.py version 2 picks: 64 keys per tile, at
-    least one page, at most a sequence's pages."""
-    return max(1, min(pages_per_seq, 64 // block_size))
-
-
 def ours_gpu_v2(block_q: int = 4, num_stages: int = 3, kv_splits: int = 1,
                 tile_pages: int = 4) -> KernelDesc:  # fmt: skip
-    """kernels/gpu.py version 2 (issue 15 section 3): grid (query blocks of
+    """kernels/gpu.py (version 2 of kvsched's GPU kernel): grid (query blocks of
     one sequence, KV heads), ceil(tokens / block_q) + S programs; each program
     reads only its sequence's pages up to its last row's causal bound, in KV
     tiles of `tile_pages` pages of one head (one gather load of K and one of V
     per tile; the last tile reads whole, its pages past the bound masked);
     num_stages=3: Triton's loop pipeliner keeps the next tiles' loads in flight
-    while one is computed (depth num_stages - 1; assumed, not yet seen on a
-    device). One QK and one PV dot per tile with M = block_q x group rows
-    (block_q=4: M 16 at group 4, the decode default), bf16 operands on tensor
-    cores, f32 accumulation. `kv_splits` > 1: split-KV, each program's tiles
-    shared over that many programs, f32 partials reduced after the kernel."""
+    while one is computed (depth num_stages - 1; assumed). One QK and one PV
+    dot per tile with M = block_q x group rows (block_q=4: M 16 at group 4, the
+    decode default), bf16 operands on tensor cores, f32 accumulation.
+    `kv_splits` > 1: split-KV, each program's tiles shared over that many
+    programs, f32 partials reduced after the kernel."""
     split = f", {kv_splits} KV splits" if kv_splits > 1 else ""
     return KernelDesc(
         f"kvsched pallas_gpu v2 (Triton), block_q={block_q}, {tile_pages}-page tiles{split}",
@@ -336,8 +321,9 @@ def jax_rpa_block_sizes(
     shapes up in its table for the chip and otherwise takes (128, 32), clipped to
     (pages_per_seq, tokens). The table is read from the installed jax when it is
     there (else the default applies). For Llama-3-8B heads with pages of 16 the
-    tables hold max_model_len 64 to 256 only, and 512+ tokens: issue 15's decode
-    (256 tokens, 2048) and prefill (512 tokens at 2048) cases take the default."""
+    tables hold max_model_len 64 to 256 only, and 512+ tokens: the decode (256
+    tokens, 2048) and prefill (512 tokens at 2048) cases of docs/kernels.md
+    take the default."""
     bkv, bq = 128, 32
     tuned: Any
     try:
@@ -382,8 +368,8 @@ def jax_tpu(
 
 def ours_tpu_v2(block_q: int = 2, pages_per_block: int = 32, depth: int = 2,
                 across_steps: bool = True) -> KernelDesc:  # fmt: skip
-    """kernels/tpu2.py (version 2, issue 15 section 2, first subset): grid over
-    query blocks of `block_q` rows (its default_block_q: block_q x group = 8 for
+    """kernels/tpu.py (version 2 of kvsched's TPU kernel): grid over query
+    blocks of `block_q` rows (tiling.tpu_block_q: block_q x group = 8 for
     decode-heavy buckets, 128 tokens otherwise); each block finds the sequences
     that meet it by binary search (no scan of every sequence) and reads each one's
     pages only up to its last row's causal bound, in blocks of `pages_per_block`
@@ -393,9 +379,9 @@ def ours_tpu_v2(block_q: int = 2, pages_per_block: int = 32, depth: int = 2,
     order; a step's first blocks are started by the step before), one chain per
     call: only grid step 0 starts cold. QK and PV with the cache's dtype as
     operands (bf16) and f32 accumulation; M = block_q x group rows per KV head,
-    masked per sequence. `across_steps=False` describes the kernel before it
-    prefetched across grid steps (the chain restarting, one exposed fetch, at
-    each grid step that reads KV): the "before" of the README's figures."""
+    masked per sequence. `across_steps=False` describes the same kernel with its
+    chain restarted (one exposed fetch) at each grid step that reads KV: what
+    prefetching across grid steps saves."""
     after = "" if across_steps else ", chain per grid step"
     return KernelDesc(
         f"kvsched pallas v2 (TPU), {pages_per_block} pages x {block_q} queries{after}", "tpu",
@@ -406,27 +392,13 @@ def ours_tpu_v2(block_q: int = 2, pages_per_block: int = 32, depth: int = 2,
     )  # fmt: skip
 
 
-def tpu_v2_block_q(tokens: int, seqs: int, group: int) -> int:
-    """The query rows per block kernels/tpu2.py picks from a bucket's shape (its
-    `default_block_q`, repeated here so the model needs no JAX)."""
-    if tokens <= 2 * seqs:
-        return 8 // group if 8 % group == 0 else 8
-    return min(128, -(-tokens // 8) * 8)
-
-
-def tpu_v2_pages_per_block(page_size: int, pages_per_seq: int, decode: bool = False) -> int:
-    """kernels/tpu2.py's default_pages_per_block: 512 tokens' worth of pages on
-    the decode path, 256 otherwise."""
-    return max(1, min(pages_per_seq, (512 if decode else 256) // page_size))
-
-
 def target_tpu(pages_per_block: int = 32, block_q: int = 128, depth: int = 2) -> KernelDesc:
-    """The section-2 design (issue 15), NOT built: several pages per block and
+    """A design NOT built: several pages per block and
     one wait per block, the next `depth` blocks in flight across sequences
     (2 MiB blocks at the Llama-3-8B shapes and pages of 16), M = each
     sequence's own rows x group (the decode path: the GQA group), a causal KV
     bound per query block, bf16 operands. Here to show what the model predicts
-    for it; a rebuilt kernel should describe itself the same way."""
+    for it; a new kernel should describe itself the same way."""
     return KernelDesc(
         f"target design (not built), {pages_per_block} pages x {block_q} queries", "tpu",
         block_q=block_q, pages_per_block=pages_per_block, prefetch_depth=depth,
@@ -650,21 +622,24 @@ def predict(plan: Plan, shapes: Shapes, kernel: KernelDesc, device: str | Device
 
 
 def kernels_for(plan: Plan, shapes: Shapes, device: str) -> list[KernelDesc]:
-    """Today's kernels for a device, JAX's (TPU) with the block sizes it picks
-    there, and the target design (TPU): what the table in the README compares."""
+    """The kernels the table compares on a device: kvsched's version 1 and the
+    kernel the code runs (version 2, at the block sizes kernels.tiling picks),
+    JAX's (TPU) with the block sizes it picks there, and the target design
+    (TPU)."""
     if DEVICES[device].platform == "gpu":
-        bq = gpu_v2_block_q(plan.padded_tokens, len(plan.q_lens), shapes.group)
+        bq = tiling.gpu_block_q(plan.padded_tokens, len(plan.q_lens), shapes.group)
         pps = max(-(-kv // shapes.page_size) for kv in plan.kv_lens)
-        splits = gpu_v2_kv_splits(plan.padded_tokens, len(plan.q_lens), shapes.kv_heads, pps,
-                                  DEVICES[device].units)  # fmt: skip
-        tiles = gpu_v2_tile_pages(shapes.page_size, pps)
-        return [ours_gpu(), ours_gpu_v2(bq, kv_splits=splits, tile_pages=tiles)]
+        splits = tiling.gpu_kv_splits(plan.padded_tokens, len(plan.q_lens), shapes.kv_heads,
+                                      pps, DEVICES[device].units)  # fmt: skip
+        tiles = tiling.gpu_tile_pages(shapes.page_size, pps)
+        return [ours_gpu_v1(), ours_gpu_v2(bq, kv_splits=splits, tile_pages=tiles)]
     pps = max(-(-kv // shapes.page_size) for kv in plan.kv_lens)
     bkv, bq = jax_rpa_block_sizes(shapes, plan.padded_tokens, pps, device)
     kvh = jax_rpa_kv_heads_per_block(shapes)
-    bq2 = tpu_v2_block_q(plan.padded_tokens, len(plan.q_lens), shapes.group)
-    v2 = ours_tpu_v2(bq2, tpu_v2_pages_per_block(shapes.page_size, pps, bq2 * shapes.group <= 8))
-    return [ours_tpu(), v2, jax_tpu(bkv, bq, None if kvh == shapes.kv_heads else kvh),
+    bq2 = tiling.tpu_block_q(plan.padded_tokens, len(plan.q_lens), shapes.group)
+    decode = tiling.tpu_decode_path(bq2, shapes.group)
+    v2 = ours_tpu_v2(bq2, tiling.tpu_pages_per_block(shapes.page_size, pps, decode))
+    return [ours_tpu_v1(), v2, jax_tpu(bkv, bq, None if kvh == shapes.kv_heads else kvh),
             target_tpu()]  # fmt: skip
 
 
@@ -807,8 +782,6 @@ def _summarise(text: str) -> MosaicSummary:
 __all__ = [
     "DEVICES", "LLAMA3_8B", "Counts", "Device", "KernelDesc", "MosaicSummary", "Plan",
     "Prediction", "Shapes", "count", "format_table", "jax_rpa_block_sizes",
-    "jax_rpa_kv_heads_per_block", "jax_tpu", "kernels_for", "mosaic_summary", "ours_gpu",
-    "ours_gpu_v2", "gpu_v2_block_q", "gpu_v2_kv_splits", "gpu_v2_tile_pages",
-    "ours_tpu", "ours_tpu_v2", "predict", "table", "target_tpu", "tpu_v2_block_q",
-    "tpu_v2_pages_per_block",
+    "jax_rpa_kv_heads_per_block", "jax_tpu", "kernels_for", "mosaic_summary", "ours_gpu_v1",
+    "ours_gpu_v2", "ours_tpu_v1", "ours_tpu_v2", "predict", "table", "target_tpu",
 ]  # fmt: skip

@@ -1,20 +1,19 @@
-"""The GPU (Triton) variant of kvsched's ragged paged attention kernel.
+"""kvsched's ragged paged attention kernel for NVIDIA GPUs (Pallas, Triton).
 
 Written for Pallas' Triton backend: no scalar prefetch or DMA there, so the
 plan arrays and the cache are plain refs in global memory, read with dynamic
-indices (one head's K and V at a time). On CPU it runs in Pallas' generic
-interpreter.
+indices. On CPU it runs in Pallas' generic interpreter.
 
-Version 2 (the default, `_call`): one program per (query block, KV head),
-where a query block is up to `block_q` rows of ONE sequence (a decode row is a
-block of its own; `program_table` splits the plan on the device before the
-kernel, into tokens / block_q + S programs: a static grid per plan shape). The
-block's rows and the GQA group's query heads form one [block_q * group, D]
-operand (gathered so before the kernel). The program reads its own sequence's
-pages only, up to the causal bound of its last row, in KV tiles of
-`tile_pages` pages (64 keys by default, `default_tile_pages`): K and V are one
-gather load each, and each tile costs one QK and one PV dot for the whole
-group. bf16 / fp16 caches: dot operands in that type (tensor cores), f32
+One program per (query block, KV head), where a query block is up to
+`block_q` rows of ONE sequence (a decode row is a block of its own;
+`program_table` splits the plan on the device before the kernel, into
+tokens / block_q + S programs: a static grid per plan shape). The block's rows
+and the GQA group's query heads form one [block_q * group, D] operand
+(gathered so before the kernel). The program reads its own sequence's pages
+only, up to the causal bound of its last row, in KV tiles of `tile_pages`
+pages (64 keys by default, `tiling.gpu_tile_pages`): K and V are one gather
+load each, and each tile costs one QK and one PV dot for the whole group.
+bf16 / fp16 caches: dot operands in that type (tensor cores), f32
 accumulation and softmax; f32 caches: f32 operands at HIGHEST (IEEE)
 precision. num_stages=3 lets Triton prefetch the next tiles in the loop.
 Split-KV (flash-decoding, `kv_splits` > 1, chosen from the plan's shape by
@@ -23,14 +22,9 @@ grid (query blocks, KV heads, splits), each split reads its share of the
 tiles and writes an f32 partial (accumulator, max, denominator); a reduce in
 XLA after the kernel combines them.
 
-Version 1 (`_call_v1`, `version=1`): the kernel before issue 15's rebuild,
-kept for comparison on a device: query blocks over the padded rows that may
-straddle sequences, every program scanning every sequence, one f32 HIGHEST dot
-pair per query head, num_stages=1.
-
-Triton tiles need powers of two: block_size and head_dim (version 2 pads its
-M = block_q * group rows to a power of two >= 16 itself; version 1 needs
-block_q * group to be one).
+Triton tiles need powers of two: block_size and head_dim (the kernel pads its
+M = block_q * group rows to a power of two >= 16 itself). The cache is the
+split layout [P, bs, 2*Hkv, D] (kernels/layout.py).
 """
 
 from __future__ import annotations
@@ -44,130 +38,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kvsched.engine.inputs import AttentionInputs
-from kvsched.engine.kernels.common import MASK, run_padded
-from kvsched.engine.kernels.cost import gpu_v2_block_q, gpu_v2_kv_splits, gpu_v2_tile_pages
+from kvsched.engine.kernels.common import MASK
 from kvsched.engine.kernels.reference import token_seq
+from kvsched.engine.kernels.tiling import H200_SMS, gpu_block_q, gpu_kv_splits, gpu_tile_pages
 
 HIGHEST = lax.Precision.HIGHEST
-
-
-# A kernel's refs are typed jax.Ref (Pallas hands the kernel references, read and
-# written by indexing); the online softmax carries (max, denominator, accumulator)
-# per query head of the group.
-_Carry = tuple[tuple[jax.Array, jax.Array, jax.Array], ...]
-
-
-def _kernel_v1(kv_lens_ref: jax.Ref, pages_ref: jax.Ref, cu_ref: jax.Ref, nseq_ref: jax.Ref,
-            q_ref: jax.Ref, cache_ref: jax.Ref, o_ref: jax.Ref, *,
-            block_q: int, group: int, pages_per_seq: int, scale: float) -> None:  # fmt: skip
-    # One program per (query block, KV head): a decode-heavy step still has
-    # Hkv times more programs than query blocks to spread over the GPU.
-    # Triton lowers no value slicing, stacking or reshapes: every query head is
-    # loaded and stored through its own ref index, the carry is a tuple per head.
-    bs, d = cache_ref.shape[1], cache_ref.shape[3]
-    kh = pl.program_id(1)
-    row0 = pl.program_id(0) * block_q
-    token = row0 + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
-    qs = [q_ref[:, g, :].astype(jnp.float32) * scale for g in range(group)]
-    carry0 = tuple(
-        (
-            jnp.full((block_q, 1), MASK, jnp.float32),
-            jnp.zeros((block_q, 1), jnp.float32),
-            jnp.zeros((block_q, d), jnp.float32),
-        )
-        for _ in range(group)
-    )
-
-    def seq_body(j: jax.Array, carry: _Carry) -> _Carry:
-        q_lo, q_hi, kv_len = cu_ref[j], cu_ref[j + 1], kv_lens_ref[j]
-        meets = jnp.logical_and(q_lo < row0 + block_q, q_hi > row0)
-        in_seq = jnp.logical_and(token >= q_lo, token < q_hi)
-        pos = kv_len - (q_hi - token)
-        # A sequence that misses the block runs no page (a cond-free skip).
-        n_pages = jnp.where(meets, lax.div(kv_len + bs - 1, bs), 0)
-
-        def page_body(p: jax.Array, carry: _Carry) -> _Carry:
-            page = pages_ref[j * pages_per_seq + p]
-            key = p * bs + lax.broadcasted_iota(jnp.int32, (1, bs), 1)
-            ok = in_seq & (key <= pos) & (key < kv_len)
-            live = jnp.transpose(key < kv_len)  # [bs, 1]: stale slots past kv_len
-            k = cache_ref[page, :, 2 * kh, :].astype(jnp.float32)
-            v = jnp.where(live, cache_ref[page, :, 2 * kh + 1, :].astype(jnp.float32), 0.0)
-            new = []
-            for g in range(group):
-                m, denom, acc = carry[g]
-                # HIGHEST: f32 dots would otherwise run as TF32 (~1e-3).
-                s = jnp.where(ok, pltriton.dot(qs[g], k, trans_b=True, precision=HIGHEST), MASK)
-                m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
-                alpha = jnp.exp(m - m_new)
-                w = jnp.where(ok, jnp.exp(s - m_new), 0.0)
-                new.append(
-                    (
-                        m_new,
-                        alpha * denom + jnp.sum(w, axis=1, keepdims=True),
-                        alpha * acc + pltriton.dot(w, v, precision=HIGHEST),
-                    )
-                )
-            return tuple(new)
-
-        carry_out: _Carry = lax.fori_loop(0, n_pages, page_body, carry)
-        return carry_out
-
-    final = lax.fori_loop(0, nseq_ref[0], seq_body, carry0)
-    for g in range(group):
-        _, denom, acc = final[g]
-        # Rows that attend to nothing (padding) are 0; a NaN denominator (NaN
-        # weights or activations) stays NaN, so the engine sees it, not a 0.
-        out = jnp.where(denom == 0, 0.0, acc / jnp.where(denom == 0, 1.0, denom))
-        o_ref[:, g, :] = out.astype(o_ref.dtype)
-
-
-@functools.partial(jax.jit, static_argnames=("scale", "block_q", "interpret"))
-def _call_v1(
-    q: jax.Array,
-    cache: jax.Array,
-    kv_lens: jax.Array,
-    page_indices: jax.Array,
-    cu_q_lens: jax.Array,
-    num_seqs: jax.Array,
-    *,
-    scale: float,
-    block_q: int,
-    interpret: bool,
-) -> jax.Array:
-    t, hq, d = q.shape
-    hkv = cache.shape[2] // 2
-    group = hq // hkv
-    s, pps = page_indices.shape
-    kernel = functools.partial(_kernel_v1, block_q=block_q, group=group, pages_per_seq=pps,
-                               scale=scale)  # fmt: skip
-
-    def full(shape: tuple[int, ...]) -> pl.BlockSpec:
-        return pl.BlockSpec(shape, lambda b, h: (0,) * len(shape))
-
-    heads = pl.BlockSpec((block_q, group, d), lambda b, h: (b, h, 0))
-    out: jax.Array = pl.pallas_call(
-        kernel,
-        grid=(t // block_q, hkv),
-        in_specs=[
-            full((s,)),
-            full((s * pps,)),
-            full((s + 1,)),
-            full((1,)),
-            heads,
-            full(cache.shape),
-        ],  # fmt: skip
-        out_specs=heads,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        interpret=interpret,
-        # Triton explicitly: this JAX defaults GPU kernels to Mosaic GPU.
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
-        name="kvsched_ragged_paged_attention_gpu",
-    )(kv_lens, page_indices.reshape(s * pps), cu_q_lens, num_seqs, q, cache)
-    return out
-
-
-# -- v2: sequence-aligned query blocks, the GQA group as M, tensor-core dots --
 
 
 def dot_dtype(cache_dtype: jnp.dtype) -> jnp.dtype:
@@ -320,7 +195,7 @@ def _call(
         qb = jnp.pad(qb, ((0, 0), (0, 0), (0, bm - block_q * group), (0, 0)))
     kernel = functools.partial(_kernel, group=group, pages_per_seq=pps, scale=scale,
                                dtype=dot_dtype(cache.dtype), splits=kv_splits,
-                               tile_pages=tile_pages or default_tile_pages(cache.shape[1], pps)
+                               tile_pages=tile_pages or gpu_tile_pages(cache.shape[1], pps)
                                )  # fmt: skip
 
     def full(shape: tuple[int, ...]) -> pl.BlockSpec:
@@ -375,32 +250,13 @@ def _call(
     return jnp.where(valid[:, None, None], out.reshape(t, hq, d), 0).astype(q.dtype)
 
 
-def default_tile_pages(block_size: int, pages_per_seq: int) -> int:
-    """Pages per KV tile: 64 keys a tile (4 pages of 16, 2 of 32), at most a
-    sequence's pages. Fewer, longer loop iterations: each waits on its loads
-    once (kernels.cost.gpu_v2_tile_pages)."""
-    return gpu_v2_tile_pages(block_size, pages_per_seq)
-
-
-def default_block_q(tokens: int, seqs: int, group: int) -> int:
-    """Query rows per block, from the plan's shape (static): M = block_q * group
-    is 16 (one tensor-core tile) for decode-heavy buckets (tokens <= 2 x
-    sequence slots: most blocks hold one row), 64 otherwise (a prefill chunk
-    re-reads its KV once per block: bigger blocks, fewer re-reads). The rule
-    lives in the cost model (kernels.cost.gpu_v2_block_q), which describes
-    this kernel at the block size it runs with."""
-    return gpu_v2_block_q(tokens, seqs, group)
-
-
 def default_kv_splits(tokens: int, seqs: int, kv_heads: int, pages_per_seq: int) -> int:
-    """Split-KV from the plan's shape (static): decode-heavy buckets with fewer
-    (sequence slots x KV heads) programs than the GPU has SMs share each
-    sequence's pages over several programs (kernels.cost.gpu_v2_kv_splits; the
-    SM count is the device's where jax reports it, else an H200's 132)."""
-    units = 132
+    """Split-KV from the plan's shape (static): `tiling.gpu_kv_splits` with the
+    device's SM count where jax reports it, else an H200's 132."""
+    units = H200_SMS
     if jax.default_backend() == "gpu":
         units = int(getattr(jax.devices()[0], "core_count", units) or units)
-    return gpu_v2_kv_splits(tokens, seqs, kv_heads, pages_per_seq, units)
+    return gpu_kv_splits(tokens, seqs, kv_heads, pages_per_seq, units)
 
 
 def ragged_paged_attention_gpu(
@@ -411,28 +267,22 @@ def ragged_paged_attention_gpu(
     scale: float,
     block_q: int | None = None,
     interpret: bool | None = None,
-    version: int = 2,
     kv_splits: int | None = None,
     kv_tile_pages: int | None = None,
 ) -> jax.Array:
-    """As kernels.tpu.ragged_paged_attention, for NVIDIA GPUs (Triton).
-    version 2 (default): query blocks of one sequence each, the GQA group as
-    the dot's M, bf16/fp16 caches on tensor cores; `block_q` defaults to
-    `default_block_q`, `kv_splits` (split-KV) to `default_kv_splits`,
-    `kv_tile_pages` (pages per KV tile) to `default_tile_pages`.
-    version 1: the previous kernel (block_q default 16, no split-KV)."""
+    """As kernels.tpu.ragged_paged_attention, for NVIDIA GPUs (Triton): q
+    [T, Hq, D], cache [P, bs, 2*Hkv, D] -> [T, Hq, D], padding rows 0.
+    `block_q` defaults to `tiling.gpu_block_q`, `kv_splits` (split-KV) to
+    `default_kv_splits`, `kv_tile_pages` (pages per KV tile) to
+    `tiling.gpu_tile_pages`; values below 1 are a ValueError naming the knob.
+    `interpret` defaults to True off GPU (Pallas' interpreter)."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    if version == 1:
-        return run_padded(_call_v1, q, cache, inputs, scale=scale, block_q=block_q or 16,
-                          interpret=interpret)  # fmt: skip
-    if version != 2:
-        raise ValueError(f"GPU kernel version {version} (1 or 2)")
     hkv = cache.shape[-2] // 2
     if q.shape[1] % hkv:
         raise ValueError(f"{q.shape[1]} query heads do not group over {hkv} KV heads")
     if block_q is None:
-        block_q = default_block_q(q.shape[0], inputs.kv_lens.shape[0], q.shape[1] // hkv)
+        block_q = gpu_block_q(q.shape[0], inputs.kv_lens.shape[0], q.shape[1] // hkv)
     if kv_splits is None:
         s, pps = inputs.page_indices.shape
         kv_splits = default_kv_splits(q.shape[0], s, hkv, pps)

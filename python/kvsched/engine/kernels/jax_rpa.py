@@ -83,6 +83,7 @@ from jax import lax
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as _jax_rpa
 
 from kvsched.engine.inputs import AttentionInputs
+from kvsched.engine.kernels.layout import cache_mode
 
 # JAX's functions are unannotated (mypy --strict would flag each call): typed here.
 jax_kernel: Callable[..., jax.Array] = _jax_rpa.ragged_paged_attention
@@ -102,13 +103,9 @@ def kernel_layout(
         raise ValueError(
             f"cache of rank {cache.ndim}: expected [P, bs, X, W], or [L, P, bs, X, W] with layer"
         )
-    *lead, bs, x, w = cache.shape
-    if w == 2 * head_dim:  # packed [K_h | V_h] rows
-        x, w = 2 * x, head_dim
-    elif w != head_dim or x % 2:
-        raise ValueError(
-            f"cache rows [{x}, {w}] fit neither [2*Hkv, {head_dim}] nor [Hkv, {2 * head_dim}]"
-        )
+    *lead, bs, _, _ = cache.shape
+    _, hkv = cache_mode(head_dim, cache.shape)  # split, or packed [K_h | V_h] rows
+    x, w = 2 * hkv, head_dim
     if layer is None:
         return cache.reshape(lead[0], bs, x, w), 0
     n_layers, pages = lead

@@ -1,19 +1,16 @@
-"""kvsched's ragged paged attention kernel (Pallas, TPU / Mosaic).
+"""kvsched's ragged paged attention kernel for TPU (Pallas, Mosaic).
 
 One call serves a whole step plan: decode sequences (one query token each) and
 prefill chunks (many), ragged in the token dimension, reading K/V from the paged
-cache. The grid walks the padded token dimension in blocks of `block_q` rows;
-for each block the kernel visits every sequence whose rows meet the block and,
-page by page (a DMA of one page from HBM into VMEM), folds the page into an
-online softmax per (row, head). Rows of other sequences are masked, so a block
-that straddles sequences is still exact; padding rows come out 0.
+cache. The grid walks the padded token dimension in query blocks of `block_q`
+rows; for each query block the kernel visits the sequences whose rows meet it
+and folds their KV, a block of pages at a time, into an online softmax per
+(row, head). Rows of other sequences are masked, so a block that straddles
+sequences is still exact; padding rows come out 0. On CPU it runs in Pallas'
+TPU interpret mode.
 
 Written for Mosaic: scalar-prefetched plan arrays in SMEM, the cache left in HBM
-(`memory_space=ANY`) and copied a page at a time, 2-D matmuls per KV head, one
-K/V row per head loaded from the page buffer by plain ref indexing (the
-interpreter allows nothing fancier). Pages are double-buffered: the DMA of a
-sequence's next page runs while the current one is folded in. On CPU it runs in
-Pallas' TPU interpret mode.
+(`memory_space=ANY`) and copied into VMEM by DMA, 2-D matmuls per KV head.
 
 Query layout. q [T, Hq, D] is regrouped outside the kernel (an XLA transpose of
 q, which is small) to [Hkv, T * group, D]: row r * group + g of KV head h is
@@ -22,38 +19,59 @@ GQA group is the matmul's M dimension, and each KV head reads and writes whole
 [rows, D] tiles: no reshape or sublane-offset slice inside the kernel. The
 output comes back in the same layout and is regrouped to [T, Hq, D].
 
-Head dims that are not a multiple of the 128-lane width (SmolLM2-135M: 64).
-TPU tiles the minor dimension of every array by 128 lanes, in HBM as in VMEM.
-Padding q with zeros along D leaves q.k unchanged if K is zero-padded too, and
-zero-padded V only adds zero output columns to slice off; but padding the cache
-per call would copy the whole cache every step, and a cache stored as
-[P, bs, 2*Hkv, 64] is already half lane padding in HBM (half the pages the
-memory holds, and every page DMA moves the padding). So the kernel reads two
-cache layouts, told apart by the cache's last dimension, and never copies the
-cache:
+Cache layouts: "split" [P, bs, 2*Hkv, D] and "packed" [P, bs, Hkv, 2*D], told
+apart by the last dimension (kernels/layout.py; on a TPU, head dims that are
+not a multiple of 128 need the packed one). The cache is never copied.
 
-- "split", [P, bs, 2*Hkv, D] (the step-plan layout: K of head h at 2h, V at
-  2h + 1): K and V are separate rows of D lanes. Lane-dense when D % 128 == 0,
-  the only case accepted on a TPU.
-- "packed", [P, bs, Hkv, 2*D]: the same bytes in row-major order (K_h, V_h
-  adjacent), viewed as one row [K_h | V_h] per head, so for D = 64 a page row
-  is exactly 128 lanes and nothing is padded anywhere. This is the layout
-  production TPU kernels use for head_dim 64 (tpu-inference's hd64 variant).
-  For D % 128 != 0, q is zero-padded per call to 2*D lanes, [q | 0] (cheap: q
-  is [T, Hq, D]); then s = [q | 0] . [K | V] = q . K exactly, and
-  w . [K | V] = [w.K | w.V], whose right half is the output (the left half is
-  discarded). The MXU contracts and produces 128 lanes per pass anyway, so the
-  padded halves cost no extra matmul passes at D = 64. For D % 128 == 0 the
-  row is split at lane D instead (aligned slices, no padding). On a TPU this
-  layout needs 2*D % 128 == 0 (D = 64, 128, 192, ...).
+How KV reaches the MXU:
 
-On CPU and GPU the two layouts are a free reshape of each other (`pack_cache`);
-on TPU they are different tilings, so an engine serving D = 64 there should
-allocate and write its cache packed (write K|V concatenated along lanes at the
-slot) and pass it as is. Stale inf/NaN in a slot past kv_len are harmless in
-both layouts: V (in packed mode the whole row) is zeroed there before the PV
-product and the scores there are masked with `where`. The softmax scale is the
-caller's (the real head_dim**-0.5), never derived from the padded width.
+- KV blocks of `pages_per_block` pages: one DMA per page, all on one semaphore,
+  and ONE wait per block (a wait for the whole block's bytes). A block always
+  moves `pages_per_block` pages: pages past the sequence's causal span read the
+  sequence's first page again (a valid page id) and are masked, so the wait
+  size is static.
+- The next `prefetch_depth` blocks (2 by default) are in flight while one is
+  computed, across sequences and across grid steps: a query block's (sequence,
+  KV block) pairs form one flat loop, the pair `prefetch_depth` ahead is
+  fetched into a free slot of depth + 1, and past the block's last pair the
+  next grid step's first pairs are (that step's j range and causal bounds
+  found by the same binary search). The grid is sequential ("arbitrary"
+  dimension semantics); a step's first min(depth, its blocks) were started by
+  the step before, so only grid step 0 starts cold. The slot of a step's first
+  block is carried in SMEM scratch (the flat block count so far, mod slots).
+  Padding steps read nothing and start the next step's blocks, if any.
+- A query block visits only the sequences that meet it: the first and the end
+  are found by binary search over cu_q_lens (O(log S) scalar steps per block),
+  not by scanning every sequence.
+- Causal KV bound: a query block reads each sequence's pages only up to its
+  last row's position in the block (a prefill chunk's early blocks read less).
+- Query block size chosen from the static shape (`tiling.tpu_block_q`): a
+  decode-heavy bucket (tokens <= 2 x sequence slots) gets block_q x group = 8
+  rows (one sublane tile: the GQA group is the matmul's M), others 128 tokens.
+- Page sizes: any (the kernel is written per page); 64 and 128 tokens, the
+  sizes recommended on TPU (fewer, larger DMAs), are tested in the
+  interpreter and lowered. `tiling.tpu_pages_per_block` keeps a block at 512
+  tokens on the decode path and 256 otherwise whatever the page size (32, 8
+  or 4 pages on the decode path at 16, 64, 128: 2 MiB at Llama-3-8B's heads).
+- Operands in the cache's dtype (bf16 stays bf16; an f32 cache stays f32) with
+  f32 accumulation (`preferred_element_type`): no f32 upcast of K/V before the
+  MXU. q is scaled in f32, then cast to the cache's dtype; the probabilities
+  are cast to V's dtype for the PV product.
+- The online softmax's state (m, l, acc: [Hkv, rows, 1 | 1 | QW] f32) is VMEM
+  scratch, reset at each grid step and read and written per KV head inside
+  the block loop, not a loop carry: on the prefill path at Llama-3-8B's heads
+  (128 tokens x group 4 = 512 rows, 8 KV heads, D 128), acc alone is
+  8 x 512 x 128 x 4 bytes = 2 MiB, 512 vector registers of 4 KiB, far more
+  than the register file holds, so as a carry Mosaic would spill it anyway
+  (production TPU kernels keep this state in scratch too).
+- Each KV head's K and V are loaded by ref indexing of the block buffer (a
+  strided ref load per head), the [ppb, bs, D] value reshaped to
+  [ppb * bs, D].
+
+Stale inf/NaN in a slot past kv_len are harmless in both layouts: V (in packed
+mode the whole row) is zeroed there before the PV product and the scores there
+are masked with `where`. The softmax scale is the caller's (the real
+head_dim**-0.5), never derived from the padded width.
 
 Layers. With `layer`, the cache is the engine's stacked [L, P, bs, ...] array
 and layer `layer` (a scalar-prefetch argument, traceable inside a lax.scan)
@@ -75,195 +93,271 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kvsched.engine.inputs import AttentionInputs
 from kvsched.engine.kernels.common import MASK, run_padded
+from kvsched.engine.kernels.layout import cache_mode, checked_cache_mode, on_tpu
+from kvsched.engine.kernels.tiling import tpu_block_q, tpu_decode_path, tpu_pages_per_block
 
 if TYPE_CHECKING:
-    # make_async_copy's result type: jax.experimental.pallas.tpu does not export it.
     from jax._src.pallas.mosaic.primitives import AsyncCopyDescriptor
 
-LANES = 128
-
-# A kernel's refs (q_ref, cache_hbm, kv_buf, ...) are typed jax.Ref: Pallas hands
-# the kernel references, read and written by indexing; the running state of the
-# online softmax is a triple of arrays.
-_Carry = tuple[jax.Array, jax.Array, jax.Array]
+# (sequence, block) computed next, this step's (sequence, block) fetched last,
+# the next step's (sequence, block) to fetch next.
+_Carry = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]
 
 
-def _kv_rows(
+def _kv_block(
     kv_buf: jax.Ref, slot: jax.Array, h: int, mode: str, d: int
 ) -> tuple[jax.Array, jax.Array]:
-    """K and V rows ([bs, *]) of KV head h from page slot `slot` of the buffer."""
-    if mode == "split":  # [bs, 2*Hkv, D]: K at 2h, V at 2h + 1
-        return kv_buf[slot, :, 2 * h, :], kv_buf[slot, :, 2 * h + 1, :]
-    row = kv_buf[slot, :, h, :]  # [bs, 2*D] = [K_h | V_h]
-    if mode == "halves":  # D % 128 == 0: lane-aligned split
+    """K and V ([ppb * bs, *]) of KV head h from block slot `slot`."""
+    ppb, bs = kv_buf.shape[1], kv_buf.shape[2]
+    if mode == "split":  # [ppb, bs, 2*Hkv, D]: K at 2h, V at 2h + 1
+        k = kv_buf[slot, :, :, 2 * h, :]
+        v = kv_buf[slot, :, :, 2 * h + 1, :]
+        return k.reshape(ppb * bs, d), v.reshape(ppb * bs, d)
+    row = kv_buf[slot, :, :, h, :]  # [ppb, bs, 2*D] = [K_h | V_h]
+    row = row.reshape(ppb * bs, 2 * d)
+    if mode == "halves":
         return row[:, :d], row[:, d:]
-    return row, row  # "row": q is [q | 0], the output is the right half
+    return row, row
 
 
 def _kernel(
-    # Scalar prefetch (SMEM).
     kv_lens_ref: jax.Ref,
     pages_ref: jax.Ref,
     cu_ref: jax.Ref,
     nseq_ref: jax.Ref,
-    layer_ref: jax.Ref,  # [1]: which layer of the stacked cache
-    # Blocks.
+    layer_ref: jax.Ref,
     q_ref: jax.Ref,  # [Hkv, block_q * group, QW]
     cache_hbm: jax.Ref,  # [L, P, bs, X, W], in HBM
-    o_ref: jax.Ref,  # [Hkv, block_q * group, QW]
-    # Scratch.
-    kv_buf: jax.Ref,  # [2, bs, X, W] VMEM: two page slots (double buffering)
-    sem: jax.Ref,  # two DMA semaphores, one per slot
+    o_ref: jax.Ref,
+    kv_buf: jax.Ref,  # [depth + 1, ppb, bs, X, W] VMEM: block slots
+    sem: jax.Ref,  # one DMA semaphore per slot
+    m_ref: jax.Ref,  # [Hkv, rows, 1] f32 VMEM: running max per row
+    l_ref: jax.Ref,  # [Hkv, rows, 1] f32 VMEM: running denominator
+    acc_ref: jax.Ref,  # [Hkv, rows, QW] f32 VMEM: running numerator
+    base_ref: jax.Ref,  # [1] i32 SMEM: the slot of this grid step's first block
     *,
     block_q: int,
     kv_heads: int,
     group: int,
     pages_per_seq: int,
+    max_seqs: int,
+    depth: int,
     scale: float,
     mode: str,
     head_dim: int,
 ) -> None:
-    bs = kv_buf.shape[1]
+    ppb, bs = kv_buf.shape[1], kv_buf.shape[2]
+    span_keys = ppb * bs
     rows = block_q * group
-    qw = q_ref.shape[2]
     row0 = pl.program_id(0) * block_q
-    # Row r of a KV head's block is token row0 + r // group.
-    # (lax.div: truncating division of non-negative ints; jnp's floor division
-    # lowers through sign(), which Mosaic only has per TPU generation.)
-    token = row0 + lax.div(lax.broadcasted_iota(jnp.int32, (rows, 1), 0), group)
-    qs = [q_ref[h].astype(jnp.float32) * scale for h in range(kv_heads)]
+    row_end = row0 + block_q
+    nseq = nseq_ref[0]
     layer = layer_ref[0]
-    m0 = jnp.full((kv_heads, rows, 1), MASK, jnp.float32)
-    l0 = jnp.zeros((kv_heads, rows, 1), jnp.float32)
-    acc0 = jnp.zeros((kv_heads, rows, qw), jnp.float32)
+    token = row0 + lax.div(lax.broadcasted_iota(jnp.int32, (rows, 1), 0), group)
+    op_dtype = kv_buf.dtype
+    qs = [(q_ref[h].astype(jnp.float32) * scale).astype(op_dtype) for h in range(kv_heads)]
 
-    def seq_body(j: jax.Array, carry: _Carry) -> _Carry:
+    def search(pred_index: int, bound: jax.Array) -> jax.Array:
+        """Smallest j in [0, nseq] with cu[j + pred_index] >= bound (+1 for >)."""
+
+        def body(_: int, lohi: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+            lo, hi = lohi
+            mid = lax.div(lo + hi, 2)
+            idx = jnp.minimum(mid + pred_index, max_seqs)
+            hit = cu_ref[idx] >= bound
+            open_ = lo < hi
+            return (jnp.where(open_ & ~hit, mid + 1, lo), jnp.where(open_ & hit, mid, hi))
+
+        steps = max(1, max_seqs.bit_length() + 1)
+        lo: jax.Array
+        lo, _ = lax.fori_loop(0, steps, body, (jnp.int32(0), nseq), unroll=True)
+        return lo
+
+    class Step:
+        """The (sequence, KV block) pairs of the query block of rows [r0, r_end):
+        the sequences that meet it (binary search), the pages each one reads (up
+        to its last row in the block: the causal bound), and their count."""
+
+        def __init__(self, r0: jax.Array, r_end: jax.Array) -> None:
+            self.r_end = r_end
+            self.j_lo = search(1, r0 + 1)  # first sequence ending after r0
+            self.j_hi = search(0, r_end)  # first sequence starting at or after r_end
+            self.total = lax.fori_loop(
+                self.j_lo, self.j_hi, lambda j, n: n + self.blocks(j), jnp.int32(0)
+            )
+            self.j0 = self.skip_empty(self.j_lo)
+
+        def pages(self, j: jax.Array) -> jax.Array:
+            """Pages of sequence j this block reads: up to its last row's causal
+            bound (0 past the last sequence; the index is clamped so SMEM reads
+            stay in bounds, as a `where` evaluates both sides)."""
+            jc = jnp.minimum(j, max_seqs - 1)
+            q_lo, q_hi = cu_ref[jc], cu_ref[jc + 1]
+            last = kv_lens_ref[jc] - (q_hi - jnp.minimum(q_hi, self.r_end))
+            span = jnp.where((q_hi > q_lo) & (j < max_seqs), last, 0)
+            return lax.div(span + bs - 1, bs)
+
+        def blocks(self, j: jax.Array) -> jax.Array:
+            return lax.div(self.pages(j) + ppb - 1, ppb)
+
+        def skip_empty(self, j: jax.Array) -> jax.Array:
+            return lax.while_loop(
+                lambda j: (j < self.j_hi) & (self.blocks(j) == 0), lambda j: j + 1, j
+            )
+
+        def advance(self, j: jax.Array, i: jax.Array) -> tuple[jax.Array, jax.Array]:
+            more = i + 1 < self.blocks(j)
+            nj = jnp.where(more, j, self.skip_empty(j + 1))
+            return nj, jnp.where(more, i + 1, 0)
+
+    step = pl.program_id(0)
+    cur = Step(row0, row_end)
+    # The next grid step's query block (none after the last): its first blocks
+    # are fetched before this step ends, so it does not start cold.
+    nxt = Step(row_end, row_end + block_q)
+    last_step = step == pl.num_programs(0) - 1
+    total = cur.total
+    n_next = jnp.where(last_step, 0, jnp.minimum(depth, nxt.total))
+    # This step's first min(depth, total) blocks were started by the previous
+    # step (the grid runs in order: "arbitrary" semantics); step 0 starts its own.
+    pre = jnp.where(step > 0, jnp.minimum(depth, total), 0)
+
+    def wait(slot: jax.Array) -> None:
+        # One wait for the whole block: the semaphore counts the bytes of every
+        # page DMA started on it; a descriptor of the block's size waits for all.
+        desc: AsyncCopyDescriptor = pltpu.make_async_copy(
+            kv_buf.at[slot], kv_buf.at[slot], sem.at[slot]
+        )
+        desc.wait()
+
+    def fetch(st: Step, j: jax.Array, i: jax.Array, slot: jax.Array) -> None:
+        n_pages = st.pages(j)
+        for p in range(ppb):
+            page_no = i * ppb + p
+            # Past the span: the sequence's first page again (valid; masked).
+            idx = jnp.where(page_no < n_pages, page_no, 0)
+            page = pages_ref[j * pages_per_seq + idx]
+            pltpu.make_async_copy(
+                cache_hbm.at[layer, page], kv_buf.at[slot, p], sem.at[slot]
+            ).start()
+
+    # The online softmax's state lives in VMEM scratch, reset per grid step.
+    m_ref[...] = jnp.full(m_ref.shape, MASK, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    slots = depth + 1
+
+    # One flat chain over the grid: this step's blocks f = 0 .. total - 1, then
+    # the next step's first n_next as f = total + k; block f sits in slot
+    # (base + f) % slots, base carried across steps in SMEM, and block f + depth
+    # is started while block f is computed.
+    @pl.when(step == 0)
+    def _() -> None:
+        base_ref[0] = 0
+
+    base = base_ref[0]
+
+    def slot_of(f: jax.Array | int) -> jax.Array:
+        return lax.rem(base + f, slots)
+
+    # Flat blocks 0 .. depth - 1 not yet in flight: this step's own (step 0
+    # only, as `pre` says) and, when this step has fewer than depth blocks, the
+    # next step's first. (fj, fi) walks this step's pairs (it ends at pair
+    # depth - 1; advancing past the end is harmless: reads are clamped and only
+    # pairs below `total` are fetched); (xj, xi) is the next step's next pair.
+    def step_next(ahead: jax.Array, xj: jax.Array, xi: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The next step's pair after (xj, xi) if one was just fetched (a cond:
+        its scalar search runs only then)."""
+        out: tuple[jax.Array, jax.Array] = lax.cond(
+            ahead, lambda: nxt.advance(xj, xi), lambda: (xj, xi)
+        )
+        return out
+
+    fj, fi = cur.j0, jnp.int32(0)
+    xj, xi = nxt.j0, jnp.int32(0)
+    for f in range(depth):
+        if f:
+            fj, fi = cur.advance(fj, fi)
+
+        @pl.when((pre <= f) & (f < total))
+        def _(fj: jax.Array = fj, fi: jax.Array = fi, f: int = f) -> None:  # traced now
+            fetch(cur, fj, fi, slot_of(f))
+
+        ahead = (f >= total) & (f < total + n_next)
+
+        @pl.when(ahead)
+        def _(xj: jax.Array = xj, xi: jax.Array = xi, f: int = f) -> None:
+            fetch(nxt, xj, xi, slot_of(f))
+
+        xj, xi = step_next(ahead, xj, xi)
+
+    def body(t: jax.Array, carry: _Carry) -> _Carry:
+        j, i, fj, fi, xj, xi = carry
+        slot = slot_of(t)
+        f = t + depth
+        nfj, nfi = cur.advance(fj, fi)
+
+        # `depth` blocks ahead: fetched while this one and those between compute;
+        # past this step's last, the next step's first ones.
+        @pl.when(f < total)
+        def _() -> None:
+            fetch(cur, nfj, nfi, slot_of(f))
+
+        ahead = (f >= total) & (f < total + n_next)
+
+        @pl.when(ahead)
+        def _() -> None:
+            fetch(nxt, xj, xi, slot_of(f))
+
+        fj = jnp.where(f < total, nfj, fj)
+        fi = jnp.where(f < total, nfi, fi)
+        xj, xi = step_next(ahead, xj, xi)
+        nj, ni = cur.advance(j, i)
+        wait(slot)
         q_lo, q_hi = cu_ref[j], cu_ref[j + 1]
-        meets = jnp.logical_and(q_lo < row0 + block_q, q_hi > row0)
+        kv_len = kv_lens_ref[j]
+        in_seq = jnp.logical_and(token >= q_lo, token < q_hi)
+        pos = kv_len - (q_hi - token)
+        key0 = i * span_keys
+        key = key0 + lax.broadcasted_iota(jnp.int32, (1, span_keys), 1)
+        # Keys past the block's causal span are masked by pos and kv_len (the
+        # re-read first page sits past them).
+        limit = jnp.minimum(kv_len, cur.pages(j) * bs)
+        ok = in_seq & (key <= pos) & (key < limit)
+        live = key0 + lax.broadcasted_iota(jnp.int32, (span_keys, 1), 0) < limit
+        for h in range(kv_heads):
+            k, v = _kv_block(kv_buf, slot, h, mode, head_dim)
+            v = jnp.where(live, v, jnp.zeros_like(v))
+            k = v if mode == "row" else k
+            s = lax.dot_general(
+                qs[h], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+            )
+            s = jnp.where(ok, s, MASK)
+            m_prev = m_ref[h]
+            m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+            alpha = jnp.exp(m_prev - m_new)
+            w = jnp.where(ok, jnp.exp(s - m_new), 0.0)
+            l_ref[h] = alpha * l_ref[h] + jnp.sum(w, axis=1, keepdims=True)
+            pv = lax.dot_general(
+                w.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            )
+            acc_ref[h] = alpha * acc_ref[h] + pv
+            m_ref[h] = m_new
+        return nj, ni, fj, fi, xj, xi
 
-        def run(carry: _Carry) -> _Carry:
-            kv_len = kv_lens_ref[j]
-            in_seq = jnp.logical_and(token >= q_lo, token < q_hi)
-            pos = kv_len - (q_hi - token)  # the row's absolute position
-            n_pages = lax.div(kv_len + bs - 1, bs)
-
-            def fetch(p: jax.Array | int, slot: jax.Array | int) -> AsyncCopyDescriptor:
-                page = pages_ref[j * pages_per_seq + p]
-                return pltpu.make_async_copy(
-                    cache_hbm.at[layer, page], kv_buf.at[slot], sem.at[slot]
-                )
-
-            def page_body(p: jax.Array, carry: _Carry) -> _Carry:
-                m, denom, acc = carry
-                # Double buffering: the next page's DMA runs while this one is used.
-                slot = lax.rem(p, 2)
-
-                @pl.when(p + 1 < n_pages)
-                def _() -> None:
-                    fetch(p + 1, 1 - slot).start()
-
-                fetch(p, slot).wait()
-                key = p * bs + lax.broadcasted_iota(jnp.int32, (1, bs), 1)
-                ok = in_seq & (key <= pos) & (key < kv_len)  # [rows, bs]
-                # Slots past kv_len hold a previous owner's data: zero V there
-                # (a 0 weight times inf is NaN); K only meets masked scores.
-                live = p * bs + lax.broadcasted_iota(jnp.int32, (bs, 1), 0) < kv_len
-                ms, ls, accs = [], [], []
-                for h in range(kv_heads):
-                    k, v = _kv_rows(kv_buf, slot, h, mode, head_dim)
-                    v = jnp.where(live, v.astype(jnp.float32), 0.0)
-                    k = v if mode == "row" else k.astype(jnp.float32)
-                    s = lax.dot_general(
-                        qs[h], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-                    )
-                    s = jnp.where(ok, s, MASK)
-                    m_new = jnp.maximum(m[h], jnp.max(s, axis=1, keepdims=True))
-                    alpha = jnp.exp(m[h] - m_new)
-                    w = jnp.where(ok, jnp.exp(s - m_new), 0.0)
-                    ls.append(alpha * denom[h] + jnp.sum(w, axis=1, keepdims=True))
-                    accs.append(
-                        alpha * acc[h]
-                        + lax.dot_general(
-                            w, v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-                        )
-                    )
-                    ms.append(m_new)
-                return jnp.stack(ms), jnp.stack(ls), jnp.stack(accs)
-
-            @pl.when(n_pages > 0)
-            def _() -> None:
-                fetch(0, 0).start()
-
-            carry_out: _Carry = lax.fori_loop(0, n_pages, page_body, carry)
-            return carry_out
-
-        carry_out: _Carry = lax.cond(meets, run, lambda c: c, carry)
-        return carry_out
-
-    _, denom, acc = lax.fori_loop(0, nseq_ref[0], seq_body, (m0, l0, acc0))
-    # Rows that attend to nothing (padding) are 0; a NaN denominator (NaN
-    # weights or activations) stays NaN, so the engine sees it, not a 0.
-    out = jnp.where(denom == 0, 0.0, acc / jnp.where(denom == 0, 1.0, denom))  # [Hkv, rows, QW]
+    init: _Carry = (cur.j0, jnp.int32(0), fj, fi, xj, xi)
+    lax.fori_loop(0, total, body, init)
+    base_ref[0] = slot_of(total)
+    denom, acc = l_ref[...], acc_ref[...]
+    out = jnp.where(denom == 0, 0.0, acc / jnp.where(denom == 0, 1.0, denom))
     for h in range(kv_heads):
         o_ref[h] = out[h].astype(o_ref.dtype)
 
 
-def on_tpu() -> bool:
-    return jax.default_backend() == "tpu"
-
-
-def checked_cache_mode(
-    q: jax.Array, cache: jax.Array, layer: jax.Array | int | None, interpret: bool
-) -> tuple[str, int]:
-    """`cache_mode` for q [T, Hq, D] and a cache of one layer (rank 4) or of
-    every layer with `layer` (rank 5); off the interpreter, a ValueError for a
-    cache whose rows are not whole multiples of the TPU's lane width."""
-    d = q.shape[-1]
-    if cache.ndim != (4 if layer is None else 5):
-        raise ValueError(
-            f"cache of rank {cache.ndim}: expected [P, bs, X, W], or [L, P, bs, X, W] with layer"
-        )
-    mode, hkv = cache_mode(d, cache.shape)
-    if not interpret:
-        if mode == "split" and d % LANES:
-            raise ValueError(
-                f"head_dim {d} with a [P, bs, 2*Hkv, D] cache on TPU: each K or V row is {d} "
-                f"lanes, the lane width is {LANES} (the cache would be lane padding in HBM); "
-                f"store the cache packed, [P, bs, Hkv, 2*D] (see kernels.tpu.pack_cache)"
-            )
-        if (2 * d) % LANES:
-            raise ValueError(
-                f"head_dim {d} on TPU: a packed [K | V] row of {2 * d} lanes is not a "
-                f"multiple of the {LANES}-lane width (head_dim must be a multiple of 64)"
-            )
-    return mode, hkv
-
-
-def cache_mode(head_dim: int, cache_shape: tuple[int, ...]) -> tuple[str, int]:
-    """How a cache of this shape is read for queries of `head_dim`: ("split",
-    Hkv) for [..., 2*Hkv, D]; ("halves" or "row", Hkv) for the packed
-    [..., Hkv, 2*D] ("halves" when D is a multiple of 128)."""
-    x, w = cache_shape[-2], cache_shape[-1]
-    if w == head_dim:
-        if x % 2:
-            raise ValueError(f"a [..., 2*Hkv, D] cache needs an even head axis, got {x}")
-        return "split", x // 2
-    if w == 2 * head_dim:
-        return ("halves" if head_dim % LANES == 0 else "row"), x
-    raise ValueError(
-        f"cache rows of {w} fit neither head_dim {head_dim} ([..., 2*Hkv, D]) "
-        f"nor its packed layout ([..., Hkv, 2*D])"
-    )
-
-
-def pack_cache(cache: jax.Array) -> jax.Array:
-    """[..., 2*Hkv, D] -> [..., Hkv, 2*D], [K_h | V_h] per row: the same bytes in
-    row-major order (free on CPU / GPU; on TPU a relayout, so allocate it packed)."""
-    *lead, x, d = cache.shape
-    return cache.reshape(*lead, x // 2, 2 * d)
-
-
-@functools.partial(jax.jit, static_argnames=("scale", "block_q", "interpret"))
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "block_q", "pages_per_block", "prefetch_depth", "interpret"),
+)
 def _call(
     q: jax.Array,
     cache: jax.Array,
@@ -275,25 +369,30 @@ def _call(
     scale: float,
     block_q: int,
     interpret: bool,
+    pages_per_block: int | None = None,
+    prefetch_depth: int = 2,
     layer: jax.Array | int | None = None,
 ) -> jax.Array:
     """q [T, Hq, D] (T a multiple of block_q), cache [P, bs, X, W] or, with
     `layer`, [L, P, bs, X, W] -> [T, Hq, D]."""
     t, hq, d = q.shape
     if layer is None:
-        cache, layer = cache[None], 0  # a leading unit dimension: no copy
+        cache, layer = cache[None], 0
     _, _, bs, x, w = cache.shape
     mode, hkv = cache_mode(d, cache.shape)
     g = hq // hkv
     qw = 2 * d if mode == "row" else d
     s, pps = page_indices.shape
+    decode = tpu_decode_path(block_q, g)
+    ppb = tpu_pages_per_block(bs, pps, decode) if pages_per_block is None else pages_per_block
+    ppb = min(ppb, pps)
     rows = block_q * g
     q3 = q.reshape(t, hkv, g, d).transpose(1, 0, 2, 3).reshape(hkv, t * g, d)
     if qw != d:
-        q3 = jnp.pad(q3, ((0, 0), (0, 0), (0, qw - d)))  # [q | 0]: meets K, not V
+        q3 = jnp.pad(q3, ((0, 0), (0, 0), (0, qw - d)))
     kernel = functools.partial(
-        _kernel, block_q=block_q, kv_heads=hkv, group=g, pages_per_seq=pps, scale=scale,
-        mode=mode, head_dim=d,
+        _kernel, block_q=block_q, kv_heads=hkv, group=g, pages_per_seq=pps, max_seqs=s,
+        depth=prefetch_depth, scale=scale, mode=mode, head_dim=d,
     )  # fmt: skip
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
@@ -303,19 +402,28 @@ def _call(
             pl.BlockSpec(memory_space=pl.ANY),
         ],
         out_specs=pl.BlockSpec((hkv, rows, qw), lambda b, *_: (0, b, 0)),
-        scratch_shapes=[pltpu.VMEM((2, bs, x, w), cache.dtype), pltpu.SemaphoreType.DMA((2,))],
+        scratch_shapes=[
+            pltpu.VMEM((prefetch_depth + 1, ppb, bs, x, w), cache.dtype),
+            pltpu.SemaphoreType.DMA((prefetch_depth + 1,)),
+            pltpu.VMEM((hkv, rows, 1), jnp.float32),
+            pltpu.VMEM((hkv, rows, 1), jnp.float32),
+            pltpu.VMEM((hkv, rows, qw), jnp.float32),
+            pltpu.SMEM((1,), jnp.int32),
+        ],
     )
     out: jax.Array = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(q3.shape, q.dtype),
+        # Sequential grid: a step's first blocks are started by the step before.
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="kvsched_ragged_paged_attention",
     )(
         kv_lens, page_indices.reshape(s * pps), cu_q_lens, num_seqs,
         jnp.asarray(layer, jnp.int32).reshape(1), q3, cache,
     )  # fmt: skip
-    out = out[..., qw - d :]  # "row": [w.K | w.V] -> w.V
+    out = out[..., qw - d :]
     return out.reshape(hkv, t, g, d).transpose(1, 0, 2, 3).reshape(t, hq, d)
 
 
@@ -325,7 +433,9 @@ def ragged_paged_attention(
     inputs: AttentionInputs,
     *,
     scale: float,
-    block_q: int = 8,
+    block_q: int | None = None,
+    pages_per_block: int | None = None,
+    prefetch_depth: int = 2,
     interpret: bool | None = None,
     layer: jax.Array | int | None = None,
 ) -> jax.Array:
@@ -334,10 +444,26 @@ def ragged_paged_attention(
     [L, P, bs, ...] array of every layer and layer `layer` is read in place.
     `scale` is the real head_dim's (padding never changes it). T need not be a
     multiple of block_q (zero rows pad it; they lie past the plan's tokens and
-    come out 0). `interpret` defaults to True off TPU (the TPU interpreter)."""
+    come out 0). `block_q` defaults to `tiling.tpu_block_q` of the bucket's
+    shape, `pages_per_block` to `tiling.tpu_pages_per_block`; `prefetch_depth`
+    blocks are in flight while one is computed (depth + 1 VMEM slots). Values
+    below 1 are a ValueError naming the knob. `interpret` defaults to True off
+    TPU (the TPU interpreter)."""
     if interpret is None:
         interpret = not on_tpu()
+    knobs = (("block_q", block_q), ("pages_per_block", pages_per_block),
+             ("prefetch_depth", prefetch_depth))  # fmt: skip
+    for name, value in knobs:
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
     _, hkv = checked_cache_mode(q, cache, layer, interpret)
-    call = _call if layer is None else functools.partial(_call, layer=layer)
+    if q.shape[1] % hkv:
+        raise ValueError(f"{q.shape[1]} query heads do not group over {hkv} KV heads")
+    if block_q is None:
+        block_q = tpu_block_q(q.shape[0], inputs.page_indices.shape[0], q.shape[1] // hkv)
+    call = functools.partial(_call, pages_per_block=pages_per_block,
+                             prefetch_depth=prefetch_depth)  # fmt: skip
+    if layer is not None:
+        call = functools.partial(call, layer=layer)
     return run_padded(call, q, cache, inputs, scale=scale, block_q=block_q, interpret=interpret,
                       kv_heads=hkv)  # fmt: skip
