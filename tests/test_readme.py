@@ -45,6 +45,11 @@ COVERED = (
     "python -m mypy.stubtest kvsched._core",
     "python -m mypy --strict examples/",  # tests/test_stub.py runs it
     "KVSCHED_HYPOTHESIS=long python -m pytest",
+    # The device checks: tests/test_check_scripts.py and test_examples.py run
+    # them in the interpreter (--small) and check that, with no device and no
+    # --small, they say so and exit 2 (their run on a device is the point).
+    "python benches/tpu_check.py",
+    "python benches/gpu_check.py",
 )
 
 
