@@ -223,7 +223,7 @@ def test_the_stub_lists_every_knob() -> None:
 
 def test_the_simulator_keeps_the_base_config(monkeypatch: pytest.MonkeyPatch) -> None:
     """A scenario changes its overrides and nothing else of the base config: not
-    its token buckets, not require_warmup (they used to be dropped)."""
+    its token buckets, not require_warmup."""
     built: list[kvsched.SchedulerConfig] = []
 
     def fake_simulate(cfg: kvsched.SchedulerConfig, *args: Any, **kwargs: Any) -> None:

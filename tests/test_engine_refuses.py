@@ -1,4 +1,4 @@
-"""The engine refuses what it cannot serve (issue 14, F12-F14): token ids outside
+"""The engine refuses what it cannot serve: token ids outside
 the vocabulary (at submit, in a plan, and in what the sampler returns), weights
 that are not finite or not floating point, and paths that are not model files.
 Each refusal names what it refuses, and a refused request changes nothing."""
@@ -62,7 +62,7 @@ def drive(eng: Engine) -> tuple[dict[int, list], dict[int, str]]:
     return outs, errors
 
 
-# -- F13: ids outside the vocabulary ------------------------------------------------------
+# -- ids outside the vocabulary -----------------------------------------------------------
 
 
 @pytest.mark.parametrize("bad", [256, 10**6, 2**31 - 1, -1])
@@ -132,7 +132,7 @@ def test_a_sampled_id_outside_the_vocabulary_is_never_committed():
     assert rid in eng.outputs
 
 
-# -- F12: weights and logits that are not finite --------------------------------------------
+# -- weights and logits that are not finite -------------------------------------------------
 
 
 def test_non_finite_logits_end_that_request_with_an_error_and_others_run_on():
@@ -211,7 +211,7 @@ def test_the_safetensors_loader_refuses_a_non_finite_tensor_naming_it(tmp_path):
         load_llama_safetensors(tmp_path / "model.safetensors", MODEL)
 
 
-# -- F14: dtypes the model does not expect, paths that are not model files -----------------
+# -- dtypes the model does not expect, paths that are not model files ----------------------
 
 
 def test_the_gguf_loader_refuses_integer_tensors_naming_them(tmp_path):

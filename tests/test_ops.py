@@ -50,7 +50,7 @@ def test_ladder_config_round_trips_and_bad_rungs_are_typed():
 
 def test_the_ladder_sheds_the_lowest_tier_caps_and_says_so():
     sched = make(ladder=RUNGS, ladder_retry_after_s=0.25)
-    # A middle tier: the ladder caps max_tokens below the top tier only (issue 14).
+    # A middle tier: the ladder caps max_tokens below the top tier only.
     sched.update_tenant(kvsched.TenantConfig("bulk", tier=2), now=0.0)
     sched.add_tenant(kvsched.TenantConfig("silver", tier=1))
     for _ in range(4):  # 4 x 16 blocks of 120: past half the pool
@@ -207,15 +207,12 @@ def test_restore_refuses_bad_records_with_a_typed_error(tmp_path):
     checkpoint.write_records(bad, [{"kind": "in_flight", "tenant": "gold"}])
     with pytest.raises(kvsched.InvalidRequest, match="request_id"):
         make().restore(bad, now=0.0)
-    # Issue 14: a line of no known kind makes the file one the reader cannot
-    # take whole, a CheckpointError (it was an InvalidRequest).
+    # A line of no known kind makes the file one the reader cannot take
+    # whole: a CheckpointError, not an InvalidRequest.
     checkpoint.write_records(bad, [{"kind": "mystery"}])
     with pytest.raises(kvsched.CheckpointError, match="unknown kind"):
         make().restore(bad, now=0.0)
     np.testing.assert_equal(make().stats(now=0.0)["live_requests"], 0)
-
-
-# -- found in review ------------------------------------------------------------
 
 
 def test_restore_checks_every_record_before_submitting_any(tmp_path):
