@@ -1,7 +1,12 @@
-"""Issue 14, "Configs and numbers": extreme knobs (F1), plan shapes and
-allocation (F2), times (F4) and plan arrays nobody can write (F5), through
-the public API. Every bad value is a kvsched error, never a PanicException
-(a BaseException: `except Exception` would not catch it, so it fails here)."""
+"""Extreme values through the public API: knobs at the ends of their ranges
+(tenant floors, max_waiting, watermarks), plan shapes and allocations bounded by
+the pool (or refused when the process cannot hold them), times that are not a
+clock in seconds, and plan arrays nobody but the scheduler can write. Every bad
+value is a typed kvsched error, never a PanicException (a BaseException: `except
+Exception` would not catch it, so it fails here), and a scheduler built from
+extreme knobs stays consistent: after any run of operations, ending what is
+still live leaves nothing held. Integer knobs out of range are
+test_config_knobs.py's."""
 
 from __future__ import annotations
 
@@ -45,7 +50,7 @@ def _run_all(s: kvsched.Scheduler, now: float = 0.0, max_steps: int = 500) -> No
         now += 0.01
 
 
-# -- F1 ----------------------------------------------------------------------------
+# -- knobs at the ends of their ranges ---------------------------------------------
 
 
 def test_a_floor_larger_than_any_pool_is_refused_naming_the_bound() -> None:
@@ -68,7 +73,7 @@ def test_a_floor_larger_than_any_pool_is_refused_naming_the_bound() -> None:
 
 
 def test_a_huge_max_waiting_leaves_requests_admissible() -> None:
-    s = _sched(max_num_seqs=8, max_waiting=2**64 - 8)  # wrapped to 0 before the fix
+    s = _sched(max_num_seqs=8, max_waiting=2**64 - 8)  # the sum must not wrap to 0
     s.add_tenant(kvsched.TenantConfig("a"))
     for k in range(10):
         s.submit("a", ids(4, start=k * 10 + 1), 4, now=0.0)
@@ -83,7 +88,7 @@ def test_a_huge_watermark_reserves_the_final_length_not_a_wrapped_one() -> None:
     assert s.stats(now=0.0)["pool"]["reserved"] == 19
 
 
-# -- F2 ----------------------------------------------------------------------------
+# -- plan shapes and allocations bounded by the pool ------------------------------
 
 
 @pytest.mark.parametrize(
@@ -151,7 +156,7 @@ def test_a_pool_the_process_cannot_hold_is_an_error_not_an_abort(make: str) -> N
     assert r.stdout.startswith("refused"), r.stdout + r.stderr[-2000:]
 
 
-# -- F4 ----------------------------------------------------------------------------
+# -- times that are not a clock ----------------------------------------------------
 
 
 @pytest.mark.parametrize("bad", [1e308, 1e13, float("nan"), float("inf"), -float("inf"), -1.0])
@@ -192,7 +197,7 @@ def test_a_rate_limit_recovers_from_a_time_far_ahead() -> None:
     s.submit("a", ids(4), 90, now=50.0 + wait + 1e-6)
 
 
-# -- F5 ----------------------------------------------------------------------------
+# -- plan arrays nobody but the scheduler writes -----------------------------------
 
 
 def test_no_plan_array_can_be_made_writeable_again() -> None:
@@ -312,14 +317,14 @@ _PLAIN_TENANT = {
 
 
 @given(kw=scheduler_kwargs(), tenants=st.lists(tenant_kwargs(), min_size=1, max_size=2), ops=ops)
-@example(  # the issue's F1 reproducer: a floor that wrapped the pool's sum
+@example(  # a floor of 2**64 - 1 beside another: the floors' sum must not wrap
     kw={"num_blocks": 256, "block_size": 16, "max_num_seqs": 32, "max_batched_tokens": 2048},
     tenants=[
         {**_PLAIN_TENANT, "kv_floor_blocks": 4},
         {**_PLAIN_TENANT, "kv_floor_blocks": 2**64 - 1},
     ],
-    # 20 requests of 15 blocks each: more than the 229 usable, admitted
-    # before the fix: the huge floor hid every reservation of its tenant.
+    # 20 requests of 15 blocks each, more than the 229 usable: a wrapped sum
+    # would hide every reservation of the huge floor's tenant and admit them all.
     ops=[("submit", 1, 90, 150)] * 20 + [("step",)] * 40,
 )
 def test_extreme_knobs_raise_kvsched_errors_only(kw, tenants, ops) -> None:
