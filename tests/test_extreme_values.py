@@ -14,6 +14,7 @@ import ctypes
 import subprocess
 import sys
 import textwrap
+from collections import Counter
 
 import hypothesis.strategies as st
 import numpy as np
@@ -327,7 +328,82 @@ _PLAIN_TENANT = {
     # would hide every reservation of the huge floor's tenant and admit them all.
     ops=[("submit", 1, 90, 150)] * 20 + [("step",)] * 40,
 )
-def test_extreme_knobs_raise_kvsched_errors_only(kw, tenants, ops) -> None:
+def test_extreme_knobs_raise_kvsched_errors_only_and_leave_nothing_held(kw, tenants, ops) -> None:
+    """Random operations on a scheduler built from extreme knobs raise typed
+    refusals only, and ending every request afterwards leaves nothing held
+    (`_run_ops`). Most of these configs are refused and the schedulers built
+    admit few requests: the next test runs the same operations on schedulers
+    that do."""
+    _run_ops(kw, tenants, ops)
+
+
+def mostly(values: st.SearchStrategy[int]) -> st.SearchStrategy[int]:
+    """`values` three times in four, else an extreme."""
+    return st.one_of(values, values, values, extreme)
+
+
+@st.composite
+def working_scheduler_kwargs(draw):
+    kw = {
+        "num_blocks": draw(st.integers(2, 300)),
+        "block_size": draw(st.sampled_from([1, 2, 4, 8, 16, 32])),
+        "max_num_seqs": draw(st.integers(1, 16)),
+        "max_batched_tokens": draw(mostly(st.integers(16, 512))),
+        "max_seq_len": draw(st.one_of(st.integers(2, 3000), st.just(2**31 - 1))),
+        "max_waiting": draw(mostly(st.integers(0, 16))),
+        "long_prefill_chunk": draw(mostly(st.integers(1, 128))),
+        "preempt_lower_tiers": draw(st.booleans()),
+        "full_validation": True,
+    }
+    if draw(st.booleans()):
+        kw["admission"] = "overcommit"
+        kw["watermark_blocks"] = draw(mostly(st.integers(0, 8)))
+    return kw
+
+
+@st.composite
+def working_tenant_kwargs(draw):
+    return {
+        "tier": draw(st.integers(0, 2)),
+        "kv_floor_blocks": draw(st.one_of(st.just(0), st.integers(0, 8))),
+        "kv_cap_blocks": draw(st.one_of(st.none(), st.integers(1, 300), extreme)),
+        "max_concurrent": draw(st.one_of(st.none(), st.integers(1, 8), st.just(2**32 - 1))),
+        "max_step_tokens": draw(st.one_of(st.none(), st.integers(1, 256), extreme)),
+    }
+
+
+working_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("submit"), st.integers(0, 1), st.integers(1, 90),
+                  mostly(st.integers(1, 64))),
+        st.tuples(st.just("step")),
+        st.tuples(st.just("cancel"), st.integers(0, 100)),
+        st.tuples(st.just("update"), st.integers(0, 1), working_tenant_kwargs()),
+        st.tuples(st.just("now"), st.sampled_from([0.0, 1e6, 1e12, 1e13, -1.0, float("nan")])),
+    ),
+    max_size=30,
+)  # fmt: skip
+
+
+@given(
+    kw=working_scheduler_kwargs(),
+    tenants=st.lists(working_tenant_kwargs(), min_size=2, max_size=2),
+    ops=working_ops,
+)
+def test_operations_on_working_schedulers_raise_kvsched_errors_only_and_leave_nothing_held(
+    kw, tenants, ops
+) -> None:
+    """The same operations where requests are admitted, run, share prompt
+    prefixes (every prompt starts 1, 2, 3, ...), are preempted, displaced and
+    cancelled: small pools and limits with an extreme value mixed in."""
+    _run_ops(kw, tenants, ops)
+
+
+def _run_ops(kw, tenants, ops) -> None:
+    """Build the scheduler (full_validation on: every step checks its plan
+    against the requests' pages) and its tenants, skipping what is refused, run
+    `ops`, then `_end_everything`. Every error on the way must be a typed
+    refusal, never an InternalError or a PanicException."""
     try:
         cfg = kvsched.SchedulerConfig(**kw)
     except kvsched.InvalidConfig:
@@ -344,15 +420,19 @@ def test_extreme_knobs_raise_kvsched_errors_only(kw, tenants, ops) -> None:
             s.add_tenant(kvsched.TenantConfig(name, **tk))
         except kvsched.InvalidConfig:
             pass
-    now, live = 0.0, []
+    now, live, issued = 0.0, [], []
+    ended: Counter[int] = Counter()  # terminal events delivered, by request id
     for op in ops:
         try:
             if op[0] == "submit":
-                live.append(s.submit(names[op[1]], ids(op[2]), op[3], now=now))
+                rid = s.submit(names[op[1]], ids(op[2]), op[3], now=now)
+                live.append(rid)
+                issued.append(rid)
             elif op[0] == "step":
                 plan = s.step(now=now)
                 if plan is not None:
-                    s.commit(plan, np.full(len(plan), 5, np.int32), now=now)
+                    events = s.commit(plan, np.full(len(plan), 5, np.int32), now=now)
+                    ended.update(f.request_id for f in events.finished)
             elif op[0] == "cancel" and live:
                 s.cancel(live.pop(op[1] % len(live)), now=now)
             elif op[0] == "update":
@@ -368,3 +448,37 @@ def test_extreme_knobs_raise_kvsched_errors_only(kw, tenants, ops) -> None:
             # all, fails the test.
             pass
         now += 0.01
+    _end_everything(s, issued, ended, now)
+
+
+def _end_everything(
+    s: kvsched.Scheduler, issued: list[int], ended: Counter[int], now: float
+) -> None:
+    """Cancel every request still live, then check what must hold once none is:
+    nothing running, waiting or planned; no page of the pool used, shared or
+    reserved, and nothing promised beyond the tenants' floors; every cached page
+    evictable; no tenant holding a page or a request; and every request
+    admitted has had its terminal event delivered exactly once."""
+    # The fuzz's clock may have run past the bound ([0, 1e12]); any accepted
+    # time is fine here (further back re-bases the clock).
+    end = min(now, 1e12)
+    for rid in issued:
+        try:
+            s.cancel(rid, now=end)  # False: it had ended on its own
+        except kvsched.UnknownRequest:
+            pass  # the fuzz cancelled it
+    assert s.step(now=end) is None
+    ended.update(f.request_id for f in s.take_finished())
+    assert s.live_requests == 0
+    stats = s.stats(now=end)
+    assert (stats["live_requests"], stats["running"], stats["waiting"]) == (0, 0, 0)
+    pool = stats["pool"]
+    assert (pool["used"], pool["shared"], pool["reserved"]) == (0, 0, 0), pool
+    assert pool["committed"] == sum(t["kv_floor_blocks"] for t in stats["tenants"].values())
+    assert pool["cached"] == pool["evictable"], pool
+    for name, t in stats["tenants"].items():
+        held = {k: t[k] for k in ("reserved_blocks", "used_blocks", "shared_blocks",
+                                  "live_requests", "waiting", "running")}  # fmt: skip
+        assert set(held.values()) == {0}, (name, held)
+    assert sorted(ended) == sorted(issued), "a terminal event for every request"
+    assert set(ended.values()) <= {1}, "and only one each"
