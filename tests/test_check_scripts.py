@@ -52,6 +52,7 @@ def test_tpu_check_runs_small_in_the_interpreter(capsys):
     assert 0 < out["decode"]["pallas2"]["model_hbm"] < 1
 
 
+@pytest.mark.subprocess
 def test_the_check_scripts_exit_codes():
     pytest.importorskip("jax")
     for name in ("tpu_check", "gpu_check"):

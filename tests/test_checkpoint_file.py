@@ -176,6 +176,7 @@ def test_a_crashed_writers_temporary_file_is_removed_by_the_next_checkpoint(tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([path.name, held.name, other.name])
 
 
+@pytest.mark.subprocess
 def test_a_writer_killed_mid_checkpoint_leaves_a_file_the_next_one_removes(tmp_path) -> None:
     """A writer killed (SIGKILL) mid-checkpoint leaves its *.tmp behind; the
     next checkpoint to the same path removes it."""

@@ -131,6 +131,7 @@ def _in_subprocess(code: str, limit_bytes: int) -> subprocess.CompletedProcess[s
     )
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(
     "make",
     [

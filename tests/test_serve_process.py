@@ -28,6 +28,8 @@ httpx = pytest.importorskip("httpx")
 
 from serve_helpers import ROOT, start_serve  # noqa: E402
 
+pytestmark = pytest.mark.subprocess
+
 KEY = "sk-proc"
 
 
