@@ -498,8 +498,8 @@ def test_a_reload_applied_in_part_is_a_warning_naming_what_was_not(tiny, tmp_pat
 
 def test_a_refusal_that_can_never_pass_is_a_400_without_retry_after(tiny):
     """Over the tenant's cap, or over its rate burst: 400 naming the limit, no
-    Retry-After (it was 429 + Retry-After: 1, and clients that retry 429s
-    retried forever). Within the limits but busy stays a 429."""
+    Retry-After (a 429 + Retry-After: 1 would have clients that retry 429s
+    retry forever). Within the limits but busy stays a 429."""
     srv = tiny.server
     limited = {"tenant": [*TENANTS["tenant"],
                           {"name": "capped", "api_key": "sk-capped", "kv_cap_blocks": 8},

@@ -129,9 +129,9 @@ fn vtimes(s: &Scheduler, now: f64) -> Vec<(String, f64)> {
 }
 
 /// A step refused by full_validation serves nobody: the tenants' virtual
-/// times stay as if it never ran, then and after the next step. Before, the
-/// refused step's per-tenant token counts stayed in the scratch counts and
-/// were charged with the next step's (each tenant served twice for it).
+/// times stay as if it never ran, then and after the next step: the refused
+/// step's per-tenant token counts do not stay in the scratch counts to be
+/// charged with the next step's (each tenant served twice for it).
 #[test]
 fn a_refused_plan_charges_no_tenant() {
     let setup = || {
