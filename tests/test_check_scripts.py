@@ -23,6 +23,7 @@ def load(name: str) -> ModuleType:
     return module
 
 
+@pytest.mark.slow
 def test_tpu_check_runs_small_in_the_interpreter(capsys):
     pytest.importorskip("jax")
     check = load("tpu_check")

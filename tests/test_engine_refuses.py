@@ -65,6 +65,7 @@ def drive(eng: Engine) -> tuple[dict[int, list], dict[int, str]]:
 # -- ids outside the vocabulary -----------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bad", [256, 10**6, 2**31 - 1, -1])
 def test_a_prompt_id_outside_the_vocabulary_is_refused_naming_it_and_changes_nothing(bad):
     eng = engine()
@@ -76,6 +77,7 @@ def test_a_prompt_id_outside_the_vocabulary_is_refused_naming_it_and_changes_not
     assert eng.scheduler.stats(now=1.0) == before
 
 
+@pytest.mark.slow
 def test_the_engines_scheduler_knows_the_vocabulary_and_refuses_a_direct_submit():
     """Engine.create gives its scheduler the model's vocab_size: a request
     submitted to the scheduler directly, bypassing Engine.submit, is refused by
@@ -93,6 +95,7 @@ def test_the_engines_scheduler_knows_the_vocabulary_and_refuses_a_direct_submit(
         Engine(MODEL, PARAMS, kvsched.Scheduler(kvsched.SchedulerConfig(**CFG, vocab_size=300)))
 
 
+@pytest.mark.slow
 def test_a_plan_carrying_an_id_outside_the_vocabulary_ends_that_request_only():
     """With a scheduler that does not know the vocabulary (built by hand, no
     vocab_size), a request submitted to it directly bypasses every check; its
@@ -111,6 +114,7 @@ def test_a_plan_carrying_an_id_outside_the_vocabulary_ends_that_request_only():
     assert outs[good][-1].finish_reason == "length"
 
 
+@pytest.mark.slow
 def test_a_sampled_id_outside_the_vocabulary_is_never_committed():
     eng = engine()
     rid = eng.submit("t", PROMPT, SamplingParams(max_tokens=4))
@@ -135,6 +139,7 @@ def test_a_sampled_id_outside_the_vocabulary_is_never_committed():
 # -- weights and logits that are not finite -------------------------------------------------
 
 
+@pytest.mark.slow
 def test_non_finite_logits_end_that_request_with_an_error_and_others_run_on():
     """Token 200's embedding is NaN: a request that reads it has NaN logits (the
     attention guards would turn them into plausible tokens). It ends with
@@ -160,6 +165,7 @@ def test_non_finite_logits_end_that_request_with_an_error_and_others_run_on():
     )
 
 
+@pytest.mark.slow
 def test_warmup_refuses_weights_whose_logits_are_not_finite():
     """All-NaN q_proj: attention's guards make every token plausible-looking."""
     wq = PARAMS["layers"]["wq"].at[0].set(jnp.nan)

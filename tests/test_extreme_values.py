@@ -136,7 +136,10 @@ def _in_subprocess(code: str, limit_bytes: int) -> subprocess.CompletedProcess[s
     "make",
     [
         "kvsched.BlockPool(2**31 - 1, 1)",
-        "kvsched.Scheduler(kvsched.SchedulerConfig(num_blocks=2**27 - 1, block_size=16))",
+        pytest.param(
+            "kvsched.Scheduler(kvsched.SchedulerConfig(num_blocks=2**27 - 1, block_size=16))",
+            marks=pytest.mark.slow,
+        ),
         # The pool fits; its plan buffers (65535 x 65535 pages, twice) do not.
         "kvsched.Scheduler(kvsched.SchedulerConfig(num_blocks=2**16, block_size=16, "
         "max_num_seqs=2**16, max_batched_tokens=2**16, max_seq_len=2**20))",

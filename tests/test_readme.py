@@ -107,6 +107,7 @@ def test_the_readme_has_python_and_bash_blocks():
     assert len(blocks("python")) >= 2 and len(blocks("bash")) >= 3
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.model
 def test_python_blocks_run_as_written(tmp_path, monkeypatch):
@@ -166,6 +167,7 @@ def test_every_text_block_is_the_route_map_or_checked_output():
         assert body.startswith(tuple(TEXT_BLOCKS)), f"a text block no test checks: {body[:80]!r}"
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.model
 def test_the_eval_kv_output_is_what_kvsched_eval_kv_prints(tmp_path):
@@ -189,6 +191,7 @@ def test_the_eval_kv_output_is_what_kvsched_eval_kv_prints(tmp_path):
     assert_shows(text_block("int8 KV vs float32 KV"), done.stdout.replace(str(tmp_path), "~"))
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 def test_bash_blocks_are_covered_or_run(tmp_path):
     pytest.importorskip("matplotlib")

@@ -18,7 +18,7 @@ httpx = pytest.importorskip("httpx")
 
 from serve_helpers import start_serve  # noqa: E402
 
-pytestmark = pytest.mark.subprocess
+pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
 
 KEY = "sk-load"
 DRAIN_S = 1.5

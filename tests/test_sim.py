@@ -92,6 +92,7 @@ def test_every_scenario_runs_the_azure_excerpt_without_an_out_of_memory():
     assert "static" in text and "reserve_20%" in text
 
 
+@pytest.mark.slow
 def test_plots_are_written(tmp_path):
     base, arrivals, tenants = mixed()
     res = [simulate(base, tenants, arrivals[:30], COST, name="continuous")]
@@ -323,6 +324,7 @@ def _rows(out: str) -> dict[str, list[str]]:
     return rows
 
 
+@pytest.mark.slow
 def test_scenarios_run_at_a_load_where_they_differ_and_say_so(capsys):
     """The bundled Azure trace whole: at its own rate the reserve scenarios print
     the figures of the default; at the default --load (2x) they differ."""
