@@ -1,5 +1,5 @@
 """Does the ladder protect tier 0? A window of the Azure code trace squeezed to
-several loads, replayed without a ladder and with the default one (issue 14).
+several loads, replayed without a ladder and with the default one.
 
     python benches/tier0_ladder.py [--trace PATH] [--start S] [--seconds S]
                                    [--loads 3,10] [--tenants two|three]

@@ -1,11 +1,25 @@
-"""Shared test set-up: hypothesis profiles.
+"""Shared test set-up: hypothesis profiles, and the slow marks of files being
+rewritten elsewhere.
 
 `ci` (the default) keeps the suite within CI's budget on 2 cores; run the long one
 with KVSCHED_HYPOTHESIS=long for a deeper search.
+
+The tiers (markers registered in pyproject.toml; --strict-markers refuses others):
+
+    pytest -m "not slow" tests benches      # the quick tier
+    pytest -m "not slow and not model and not subprocess" tests benches
+    pytest tests benches --benchmark-disable  # everything, as .ci/run runs it
+
+`slow` tests take more than a few seconds each (4 s or more in a full run on a
+shared 2-core machine); `model` tests need the real SmolLM2 GGUF; `subprocess`
+tests start other processes.
 """
+
+from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -13,3 +27,47 @@ settings.register_profile(
 )
 settings.register_profile("long", max_examples=2000, deadline=None)
 settings.load_profile(os.environ.get("KVSCHED_HYPOTHESIS", "ci"))
+
+# The slow tests of files someone else is rewriting (the attention kernels and
+# their tests), marked here so as not to touch those files: test function names
+# (every parametrization), or a function name with its [parameters] for one case.
+# When those files change, move the marks into them and empty this table;
+# tests/test_markers.py checks that each name is still a test of its file.
+SLOW_ELSEWHERE: dict[str, set[str]] = {
+    "test_engine_attention.py": {
+        "test_gpu_query_blocks_never_straddle_sequences_and_cover_every_row_once",
+        "test_pallas_matches_the_reference_on_mixed_plans",
+        "test_the_gpu_kernel_matches_jaxs_gpu_paged_attention_on_decode",
+        "test_the_gpu_kernel_matches_the_reference_per_dtype",
+        "test_the_gpu_kernel_with_split_kv_matches_the_reference",
+        "test_tpu_v2_decode_path_matches_jaxs_tpu_decode_kernel",
+        "test_tpu_v2_matches_the_reference_at_tpu_page_sizes",
+        "test_tpu_v2_matches_the_reference_on_mixed_plans",
+        "test_tpu_v2_prefetch_chain_crosses_grid_steps",
+        "test_tpu_v2_reads_the_packed_layout_and_a_stacked_cache",
+    },
+    "test_engine_jax_backend.py": {
+        "test_jax_backend_in_bfloat16_on_a_mixed_plan",
+        "test_jax_backend_matches_our_reference_on_mixed_plans",
+        "test_jax_reference_is_what_the_backend_runs_off_tpu",
+        "test_the_engine_generates_the_same_greedy_tokens_as_the_reference_backend",
+        "test_the_jax_kernel_in_the_tpu_interpreter_on_one_small_plan",
+    },
+    "test_kernel_cost.py": {
+        "test_the_counts_are_what_the_kernel_does_in_the_interpreter",
+        "test_tpu_v2_counts_are_what_it_does_in_the_interpreter",
+    },
+    "test_tpu_head_dim.py": {
+        "test_a_layer_of_the_stacked_caches_equals_that_layer_sliced[16-split]",
+        "test_head_dims_match_the_reference_on_mixed_plans[9-3-64-packed-8-float32-2e-05]",
+        "test_head_dims_match_the_reference_on_mixed_plans[4-2-256-split-8-float32-2e-05]",
+        "test_head_dims_match_the_reference_on_mixed_plans[4-4-64-packed-16-float32-2e-05]",
+    },
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        names = SLOW_ELSEWHERE.get(item.path.name)
+        if names and (item.name in names or getattr(item, "originalname", None) in names):
+            item.add_marker(pytest.mark.slow)

@@ -140,7 +140,7 @@ def test_concurrency_limits(sched):
     assert e.value.reason == "concurrency"
     for _ in range(9):  # 12 = max_num_seqs 8 + max_waiting 4
         sched.submit("gold", ids(4), 4, now=0.0)
-    # Gold (tier 0) takes the places of bulk's waiting requests (issue 14),
+    # Gold (tier 0) takes the places of bulk's waiting requests,
     # newest first, each ended "shed"; with none left, it is refused.
     for _ in range(3):
         sched.submit("gold", ids(4), 4, now=0.0)

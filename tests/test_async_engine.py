@@ -42,6 +42,7 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [rng.integers(1, 256, int(rng.integers(3, 20))).tolist() for _ in range(n)]
 
 
+@pytest.mark.slow
 def test_concurrent_streams_each_end_once_with_the_models_tokens():
     ae = make()
 
@@ -61,6 +62,7 @@ def test_concurrent_streams_each_end_once_with_the_models_tokens():
     assert ae.scheduler.live_requests == 0
 
 
+@pytest.mark.slow
 def test_submits_from_other_threads_and_their_own_loops():
     ae = make()
     out: dict[int, list[int]] = {}
@@ -84,6 +86,7 @@ def test_submits_from_other_threads_and_their_own_loops():
         assert ids == greedy_dense(PARAMS, MODEL, prompts(1, seed=i)[0], 4)
 
 
+@pytest.mark.slow
 def test_a_consumer_that_goes_away_frees_its_request():
     ae = make()
     free_before = ae.scheduler.stats()["pool"]["free"]
@@ -116,6 +119,7 @@ def test_a_consumer_that_goes_away_frees_its_request():
     assert st["tenants"]["t"]["cancelled"] == 1
 
 
+@pytest.mark.slow
 def test_the_loop_sleeps_when_idle_and_wakes_on_submit():
     ae = make()
     time.sleep(0.3)
@@ -132,6 +136,7 @@ def test_the_loop_sleeps_when_idle_and_wakes_on_submit():
     assert len(ids) == 3 and ae.steps > steps
 
 
+@pytest.mark.slow
 def test_refusals_raise_rejected_and_map_to_http():
     ae = make(max_waiting=0, max_num_seqs=1)
 
@@ -159,6 +164,7 @@ def test_refusals_raise_rejected_and_map_to_http():
     assert http_status(exc) == (400, {})
 
 
+@pytest.mark.slow
 def test_shutdown_ends_every_stream_and_writes_the_checkpoint(tmp_path):
     path = tmp_path / "ckpt.jsonl"
     ae = make(checkpoint_path=str(path))
@@ -184,6 +190,7 @@ def test_shutdown_ends_every_stream_and_writes_the_checkpoint(tmp_path):
     assert records, "the checkpoint holds what was handed back"
 
 
+@pytest.mark.slow
 def test_the_loop_reports_its_step_and_model_time_to_prometheus():
     from prometheus_client import CollectorRegistry
     from prometheus_client.parser import text_string_to_metric_families

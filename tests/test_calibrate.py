@@ -117,6 +117,7 @@ def test_simulate_uses_the_file_and_refuses_another_models(tmp_path, capsys):
 # -- the engine on CPU ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_calibration_on_cpu_predicts_held_out_steps(tmp_path):
     """The tiny model on CPU: fitted on steps of 16, 64 and 128 tokens, the
     step cost predicts the engine's own measured step times on held-out mixes

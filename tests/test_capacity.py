@@ -144,7 +144,7 @@ def test_an_int8_kv_cache_counts_its_scales():
         capacity("llama-3-8b", "h100", kv_dtype="int8", kv_dtype_bytes=1)
 
 
-# -- issue 16: sliding-window layers, the cost table, help text ---------------------
+# -- sliding-window layers, the cost table, help text ------------------------------
 
 
 def test_gemma_2_sliding_window_layers_keep_only_their_window():

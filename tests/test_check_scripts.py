@@ -23,6 +23,7 @@ def load(name: str) -> ModuleType:
     return module
 
 
+@pytest.mark.slow
 def test_tpu_check_runs_small_in_the_interpreter(capsys):
     pytest.importorskip("jax")
     check = load("tpu_check")
@@ -52,6 +53,7 @@ def test_tpu_check_runs_small_in_the_interpreter(capsys):
     assert set(out["decode"]) <= {"pallas", "jax", "reference"}
 
 
+@pytest.mark.subprocess
 def test_the_check_scripts_exit_codes():
     pytest.importorskip("jax")
     for name in ("tpu_check", "gpu_check"):

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.subprocess
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -77,6 +79,7 @@ def venv_seeing_this_environment(where: Path) -> Path:
     return python
 
 
+@pytest.mark.slow
 def test_the_cuda_lowering_step_sees_the_venv_it_runs_from(tmp_path):
     """From a venv whose packages live in the venv alone, the step's child sees
     them and the plugin; the plugin is gone afterwards. (The step used a throwaway

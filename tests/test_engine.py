@@ -61,6 +61,7 @@ def prompts_with_shared_prefix(seed=0):
             for n, k in ((30, 0), (20, 7), (30, 5), (9, 14))]  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["reference", "pallas"])
 def test_paged_generation_equals_dense_recompute_with_chunks_and_cache_hits(backend):
     eng = engine(backend)
@@ -73,6 +74,7 @@ def test_paged_generation_equals_dense_recompute_with_chunks_and_cache_hits(back
     assert st["prefill_tokens"] < sum(len(p) for p in prompts), "and not recomputed"
 
 
+@pytest.mark.slow
 def test_paged_generation_equals_dense_under_overcommit_preemption():
     eng = engine(num_blocks=33, admission="overcommit", watermark_blocks=0)
     prompts = prompts_with_shared_prefix(seed=3)
@@ -81,6 +83,7 @@ def test_paged_generation_equals_dense_under_overcommit_preemption():
     assert got == [greedy_dense(PARAMS, MODEL, p, 12) for p in prompts]
 
 
+@pytest.mark.slow
 def test_warmup_compiles_every_bucket_and_nothing_recompiles_after():
     cfg = kvsched.SchedulerConfig(num_blocks=96, block_size=4, max_num_seqs=4,
                                   max_batched_tokens=32, max_seq_len=96)  # fmt: skip
@@ -101,6 +104,7 @@ def test_warmup_compiles_every_bucket_and_nothing_recompiles_after():
     assert eng.compiled_programs() == buckets
 
 
+@pytest.mark.slow
 def test_temperature_sampling_is_seeded():
     def sample(seed: int) -> list[list[int]]:
         cfg = kvsched.SchedulerConfig(num_blocks=96, block_size=4, max_num_seqs=4,
@@ -176,6 +180,7 @@ def test_the_pool_is_sized_from_measured_free_memory_where_there_is_one():
     assert eng.scheduler.config.num_blocks == sized.num_blocks
 
 
+@pytest.mark.slow
 def test_bf16_weights_generate_like_bf16_dense_recompute():
     model = LlamaConfig(**{**MODEL.__dict__, "dtype": "bfloat16"})
     params = init_params(model, seed=1)
@@ -189,6 +194,7 @@ def test_bf16_weights_generate_like_bf16_dense_recompute():
     assert eng.caches.dtype == jnp.bfloat16
 
 
+@pytest.mark.slow
 def test_the_engine_names_its_model_in_the_metrics():
     from prometheus_client import CollectorRegistry, generate_latest
 
@@ -205,6 +211,7 @@ def test_the_engine_names_its_model_in_the_metrics():
     assert Engine.create(MODEL, other, eng.scheduler.config).checksum != eng.checksum
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["reference", "pallas"])
 def test_a_packed_cache_generates_like_dense_recompute(backend):
     """The TPU kernel's layout for narrow heads ([.., kv_heads, 2*head_dim], one

@@ -1,4 +1,4 @@
-"""The engine refuses what it cannot serve (issue 14, F12-F14): token ids outside
+"""The engine refuses what it cannot serve: token ids outside
 the vocabulary (at submit, in a plan, and in what the sampler returns), weights
 that are not finite or not floating point, and paths that are not model files.
 Each refusal names what it refuses, and a refused request changes nothing."""
@@ -62,9 +62,10 @@ def drive(eng: Engine) -> tuple[dict[int, list], dict[int, str]]:
     return outs, errors
 
 
-# -- F13: ids outside the vocabulary ------------------------------------------------------
+# -- ids outside the vocabulary -----------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bad", [256, 10**6, 2**31 - 1, -1])
 def test_a_prompt_id_outside_the_vocabulary_is_refused_naming_it_and_changes_nothing(bad):
     eng = engine()
@@ -76,6 +77,7 @@ def test_a_prompt_id_outside_the_vocabulary_is_refused_naming_it_and_changes_not
     assert eng.scheduler.stats(now=1.0) == before
 
 
+@pytest.mark.slow
 def test_the_engines_scheduler_knows_the_vocabulary_and_refuses_a_direct_submit():
     """Engine.create gives its scheduler the model's vocab_size: a request
     submitted to the scheduler directly, bypassing Engine.submit, is refused by
@@ -93,6 +95,7 @@ def test_the_engines_scheduler_knows_the_vocabulary_and_refuses_a_direct_submit(
         Engine(MODEL, PARAMS, kvsched.Scheduler(kvsched.SchedulerConfig(**CFG, vocab_size=300)))
 
 
+@pytest.mark.slow
 def test_a_plan_carrying_an_id_outside_the_vocabulary_ends_that_request_only():
     """With a scheduler that does not know the vocabulary (built by hand, no
     vocab_size), a request submitted to it directly bypasses every check; its
@@ -111,6 +114,7 @@ def test_a_plan_carrying_an_id_outside_the_vocabulary_ends_that_request_only():
     assert outs[good][-1].finish_reason == "length"
 
 
+@pytest.mark.slow
 def test_a_sampled_id_outside_the_vocabulary_is_never_committed():
     eng = engine()
     rid = eng.submit("t", PROMPT, SamplingParams(max_tokens=4))
@@ -132,9 +136,10 @@ def test_a_sampled_id_outside_the_vocabulary_is_never_committed():
     assert rid in eng.outputs
 
 
-# -- F12: weights and logits that are not finite --------------------------------------------
+# -- weights and logits that are not finite -------------------------------------------------
 
 
+@pytest.mark.slow
 def test_non_finite_logits_end_that_request_with_an_error_and_others_run_on():
     """Token 200's embedding is NaN: a request that reads it has NaN logits (the
     attention guards would turn them into plausible tokens). It ends with
@@ -160,6 +165,7 @@ def test_non_finite_logits_end_that_request_with_an_error_and_others_run_on():
     )
 
 
+@pytest.mark.slow
 def test_warmup_refuses_weights_whose_logits_are_not_finite():
     """All-NaN q_proj: attention's guards make every token plausible-looking."""
     wq = PARAMS["layers"]["wq"].at[0].set(jnp.nan)
@@ -211,7 +217,7 @@ def test_the_safetensors_loader_refuses_a_non_finite_tensor_naming_it(tmp_path):
         load_llama_safetensors(tmp_path / "model.safetensors", MODEL)
 
 
-# -- F14: dtypes the model does not expect, paths that are not model files -----------------
+# -- dtypes the model does not expect, paths that are not model files ----------------------
 
 
 def test_the_gguf_loader_refuses_integer_tensors_naming_them(tmp_path):

@@ -51,6 +51,7 @@ def tokens(outs) -> list[int]:
 PROMPT = [5, 17, 99, 3, 42, 7]
 
 
+@pytest.mark.slow
 def test_a_seeded_request_draws_the_same_tokens_whatever_its_batch_mates():
     eng = engine()
     mine = (PROMPT, SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234))
@@ -65,6 +66,7 @@ def test_a_seeded_request_draws_the_same_tokens_whatever_its_batch_mates():
     assert alone != greedy_dense(PARAMS, MODEL, PROMPT, 12), "it did sample"
 
 
+@pytest.mark.slow
 def test_greedy_rows_equal_dense_recompute_beside_sampled_rows():
     eng = engine()
     prompts = [PROMPT, list(range(40, 61)), [1, 2, 3]]
@@ -80,6 +82,7 @@ def test_greedy_rows_equal_dense_recompute_beside_sampled_rows():
     assert outs[0][-1].completion_tokens == 10 and outs[0][-1].prompt_tokens == len(PROMPT)
 
 
+@pytest.mark.slow
 def test_mixed_sampling_parameters_never_recompile():
     eng = engine(max_logprobs=3)
     programs = eng.compiled_programs()
@@ -97,6 +100,7 @@ def test_mixed_sampling_parameters_never_recompile():
     assert eng.compiled_programs() == programs
 
 
+@pytest.mark.slow
 def test_logprobs_are_the_models_log_softmax_at_each_position():
     eng = engine(max_logprobs=4)
     outs = run(eng, [(PROMPT, SamplingParams(max_tokens=6, temperature=1.0, seed=3,
@@ -113,6 +117,7 @@ def test_logprobs_are_the_models_log_softmax_at_each_position():
         np.testing.assert_allclose([v for _, v in lp.top], np.sort(row)[::-1][:4], atol=2e-4)
 
 
+@pytest.mark.slow
 def test_bad_parameters_are_refused_and_change_nothing():
     eng = engine(max_logprobs=2)
     before = eng.scheduler.stats()["tenants"]["t"]
@@ -131,6 +136,7 @@ def test_bad_parameters_are_refused_and_change_nothing():
     assert eng.scheduler.stats()["tenants"]["t"] == before
 
 
+@pytest.mark.slow
 def test_cancel_ends_a_request_with_a_final_output():
     eng = engine()
     rid = eng.submit("t", PROMPT, SamplingParams(max_tokens=50))
@@ -141,6 +147,7 @@ def test_cancel_ends_a_request_with_a_final_output():
     assert eng.step() is None
 
 
+@pytest.mark.slow
 def test_stop_token_ids_end_a_request_with_reason_stop():
     eng = engine()
     want = greedy_dense(PARAMS, MODEL, PROMPT, 10)
@@ -169,6 +176,7 @@ def test_int8_kv_holds_about_twice_the_tokens_of_bf16_in_the_same_memory():
     assert int8 / bf16 == pytest.approx(128 / 68, rel=0.01)  # 64 B + 4 B scale vs 128 B
 
 
+@pytest.mark.slow
 def test_int8_kv_is_refused_without_a_passing_evaluation(tmp_path, monkeypatch):
     monkeypatch.setenv("KVSCHED_CACHE", str(tmp_path))
     cfg = kvsched.SchedulerConfig(**CFG)
@@ -196,6 +204,7 @@ def test_int8_kv_is_refused_without_a_passing_evaluation(tmp_path, monkeypatch):
         Engine.create(MODEL, PARAMS, cfg, kv_dtype="int8", kv_eval=report, backend="pallas")
 
 
+@pytest.mark.slow
 def test_int8_kv_generates_like_float_kv_on_the_tiny_model():
     """With a passing gate the int8 engine serves; its greedy tokens are those
     of the float32 engine for most positions (they may part near a tie)."""
@@ -210,6 +219,7 @@ def test_int8_kv_generates_like_float_kv_on_the_tiny_model():
     assert same >= 0.6 * 20
 
 
+@pytest.mark.slow
 def test_prompt_ids_outside_the_vocabulary_or_not_integers_are_refused():
     eng = engine()
     for bad in ([5, 17, 256], [5, -1], [5.7, 17.2], [[1, 2], [3, 4]]):
@@ -218,6 +228,7 @@ def test_prompt_ids_outside_the_vocabulary_or_not_integers_are_refused():
     assert eng.scheduler.live_requests == 0
 
 
+@pytest.mark.slow
 def test_requests_a_drain_hands_back_get_a_final_output():
     eng = engine()
     rids = [eng.submit("t", PROMPT, SamplingParams(max_tokens=40)) for _ in range(2)]

@@ -21,6 +21,8 @@ def run_check(*args: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize("backend", ["reference", "pallas"])
 def test_kv_heads_shard_over_four_devices_and_generation_is_unchanged(backend):
     r = run_check(backend)
@@ -34,6 +36,8 @@ def test_kv_heads_shard_over_four_devices_and_generation_is_unchanged(backend):
 
 # Each backend once with 2 KV heads, where a copy in the wrong place (heads tiled
 # rather than repeated) would be read by the wrong query heads.
+@pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize(("backend", "kv_heads"), [("reference", 1), ("pallas", 2)])
 def test_fewer_kv_heads_than_devices_are_copied_and_generation_is_unchanged(backend, kv_heads):
     """2 KV heads (GQA) or 1 (MQA) on 4 devices: each device holds one copy of
@@ -83,6 +87,7 @@ def test_a_mesh_the_heads_cannot_use_is_refused_typed_before_anything_is_built()
             kv_replicas(model(hq, hkv, ffn), n)
 
 
+@pytest.mark.slow
 def test_copied_heads_are_the_same_attention():
     """replicate_kv_heads on its own: the wide model's dense logits equal the
     original's, and each copy sits next to the head it copies."""

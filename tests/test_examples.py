@@ -3,6 +3,8 @@
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
@@ -27,6 +29,7 @@ def test_quickstart_accounts_for_every_request(capsys):
     assert "TTFT p50/p99" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_the_example_engine_accounts_for_every_request_and_never_recompiles():
     import pytest
 
@@ -40,6 +43,8 @@ def test_the_example_engine_accounts_for_every_request_and_never_recompiles():
     assert table["chat"]["cached_share"] > 0.3, "chat's system prompt is served from the cache"
 
 
+@pytest.mark.slow
+@pytest.mark.model
 def test_the_main_job_serves_the_real_model_in_real_text_and_prints_what_the_readme_shows(
     capsys,
 ):
@@ -72,6 +77,7 @@ def test_the_main_job_serves_the_real_model_in_real_text_and_prints_what_the_rea
     assert all("\n" not in texts[r] for r, (t, _) in labels.items() if t == "digest")
 
 
+@pytest.mark.slow
 def test_the_gpu_check_script_runs_its_checks_in_the_interpreter(capsys):
     import pytest
 
@@ -92,6 +98,8 @@ def test_the_gpu_check_script_runs_its_checks_in_the_interpreter(capsys):
     assert 0 < out["model_share"] < 1 and out["model_s"] > 0
 
 
+@pytest.mark.slow
+@pytest.mark.model
 def test_the_embedding_example_streams_real_answers_over_its_socket():
     import asyncio
 

@@ -28,6 +28,7 @@ def tied_params(seed: int = 3):
     return {**p, "lm_head": p["embed"].T}
 
 
+@pytest.mark.slow
 def test_a_llama_cpp_layout_file_loads_back_to_the_same_model(tmp_path):
     params = tied_params()
     path = tmp_path / "m.gguf"

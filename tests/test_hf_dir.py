@@ -89,6 +89,7 @@ def test_the_directory_loads_as_transformers_reads_it(model_dir):
                                   model.model.embed_tokens.weight.detach().numpy())  # fmt: skip
 
 
+@pytest.mark.subprocess
 def test_a_directory_served_generates_what_transformers_generates(tmp_path, model_dir):
     from serve_helpers import start_serve
 

@@ -1,4 +1,4 @@
-"""Beyond one host in the capacity and step-cost models (issue 17): `hosts` x
+"""Beyond one host in the capacity and step-cost models: `hosts` x
 `devices` accelerators as one tensor-parallel replica; KV per host; the
 all-reduces between hosts (a TPU slice's ICI spans its hosts, GPUs cross hosts
 over a NIC each)."""

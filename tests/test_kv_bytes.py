@@ -76,6 +76,7 @@ def test_the_capacity_table_names_the_sizes_the_engine_stores():
         assert kv_bytes_per_token(1, 1, 1, name) == kv_bytes(1, 1, 1, element, scale), name
 
 
+@pytest.mark.subprocess
 def test_capacity_imports_without_jax():
     """The formula lives in kvsched.capacity so that the capacity model and the
     simulator keep working with the core install (no JAX)."""

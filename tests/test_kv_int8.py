@@ -168,6 +168,7 @@ def test_stacked_layer_write_equals_a_per_layer_write_and_donates():
     np.testing.assert_array_equal(after.values, one.values)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("hq", "hkv", "block_size"), [(4, 2, 4), (8, 1, 2)])
 def test_reference_reads_int8_like_the_oracle_on_mixed_plans(hq, hkv, block_size):
     d, scale = 16, 0.25
@@ -268,6 +269,7 @@ def test_jit_donation_and_a_layer_scan_carry_the_pytree():
         np.testing.assert_allclose(outs[i], out, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_the_model_step_runs_on_int8_kv_close_to_float():
     """forward_paged (layers under lax.scan) over int8 caches vs float32 caches on
     the same plans: the logits stay close."""

@@ -1,5 +1,5 @@
 """A feature used without its pip extra says in one line which `pip install`
-brings it (it was a bare ModuleNotFoundError traceback). Each case runs in a
+brings it (not a bare ModuleNotFoundError traceback). Each case runs in a
 fresh interpreter where the extra's module cannot be imported."""
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+pytestmark = pytest.mark.subprocess
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -272,6 +272,8 @@ def test_a_follower_replaying_every_kind_of_input_stays_in_step_with_process_0(t
 # -- two processes ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_two_processes_generate_what_one_dense_process_does(tmp_path):
     """Greedy generation of a mixed workload on the tiny model sharded over 2 x 2
     devices equals the single-process dense recompute token for token, and the
@@ -307,6 +309,7 @@ def test_two_processes_generate_what_one_dense_process_does(tmp_path):
             assert fin[rid]["out"] == dense, f"request {rid}"
 
 
+@pytest.mark.subprocess
 def test_a_perturbed_input_is_caught_at_the_next_digest_check_on_both_hosts(tmp_path):
     rcs, logs, _ = run_pair("desync", tmp_path, timeout=60)
     assert rcs == [0, 0], logs
@@ -318,7 +321,8 @@ def test_a_perturbed_input_is_caught_at_the_next_digest_check_on_both_hosts(tmp_
         assert (r["step"], r["field"]) == (5, "token_ids"), r
 
 
-@pytest.mark.parametrize("kind", ["kill", "stall"])
+@pytest.mark.subprocess
+@pytest.mark.parametrize("kind", ["kill", pytest.param("stall", marks=pytest.mark.slow)])
 def test_a_lost_peer_ends_host_0_with_an_error_and_a_checkpoint(tmp_path, kind):
     rcs, logs, seconds = run_pair(kind, tmp_path, timeout=60, wait_for=(0,))
     if kind == "kill":
@@ -332,6 +336,8 @@ def test_a_lost_peer_ends_host_0_with_an_error_and_a_checkpoint(tmp_path, kind):
     assert len(in_flight) == 5 and all(r["generated_ids"] for r in in_flight)
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_a_peer_lost_inside_the_sharded_model_step_ends_host_0_with_a_checkpoint(tmp_path):
     rcs, logs, seconds = run_pair("kill-model", tmp_path, timeout=150, wait_for=(0,))
     assert rcs[1] == -signal.SIGKILL, logs[1]

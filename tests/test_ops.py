@@ -3,7 +3,6 @@ checkpoint and restore."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 import kvsched
@@ -50,7 +49,7 @@ def test_ladder_config_round_trips_and_bad_rungs_are_typed():
 
 def test_the_ladder_sheds_the_lowest_tier_caps_and_says_so():
     sched = make(ladder=RUNGS, ladder_retry_after_s=0.25)
-    # A middle tier: the ladder caps max_tokens below the top tier only (issue 14).
+    # A middle tier: the ladder caps max_tokens below the top tier only.
     sched.update_tenant(kvsched.TenantConfig("bulk", tier=2), now=0.0)
     sched.add_tenant(kvsched.TenantConfig("silver", tier=1))
     for _ in range(4):  # 4 x 16 blocks of 120: past half the pool
@@ -202,35 +201,6 @@ def test_drain_checkpoint_restore_finishes_every_request_with_the_same_tokens(tm
         assert got == want[i], f"request {i}"
 
 
-def test_restore_refuses_bad_records_with_a_typed_error(tmp_path):
-    bad = tmp_path / "bad.jsonl"
-    checkpoint.write_records(bad, [{"kind": "in_flight", "tenant": "gold"}])
-    with pytest.raises(kvsched.InvalidRequest, match="request_id"):
-        make().restore(bad, now=0.0)
-    # Issue 14: a line of no known kind makes the file one the reader cannot
-    # take whole, a CheckpointError (it was an InvalidRequest).
-    checkpoint.write_records(bad, [{"kind": "mystery"}])
-    with pytest.raises(kvsched.CheckpointError, match="unknown kind"):
-        make().restore(bad, now=0.0)
-    np.testing.assert_equal(make().stats(now=0.0)["live_requests"], 0)
-
-
-# -- found in review ------------------------------------------------------------
-
-
-def test_restore_checks_every_record_before_submitting_any(tmp_path):
-    good = {"kind": "in_flight", "request_id": 1, "tenant": "gold", "prompt_ids": [1, 2, 3],
-            "generated_ids": [4], "max_tokens": 5, "stop_token_ids": [], "cache_salt_hex": None,
-            "arrival": 0.0}  # fmt: skip
-    finished = {**good, "request_id": 2, "generated_ids": [4, 5, 6, 7, 8]}
-    path = tmp_path / "ckpt.jsonl"
-    checkpoint.write_records(path, [good, finished])
-    sched = make()
-    with pytest.raises(kvsched.InvalidRequest, match="had finished"):
-        sched.restore(path, now=0.0)
-    assert sched.live_requests == 0, "nothing was submitted"
-
-
 def test_reconfigure_restating_the_config_changes_nothing():
     sched = make(admission="overcommit", watermark_blocks=3, ladder=RUNGS, require_warmup=True,
                  prefix_cache_key=bytes(range(16)), ladder_retry_after_s=0.5)  # fmt: skip
@@ -240,13 +210,3 @@ def test_reconfigure_restating_the_config_changes_nothing():
     sched.reconfigure(**{k: getattr(before, k) for k in ("max_num_seqs", "ladder", "max_waiting")})
     assert sched.config == before
     assert sched.config.watermark_blocks == 3
-
-
-def test_checkpoint_leaves_no_temporary_file(tmp_path):
-    sched = make()
-    sched.submit("gold", ids(8), 4, now=0.0)
-    path = tmp_path / "ckpt.jsonl"
-    sched.checkpoint(path)
-    sched.checkpoint(path)  # over an existing one
-    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.jsonl"]
-    assert len(checkpoint.read_records(path)) == 1

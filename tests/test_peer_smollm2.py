@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = [pytest.mark.model, pytest.mark.subprocess]
+
 for name in ("torch", "transformers", "accelerate", "gguf", "jax"):
     pytest.importorskip(name, reason=f"the peer check needs {name}")
 

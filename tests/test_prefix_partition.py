@@ -1,4 +1,4 @@
-"""The eviction probe of issue 14 (F11) through the public API: with one LRU for
+"""The eviction probe through the public API: with one LRU for
 every tenant, tenant b learns from its own cache hits whether tenant a repeated a
 cached prompt or sent a new one; with prefix_cache_partition="tenant" everything
 b can read of itself is the same either way."""

@@ -84,7 +84,7 @@ def test_replay_split_over_tenants_keeps_prefixes_together_and_the_partition_cos
     assert 0 < parted.hit_tokens < shared.hit_tokens
 
 
-# -- issue 16: the hit rate and its ceiling on the same blocks -----------------
+# -- the hit rate and its ceiling on the same blocks --------------------------
 
 
 def test_the_ceiling_is_counted_on_the_caches_blocks_and_bounds_the_hit_rate():

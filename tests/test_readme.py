@@ -117,8 +117,20 @@ def test_the_documents_have_python_and_bash_blocks():
     assert blocks("python", README) and blocks("bash", README)
 
 
-@pytest.mark.parametrize("doc", [d for d in DOCUMENTS if blocks("python", d)],
-                         ids=lambda d: d.name)  # fmt: skip
+def _python_pages() -> list:
+    """The pages with Python blocks; one that calls the server is slow, starts a
+    process and needs the real model."""
+    pages = []
+    for doc in DOCUMENTS:
+        if not blocks("python", doc):
+            continue
+        serves = any("127.0.0.1:8000" in b for b in blocks("python", doc))
+        marks = [pytest.mark.slow, pytest.mark.subprocess, pytest.mark.model] if serves else []
+        pages.append(pytest.param(doc, id=doc.name, marks=marks))
+    return pages
+
+
+@pytest.mark.parametrize("doc", _python_pages())
 def test_python_blocks_run_as_written(doc, tmp_path, monkeypatch):
     """Blocks that call the server (`OpenAI(base_url=...:8000)`) run against a
     `kvsched serve` started here with the page's tenants file, on a free port
@@ -176,6 +188,9 @@ def test_every_text_block_is_the_route_map_or_checked_output():
         assert body.startswith(tuple(TEXT_BLOCKS)), f"a text block no test checks: {body[:80]!r}"
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.model
 def test_the_eval_kv_output_is_what_kvsched_eval_kv_prints(tmp_path):
     """`kvsched eval-kv` (one prompt, a few tokens: the same lines) in a home of
     its own, so its report lands there and its path reads as the README's."""
@@ -197,6 +212,8 @@ def test_the_eval_kv_output_is_what_kvsched_eval_kv_prints(tmp_path):
     assert_shows(text_block("int8 KV vs float32 KV"), done.stdout.replace(str(tmp_path), "~"))
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_bash_blocks_are_covered_or_run(tmp_path):
     pytest.importorskip("matplotlib")
     ran = 0

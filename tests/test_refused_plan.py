@@ -1,7 +1,7 @@
-"""Issue 14 leftover: a plan that full_validation refuses (InternalError) serves
-nobody. The tenants' virtual times (fair share) stay those of a scheduler where
-the refused step never ran, then and after the steps that follow; before, the
-refused step's service was charged again with the next step's."""
+"""A plan that full_validation refuses (InternalError) serves nobody. The
+tenants' virtual times (fair share) stay those of a scheduler where the refused
+step never ran, then and after the steps that follow: the refused step's
+service is not charged on top of the next step's."""
 
 from __future__ import annotations
 

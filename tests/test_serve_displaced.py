@@ -55,6 +55,7 @@ def wait_for(cond, timeout: float = 20.0) -> None:
         time.sleep(0.01)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_displaced_request_is_told_with_a_429_and_retry_after(server, stream):
     sched = server.server.scheduler

@@ -28,6 +28,7 @@ from kvsched.serve.tenants import TenantRegistry, parse_tenants  # noqa: E402
 TIERS = {"gold": (0, 40), "silver": (1, 80), "bronze": (2, 80)}  # tier, requests
 
 
+@pytest.mark.slow
 def test_two_hundred_concurrent_streams_all_end_and_tier_zero_is_never_refused():
     model = LlamaConfig()
     cfg = kvsched.SchedulerConfig(num_blocks=1200, block_size=16, max_num_seqs=16,

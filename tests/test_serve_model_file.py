@@ -34,6 +34,8 @@ def gguf_file(tmp_path):
     return path
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_a_gguf_file_is_served_tensor_parallel_and_greedy_tokens_equal_dense_recompute(
     tmp_path, gguf_file, monkeypatch
 ):

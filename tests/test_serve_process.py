@@ -28,6 +28,8 @@ httpx = pytest.importorskip("httpx")
 
 from serve_helpers import ROOT, start_serve  # noqa: E402
 
+pytestmark = pytest.mark.subprocess
+
 KEY = "sk-proc"
 
 
@@ -84,6 +86,7 @@ def test_a_port_in_use_is_refused_before_the_model_loads(tmp_path, tenants):
     assert time.monotonic() - t0 < 30
 
 
+@pytest.mark.slow
 def test_a_checkpoint_is_written_only_where_asked_and_never_shared(tmp_path, tenants):
     """Without --checkpoint a drain writes no file (it would hold every tenant's
     prompts and nothing reads it back: each client was told at the drain what it
@@ -123,6 +126,7 @@ def test_a_checkpoint_is_written_only_where_asked_and_never_shared(tmp_path, ten
     assert again.wait(60) == 0
 
 
+@pytest.mark.slow
 def test_it_says_what_it_is_doing_and_logs_no_probe_nor_jax_info(tmp_path, tenants):
     """/ready answers "loading" while the model loads and the warmup's progress
     while it compiles; the log shows each warmup part; the serving line comes
@@ -193,6 +197,7 @@ SEQUENCES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sequence", list(SEQUENCES))
 def test_signals_in_any_order_still_drain_every_stream_and_write_the_checkpoint(
     tmp_path, tenants, sequence
@@ -250,7 +255,7 @@ def test_signals_in_any_order_still_drain_every_stream_and_write_the_checkpoint(
     assert "Traceback" not in out and "terminate called" not in out, out
 
 
-@pytest.mark.parametrize("while_", ["loading", "warming"])
+@pytest.mark.parametrize("while_", ["loading", pytest.param("warming", marks=pytest.mark.slow)])
 def test_a_signal_while_loading_or_warming_up_exits_zero_at_once(tmp_path, tenants, while_):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -283,6 +288,7 @@ def test_a_signal_while_loading_or_warming_up_exits_zero_at_once(tmp_path, tenan
         assert "warmup stopped by the drain" in out
 
 
+@pytest.mark.slow
 def test_served_model_name_replaces_the_models_names(tmp_path, tenants):
     proc, url = start_serve(["--model", "tiny", "--tenants", str(tenants),
                              "--served-model-name", "my-model", "also-me"])  # fmt: skip
@@ -303,6 +309,7 @@ def test_served_model_name_replaces_the_models_names(tmp_path, tenants):
         proc.wait(60)
 
 
+@pytest.mark.slow
 def test_the_scheduler_table_and_flags_set_the_servers_scheduler(tmp_path, tenants):
     """The tenants file's [scheduler] table sets the knobs, a flag given wins
     over it, and the log says what the scheduler runs with."""
@@ -332,6 +339,7 @@ def gauge(metrics: str, name: str) -> float:
     return value
 
 
+@pytest.mark.slow
 def test_a_soak_of_mixed_requests_keeps_memory_flat_and_ends_with_nothing_held(tmp_path, tenants):
     """300 requests of every kind (answered, streamed and dropped, malformed,
     over the context, made-up methods and paths, over the body limit), ten at a

@@ -18,6 +18,8 @@ httpx = pytest.importorskip("httpx")
 
 from serve_helpers import start_serve  # noqa: E402
 
+pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
+
 KEY = "sk-load"
 DRAIN_S = 1.5
 

@@ -92,6 +92,7 @@ def test_every_scenario_runs_the_azure_excerpt_without_an_out_of_memory():
     assert "static" in text and "reserve_20%" in text
 
 
+@pytest.mark.slow
 def test_plots_are_written(tmp_path):
     base, arrivals, tenants = mixed()
     res = [simulate(base, tenants, arrivals[:30], COST, name="continuous")]
@@ -122,7 +123,7 @@ def test_the_kvsched_command(tmp_path, capsys):
         main(["capacity", "--model", "llama-3-9b"])
 
 
-# -- found in review ------------------------------------------------------------
+# -- static batching's leftovers, inter-token percentiles, time scale --------------
 
 
 def test_static_batching_keeps_what_does_not_fit_for_the_next_batch():
@@ -153,17 +154,18 @@ def test_time_scale_compresses_synthetic_workloads_too():
     assert len(a) == len(b)
 
 
-# -- issue 14: the ladder protects tier 0; capped requests are not "done" ------
+# -- the ladder protects tier 0; capped requests are not "done" ----------------
 
 
 @pytest.mark.parametrize("load", [3, 10])
 def test_the_ladder_is_no_worse_for_tier_0_on_a_squeezed_azure_window(load):
-    """The Azure code trace's first 225 s (the excerpt CI has; the issue measured
-    a 10-minute window of the full trace, see benches/tier0_ladder.py) at 3x and
-    10x load, split by prompt length into interactive (tier 0) and batch (tier
-    1), on the scheduler `kvsched simulate` sizes for llama-3-8b on one H100.
-    Before the fix, at 10x the default ladder's max_running and reject_fast
-    rungs raised tier 0's p99 TTFT (5.67 s -> 6.40 s)."""
+    """The Azure code trace's first 225 s (the excerpt CI has;
+    benches/tier0_ladder.py replays a 10-minute window of the full trace) at 3x
+    and 10x load, split by prompt length into interactive (tier 0) and batch
+    (tier 1), on the scheduler `kvsched simulate` sizes for llama-3-8b on one
+    H100. The default ladder's rungs act on the lower tier only: max_running
+    and reject_fast rungs that also held tier 0 back raised its p99 TTFT at 10x
+    (5.67 s -> 6.40 s)."""
     from kvsched.capacity import capacity
 
     full = workloads.azure(read_azure(DATA / "azure_code_head400.csv"))
@@ -206,7 +208,7 @@ def test_capped_requests_are_reported_apart_from_done():
     assert f"{bulk['capped']} ({bulk['tokens_short']})" in scenarios.table([r])
 
 
-# -- issue 16: what the table and plots show ---------------------------------------
+# -- what the table and plots show ------------------------------------------------
 
 
 def squeezed_pool():
@@ -322,6 +324,7 @@ def _rows(out: str) -> dict[str, list[str]]:
     return rows
 
 
+@pytest.mark.slow
 def test_scenarios_run_at_a_load_where_they_differ_and_say_so(capsys):
     """The bundled Azure trace whole: at its own rate the reserve scenarios print
     the figures of the default; at the default --load (2x) they differ."""

@@ -2,8 +2,8 @@
 workload small enough to work out by hand, and an independent per-token account
 of what the scheduler reported on a small trace excerpt under pressure
 (preemptions, displacements, refusals). simulate() keeps per-token bookkeeping
-out of its step loop (issue 16, speed); these tests pin that it still gives
-exactly what a loop over every token gives."""
+out of its step loop (for speed); these tests pin that it still gives exactly
+what a loop over every token gives."""
 
 from __future__ import annotations
 

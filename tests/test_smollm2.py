@@ -18,6 +18,8 @@ from kvsched.engine.sampling import SamplingParams  # noqa: E402
 
 from smollm2_helpers import smollm2  # noqa: E402
 
+pytestmark = [pytest.mark.model, pytest.mark.slow]
+
 
 @pytest.fixture(scope="module")
 def served():

@@ -192,6 +192,8 @@ def test_literal_vocabularies_are_the_modules() -> None:
         assert kvsched.SchedulerConfig(admission=mode).admission in _literal("_Admission")
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_mypy_strict_passes_on_the_examples() -> None:
     """Strict on everything it follows from the examples: the engine and serve
     packages included (no override in pyproject.toml hides a module's errors)."""

@@ -1,4 +1,4 @@
-"""Tier 0 first under every limit (issue 14), through the Python API: a higher
+"""Tier 0 first under every limit, through the Python API: a higher
 tier refused for a global limit that lower tiers hold displaces them (each
 ends "shed", with a retry_after, through the terminal events), all or nothing;
 the ladder caps max_tokens below the top tier only, and says so in the
@@ -42,7 +42,7 @@ def test_tier_0_takes_a_lower_tiers_waiting_place_and_its_waiter_is_told():
     s = make()
     bulk = [s.submit("bulk", ids(8), 8, now=0.0) for _ in range(2)]
     silver = [s.submit("silver", ids(8), 8, now=0.0) for _ in range(2)]
-    # 4 live requests, the cap: a new gold request used to be refused "concurrency".
+    # 4 live requests, the cap: a new gold request is not refused "concurrency".
     g = s.submit("gold", ids(8), 8, now=0.5)
     (f,) = s.take_finished()
     # The lowest tier first, the newest of it.

@@ -1,4 +1,4 @@
-"""The vocabulary bound in the core (issue 14, F13): with `vocab_size` set, a
+"""The vocabulary bound in the core: with `vocab_size` set, a
 prompt id outside the vocabulary is refused at submit (`invalid`, nothing
 admitted), a sampled one at commit (InvalidState, the plan still pending), a
 generated one in a checkpoint at restore (nothing restored). The engine sets it

@@ -1,11 +1,11 @@
 //! A pool whose prefix cache the allocator refuses is an InvalidConfig, never
-//! an abort (issue 14, F2 leftover).
+//! an abort.
 //!
 //! Its own test binary: the global allocator here refuses, while armed, every
 //! allocation of one given size, so the test can make exactly one of the
-//! prefix cache's per-page arrays fail. Before the cache allocated fallibly, the
-//! pool's size probe passed and the array's infallible allocation then aborted
-//! the process ("memory allocation of N bytes failed").
+//! prefix cache's per-page arrays fail. The pool's size probe passes; an
+//! infallible allocation of that array would then abort the process ("memory
+//! allocation of N bytes failed"), so the cache allocates fallibly.
 //!
 //! Built without the `python` feature only (`cargo test`): with it, the crate
 //! brings its own global allocator (mimalloc, rust/lib.rs) and a binary can

@@ -1,4 +1,4 @@
-//! Every integer knob at its extremes (issue 14, F1/F2): 0, 1, MAX - 1, MAX,
+//! Every integer knob at its extremes: 0, 1, MAX - 1, MAX,
 //! 2^31 - 1, 2^32, 2^63 and powers of two, for the scheduler's and the
 //! tenants' configuration, submit's `max_tokens` and the live updates. Each
 //! case ends in one of two ways: a typed `InvalidConfig` (or, for a request,
@@ -346,7 +346,8 @@ proptest! {
     }
 }
 
-/// The reproducers of issue 14, F1, one by one.
+/// A tenant floor no pool can hold (sums of floors and reservations that
+/// would wrap): refused as InvalidConfig, and nothing changes.
 #[test]
 fn a_floor_larger_than_any_pool_is_refused_and_changes_nothing() {
     let mut s = sched(256, 16);
@@ -406,7 +407,7 @@ fn a_huge_watermark_reserves_the_final_length() {
     }
 }
 
-/// F2: plan buffers are bounded by what the pool can use, so configs that ask
+/// Plan buffers are bounded by what the pool can use, so configs that ask
 /// for absurd shapes build small schedulers instead of crashing.
 #[test]
 fn plan_shapes_are_bounded_by_the_pool() {

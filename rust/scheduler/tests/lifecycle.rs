@@ -256,8 +256,8 @@ fn a_restored_request_keeps_its_max_tokens_under_a_cap_rung() {
 /// A request the ladder's cap_max_tokens rung capped keeps the mark through a
 /// checkpoint: restored into a fresh scheduler (no ladder), it finishes with
 /// the max_tokens it was admitted with, its caller's asked_max_tokens, and
-/// `max_tokens_capped()`. Before, the record held no asked_max_tokens and the
-/// restored request looked uncapped (asked == max_tokens).
+/// `max_tokens_capped()`, not as an uncapped request (asked == max_tokens):
+/// the record holds asked_max_tokens.
 #[test]
 fn a_capped_request_stays_capped_through_a_checkpoint() {
     let mut c = config(200, 8);

@@ -80,7 +80,7 @@ proptest! {
         // Terminal events of cancelled and handed-back requests, as delivered.
         let mut cancel_events = BTreeSet::new();
         let mut deadline_events = BTreeSet::new();
-        // Displaced for a higher tier (issue 14): ended Shed outside a commit.
+        // Displaced for a higher tier: ended Shed outside a commit.
         let mut shed_events = BTreeSet::new();
         let mut k = 0i32;
         for op in ops {

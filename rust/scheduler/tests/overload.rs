@@ -146,11 +146,11 @@ fn a_ten_times_burst_climbs_the_rungs_in_order_keeps_tier_0_fast_and_descends() 
     assert_eq!(on.level_at_end, 0, "moves: {:?}", on.moves);
     let downs: Vec<usize> = on.moves.iter().filter(|m| !m.1).map(|m| m.0).collect();
     assert_eq!(downs.last(), Some(&0));
-    // Rung 1 caps max_tokens of the tiers below the top only (issue 14: the
-    // ladder protects tier 0), and bulk, the only lower tier here, is shed by
-    // rung 0 whenever rung 1 is engaged: nothing is capped. (Before, gold's
-    // requests were capped; `cap_applies_below_the_top_tier_only` covers the
-    // cap on a middle tier.)
+    // Rung 1 caps max_tokens of the tiers below the top only (the ladder
+    // protects tier 0), and bulk, the only lower tier here, is shed by rung 0
+    // whenever rung 1 is engaged: nothing is capped, gold's requests least of
+    // all. (`cap_applies_below_the_top_tier_only` covers the cap on a middle
+    // tier.)
     assert_eq!(on.capped, 0, "tier 0's max_tokens are never capped");
     assert!(on.bulk_reasons.get("shed").copied().unwrap_or(0) > 0);
 
@@ -158,8 +158,8 @@ fn a_ten_times_burst_climbs_the_rungs_in_order_keeps_tier_0_fast_and_descends() 
     assert_eq!(on.gold_rejected, 0);
     let p = p99(&mut on.gold_ttft);
     assert!(p <= 0.1, "gold p99 ttft {p}");
-    // Without the ladder the burst fills the pool. Gold used to be refused
-    // then; since issue 14 it displaces bulk's waiting requests instead.
+    // Without the ladder the burst fills the pool: gold is not refused, it
+    // displaces bulk's waiting requests instead.
     assert_eq!(off.gold_rejected, 0, "{:?}", off.bulk_reasons);
     assert!(off.displaced > 0, "{:?}", off.bulk_reasons);
     let p_off = p99(&mut off.gold_ttft);

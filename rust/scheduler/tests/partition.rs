@@ -1,5 +1,6 @@
 //! The prefix cache partitioned by tenant (`CachePartition::Tenant`): the
-//! eviction probe of issue 14 (F11) and the knob's rules.
+//! eviction probe (what one tenant's cache hits reveal of another's prompts)
+//! and the knob's rules.
 //!
 //! The probe: tenant b caches a 40-block prompt, then tenant a either repeats
 //! an earlier prompt of its own (a cache hit: it takes almost no page) or

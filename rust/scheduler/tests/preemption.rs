@@ -151,8 +151,8 @@ proptest! {
         }
         for (a, b) in ids[0].iter().zip(&ids[1]) {
             if let (Some(a), Some(b)) = (a, b) {
-                // Displaced for a higher tier (issue 14): ended with a reason
-                // and a retry_after, never silently; the rest are undisturbed.
+                // Displaced for a higher tier: ended with a reason and a
+                // retry_after, never silently; the rest are undisturbed.
                 let f = &tight.finished[a];
                 if f.reason == FinishReason::Shed {
                     prop_assert!(f.retry_after.is_some());

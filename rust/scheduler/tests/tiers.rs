@@ -1,4 +1,4 @@
-//! Tier 0 first under every limit (issue 14): a higher tier refused for a
+//! Tier 0 first under every limit: a higher tier refused for a
 //! global limit that lower tiers hold displaces them (ended `Shed`, told
 //! through the terminal event, all or nothing); the ladder's rungs degrade
 //! the lower tiers and spare the top one.

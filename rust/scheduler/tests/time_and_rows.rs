@@ -1,5 +1,5 @@
-//! Issue 14, F4 and F5: the times a scheduler takes, and plan rows checked
-//! against the requests' own page lists.
+//! The times a scheduler takes (a clock in seconds, or refused), and plan
+//! rows checked against the requests' own page lists.
 
 use super::*;
 
@@ -12,7 +12,7 @@ fn rate_limited(rate: f64, burst: f64) -> Scheduler {
     s
 }
 
-/// F4: a time that is not a clock in seconds is refused, naming `now`, and
+/// A time that is not a clock in seconds is refused, naming `now`, and
 /// changes nothing, at every call that takes one.
 #[test]
 fn times_that_are_not_clocks_are_refused_and_change_nothing() {
@@ -50,7 +50,7 @@ fn times_that_are_not_clocks_are_refused_and_change_nothing() {
     s.check_invariants().unwrap();
 }
 
-/// F4: a bucket recovers from any time it accepted. Far ahead and back (a
+/// A rate bucket recovers from any time it accepted. Far ahead and back (a
 /// clock switched, a unit slip within bounds) re-bases it; time going back a
 /// little is jitter and refills nothing, as before.
 #[test]
@@ -67,7 +67,7 @@ fn a_rate_bucket_recovers_from_a_jump_ahead_and_back() {
         e => panic!("{e}"),
     };
     assert!(wait > 0.0 && wait < 10.0, "{wait}");
-    // ... and admitted once it has passed (before the fix: never).
+    // ... and admitted once it has passed (not refused for ever).
     s.submit("a", &prompt(2, 2), 90, 100.0 + wait + 1e-6)
         .unwrap();
 
@@ -81,7 +81,7 @@ fn a_rate_bucket_recovers_from_a_jump_ahead_and_back() {
     s.submit("a", &prompt(2, 1), 8, 1001.0).unwrap();
 }
 
-/// F5: a page-table row written behind the scheduler's back (another
+/// A page-table row written behind the scheduler's back (another
 /// request's page) is found against the requests' own page lists, even
 /// where the row cache says the row is unchanged, and repaired for the next
 /// step.
@@ -129,9 +129,9 @@ fn vtimes(s: &Scheduler, now: f64) -> Vec<(String, f64)> {
 }
 
 /// A step refused by full_validation serves nobody: the tenants' virtual
-/// times stay as if it never ran, then and after the next step. Before, the
-/// refused step's per-tenant token counts stayed in the scratch counts and
-/// were charged with the next step's (each tenant served twice for it).
+/// times stay as if it never ran, then and after the next step: the refused
+/// step's per-tenant token counts do not stay in the scratch counts to be
+/// charged with the next step's (each tenant served twice for it).
 #[test]
 fn a_refused_plan_charges_no_tenant() {
     let setup = || {

@@ -1,6 +1,8 @@
-"""Inputs a capacity planner brings that the simulator's authors had not tried
-(issue 16's review): each is refused with a clear, typed error before anything
-runs, or printed for what it is."""
+"""Unusual inputs a capacity planner may bring to the simulator, the max-rate
+search, `kvsched mix`, `kvsched sweep` and `kvsched capacity` (workloads that
+draw nothing, hand-edited files, conflicting options, infinite loads, output
+paths that cannot be written): each is refused with a clear, typed error before
+anything runs, or printed for what it is."""
 
 from __future__ import annotations
 
@@ -56,8 +58,8 @@ def test_a_max_rate_no_load_bound_is_costed_as_a_lower_bound(tmp_path, capsys):
 
 
 def test_rate_with_time_scale_is_refused(tmp_path, capsys):
-    # --time-scale stretched the drawn times while the search's other seeds
-    # were drawn at --rate itself (and the header printed --rate).
+    # --time-scale would stretch the drawn times while the search's other
+    # seeds are drawn at --rate itself (and the header prints --rate).
     path = tmp_path / "t.csv"
     path.write_text("prompt_tokens,output_tokens\n100,20\n200,30\n")
     assert main(["simulate", "--trace-path", str(path), "--rate", "2", "--time-scale", "2",
@@ -84,7 +86,7 @@ def test_mix_refuses_bad_machine_options_before_printing_anything(capsys):
 
 
 def test_an_slo_for_no_tenant_of_the_workload_is_refused(capsys):
-    # It used to be taken silently: goodput 0.000 req/s on every row.
+    # Taken silently, it would give goodput 0.000 req/s on every row.
     assert main(["sweep", "reserve", "--trace-path", AZURE, "--limit", "5", "--values", "0.1",
                  "--slo", "nobody:ttft=1"]) == 2  # fmt: skip
     assert main(["mix", "--loads", "1", "--seconds", "1", "--arrangements", "together",
@@ -115,7 +117,8 @@ def test_a_hand_edited_step_cost_file_is_refused_with_a_step_cost_error(tmp_path
 
 def test_simulate_says_where_its_step_times_come_from(tmp_path, capsys):
     # A calibration from another device (CPU here) gives the step times while
-    # --accelerator still sizes the pool: the header said only "on 1 x h100".
+    # --accelerator still sizes the pool: the header says both, not only
+    # "on 1 x h100".
     where = {"device": "cpu x86_64 x 1 (cpu, jax 0.4)", "backend": "reference"}
     cal = replace(StepCost.preset("llama-3-8b", "h100"), flop_rate=1e12, byte_rate=1e10,
                   calibration=where)  # fmt: skip
@@ -132,9 +135,9 @@ def test_simulate_says_where_its_step_times_come_from(tmp_path, capsys):
 
 
 def test_mix_says_the_together_engine_pays_its_all_reduces(capsys):
-    # The step cost charges tensor parallelism's all-reduces since the TP
-    # change; the mix header still said it did not, which read as together
-    # being flattered.
+    # The step cost charges tensor parallelism's all-reduces, and the mix
+    # header says so (saying it did not would read as together being
+    # flattered).
     assert main(["mix", "--loads", "1", "--seconds", "2", "--docs-rate", "4", "--arrangements",
                  "together"]) == 0  # fmt: skip
     out = capsys.readouterr().out
@@ -152,8 +155,8 @@ def test_a_limit_below_one_request_is_refused_as_such(capsys):
 
 
 def test_a_trace_file_given_with_a_synthetic_workload_is_refused(capsys):
-    # kvsched sweep chunk (prefill-vs-decode) --trace-path FILE ran the
-    # synthetic mix and ignored the file; simulate already refused it.
+    # kvsched sweep chunk (prefill-vs-decode) runs a synthetic mix: a
+    # --trace-path FILE would be ignored, so it is refused, as simulate does.
     assert main(["sweep", "chunk", "--trace-path", AZURE, "--values", "256"]) == 2
     out, err = capsys.readouterr()
     assert "synthetic" in err and out == ""
@@ -162,8 +165,8 @@ def test_a_trace_file_given_with_a_synthetic_workload_is_refused(capsys):
 @pytest.mark.parametrize("args", [["--time-scale", "inf"], ["--load", "inf"],
                                   ["--load", "1e-320"]])  # fmt: skip
 def test_an_infinite_load_or_time_scale_is_refused(capsys, args):
-    # --time-scale inf put every arrival at inf s and the replay never ended;
-    # --load inf squeezed them all to 0 s and printed "load infx".
+    # --time-scale inf would put every arrival at inf s and the replay never
+    # end; --load inf would squeeze them all to 0 s and print "load infx".
     assert main(["simulate", "--trace", "azure", "--trace-path", AZURE, "--limit", "20",
                  "--scenarios", "continuous", *args]) == 2  # fmt: skip
     assert "finite" in capsys.readouterr().err
@@ -179,8 +182,8 @@ def test_mix_refuses_an_infinite_load():
 
 
 def test_an_output_file_in_a_missing_folder_is_refused_before_the_run(tmp_path, capsys):
-    # It failed only when the result was written, after the whole search (or
-    # the whole calibration, minutes on a CPU).
+    # Refused at once, not when the result is written after the whole search
+    # (or the whole calibration, minutes on a CPU).
     bad = str(tmp_path / "no" / "such.json")
     assert main(["simulate", "--trace", "azure", "--trace-path", AZURE, "--limit", "20",
                  "--find-max-rate", "--slo", "*:ttft=2", "--json", bad]) == 2  # fmt: skip

@@ -1,7 +1,12 @@
-"""Issue 14, "Configs and numbers": extreme knobs (F1), plan shapes and
-allocation (F2), times (F4) and plan arrays nobody can write (F5), through
-the public API. Every bad value is a kvsched error, never a PanicException
-(a BaseException: `except Exception` would not catch it, so it fails here)."""
+"""Extreme values through the public API: knobs at the ends of their ranges
+(tenant floors, max_waiting, watermarks), plan shapes and allocations bounded by
+the pool (or refused when the process cannot hold them), times that are not a
+clock in seconds, and plan arrays nobody but the scheduler can write. Every bad
+value is a typed kvsched error, never a PanicException (a BaseException: `except
+Exception` would not catch it, so it fails here), and a scheduler built from
+extreme knobs stays consistent: after any run of operations, ending what is
+still live leaves nothing held. Integer knobs out of range are
+test_config_knobs.py's."""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import ctypes
 import subprocess
 import sys
 import textwrap
+from collections import Counter
 
 import hypothesis.strategies as st
 import numpy as np
@@ -45,7 +51,7 @@ def _run_all(s: kvsched.Scheduler, now: float = 0.0, max_steps: int = 500) -> No
         now += 0.01
 
 
-# -- F1 ----------------------------------------------------------------------------
+# -- knobs at the ends of their ranges ---------------------------------------------
 
 
 def test_a_floor_larger_than_any_pool_is_refused_naming_the_bound() -> None:
@@ -68,7 +74,7 @@ def test_a_floor_larger_than_any_pool_is_refused_naming_the_bound() -> None:
 
 
 def test_a_huge_max_waiting_leaves_requests_admissible() -> None:
-    s = _sched(max_num_seqs=8, max_waiting=2**64 - 8)  # wrapped to 0 before the fix
+    s = _sched(max_num_seqs=8, max_waiting=2**64 - 8)  # the sum must not wrap to 0
     s.add_tenant(kvsched.TenantConfig("a"))
     for k in range(10):
         s.submit("a", ids(4, start=k * 10 + 1), 4, now=0.0)
@@ -83,7 +89,7 @@ def test_a_huge_watermark_reserves_the_final_length_not_a_wrapped_one() -> None:
     assert s.stats(now=0.0)["pool"]["reserved"] == 19
 
 
-# -- F2 ----------------------------------------------------------------------------
+# -- plan shapes and allocations bounded by the pool ------------------------------
 
 
 @pytest.mark.parametrize(
@@ -125,11 +131,15 @@ def _in_subprocess(code: str, limit_bytes: int) -> subprocess.CompletedProcess[s
     )
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(
     "make",
     [
         "kvsched.BlockPool(2**31 - 1, 1)",
-        "kvsched.Scheduler(kvsched.SchedulerConfig(num_blocks=2**27 - 1, block_size=16))",
+        pytest.param(
+            "kvsched.Scheduler(kvsched.SchedulerConfig(num_blocks=2**27 - 1, block_size=16))",
+            marks=pytest.mark.slow,
+        ),
         # The pool fits; its plan buffers (65535 x 65535 pages, twice) do not.
         "kvsched.Scheduler(kvsched.SchedulerConfig(num_blocks=2**16, block_size=16, "
         "max_num_seqs=2**16, max_batched_tokens=2**16, max_seq_len=2**20))",
@@ -151,7 +161,7 @@ def test_a_pool_the_process_cannot_hold_is_an_error_not_an_abort(make: str) -> N
     assert r.stdout.startswith("refused"), r.stdout + r.stderr[-2000:]
 
 
-# -- F4 ----------------------------------------------------------------------------
+# -- times that are not a clock ----------------------------------------------------
 
 
 @pytest.mark.parametrize("bad", [1e308, 1e13, float("nan"), float("inf"), -float("inf"), -1.0])
@@ -192,7 +202,7 @@ def test_a_rate_limit_recovers_from_a_time_far_ahead() -> None:
     s.submit("a", ids(4), 90, now=50.0 + wait + 1e-6)
 
 
-# -- F5 ----------------------------------------------------------------------------
+# -- plan arrays nobody but the scheduler writes -----------------------------------
 
 
 def test_no_plan_array_can_be_made_writeable_again() -> None:
@@ -312,17 +322,92 @@ _PLAIN_TENANT = {
 
 
 @given(kw=scheduler_kwargs(), tenants=st.lists(tenant_kwargs(), min_size=1, max_size=2), ops=ops)
-@example(  # the issue's F1 reproducer: a floor that wrapped the pool's sum
+@example(  # a floor of 2**64 - 1 beside another: the floors' sum must not wrap
     kw={"num_blocks": 256, "block_size": 16, "max_num_seqs": 32, "max_batched_tokens": 2048},
     tenants=[
         {**_PLAIN_TENANT, "kv_floor_blocks": 4},
         {**_PLAIN_TENANT, "kv_floor_blocks": 2**64 - 1},
     ],
-    # 20 requests of 15 blocks each: more than the 229 usable, admitted
-    # before the fix: the huge floor hid every reservation of its tenant.
+    # 20 requests of 15 blocks each, more than the 229 usable: a wrapped sum
+    # would hide every reservation of the huge floor's tenant and admit them all.
     ops=[("submit", 1, 90, 150)] * 20 + [("step",)] * 40,
 )
-def test_extreme_knobs_raise_kvsched_errors_only(kw, tenants, ops) -> None:
+def test_extreme_knobs_raise_kvsched_errors_only_and_leave_nothing_held(kw, tenants, ops) -> None:
+    """Random operations on a scheduler built from extreme knobs raise typed
+    refusals only, and ending every request afterwards leaves nothing held
+    (`_run_ops`). Most of these configs are refused and the schedulers built
+    admit few requests: the next test runs the same operations on schedulers
+    that do."""
+    _run_ops(kw, tenants, ops)
+
+
+def mostly(values: st.SearchStrategy[int]) -> st.SearchStrategy[int]:
+    """`values` three times in four, else an extreme."""
+    return st.one_of(values, values, values, extreme)
+
+
+@st.composite
+def working_scheduler_kwargs(draw):
+    kw = {
+        "num_blocks": draw(st.integers(2, 300)),
+        "block_size": draw(st.sampled_from([1, 2, 4, 8, 16, 32])),
+        "max_num_seqs": draw(st.integers(1, 16)),
+        "max_batched_tokens": draw(mostly(st.integers(16, 512))),
+        "max_seq_len": draw(st.one_of(st.integers(2, 3000), st.just(2**31 - 1))),
+        "max_waiting": draw(mostly(st.integers(0, 16))),
+        "long_prefill_chunk": draw(mostly(st.integers(1, 128))),
+        "preempt_lower_tiers": draw(st.booleans()),
+        "full_validation": True,
+    }
+    if draw(st.booleans()):
+        kw["admission"] = "overcommit"
+        kw["watermark_blocks"] = draw(mostly(st.integers(0, 8)))
+    return kw
+
+
+@st.composite
+def working_tenant_kwargs(draw):
+    return {
+        "tier": draw(st.integers(0, 2)),
+        "kv_floor_blocks": draw(st.one_of(st.just(0), st.integers(0, 8))),
+        "kv_cap_blocks": draw(st.one_of(st.none(), st.integers(1, 300), extreme)),
+        "max_concurrent": draw(st.one_of(st.none(), st.integers(1, 8), st.just(2**32 - 1))),
+        "max_step_tokens": draw(st.one_of(st.none(), st.integers(1, 256), extreme)),
+    }
+
+
+working_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("submit"), st.integers(0, 1), st.integers(1, 90),
+                  mostly(st.integers(1, 64))),
+        st.tuples(st.just("step")),
+        st.tuples(st.just("cancel"), st.integers(0, 100)),
+        st.tuples(st.just("update"), st.integers(0, 1), working_tenant_kwargs()),
+        st.tuples(st.just("now"), st.sampled_from([0.0, 1e6, 1e12, 1e13, -1.0, float("nan")])),
+    ),
+    max_size=30,
+)  # fmt: skip
+
+
+@given(
+    kw=working_scheduler_kwargs(),
+    tenants=st.lists(working_tenant_kwargs(), min_size=2, max_size=2),
+    ops=working_ops,
+)
+def test_operations_on_working_schedulers_raise_kvsched_errors_only_and_leave_nothing_held(
+    kw, tenants, ops
+) -> None:
+    """The same operations where requests are admitted, run, share prompt
+    prefixes (every prompt starts 1, 2, 3, ...), are preempted, displaced and
+    cancelled: small pools and limits with an extreme value mixed in."""
+    _run_ops(kw, tenants, ops)
+
+
+def _run_ops(kw, tenants, ops) -> None:
+    """Build the scheduler (full_validation on: every step checks its plan
+    against the requests' pages) and its tenants, skipping what is refused, run
+    `ops`, then `_end_everything`. Every error on the way must be a typed
+    refusal, never an InternalError or a PanicException."""
     try:
         cfg = kvsched.SchedulerConfig(**kw)
     except kvsched.InvalidConfig:
@@ -339,15 +424,19 @@ def test_extreme_knobs_raise_kvsched_errors_only(kw, tenants, ops) -> None:
             s.add_tenant(kvsched.TenantConfig(name, **tk))
         except kvsched.InvalidConfig:
             pass
-    now, live = 0.0, []
+    now, live, issued = 0.0, [], []
+    ended: Counter[int] = Counter()  # terminal events delivered, by request id
     for op in ops:
         try:
             if op[0] == "submit":
-                live.append(s.submit(names[op[1]], ids(op[2]), op[3], now=now))
+                rid = s.submit(names[op[1]], ids(op[2]), op[3], now=now)
+                live.append(rid)
+                issued.append(rid)
             elif op[0] == "step":
                 plan = s.step(now=now)
                 if plan is not None:
-                    s.commit(plan, np.full(len(plan), 5, np.int32), now=now)
+                    events = s.commit(plan, np.full(len(plan), 5, np.int32), now=now)
+                    ended.update(f.request_id for f in events.finished)
             elif op[0] == "cancel" and live:
                 s.cancel(live.pop(op[1] % len(live)), now=now)
             elif op[0] == "update":
@@ -363,3 +452,37 @@ def test_extreme_knobs_raise_kvsched_errors_only(kw, tenants, ops) -> None:
             # all, fails the test.
             pass
         now += 0.01
+    _end_everything(s, issued, ended, now)
+
+
+def _end_everything(
+    s: kvsched.Scheduler, issued: list[int], ended: Counter[int], now: float
+) -> None:
+    """Cancel every request still live, then check what must hold once none is:
+    nothing running, waiting or planned; no page of the pool used, shared or
+    reserved, and nothing promised beyond the tenants' floors; every cached page
+    evictable; no tenant holding a page or a request; and every request
+    admitted has had its terminal event delivered exactly once."""
+    # The fuzz's clock may have run past the bound ([0, 1e12]); any accepted
+    # time is fine here (further back re-bases the clock).
+    end = min(now, 1e12)
+    for rid in issued:
+        try:
+            s.cancel(rid, now=end)  # False: it had ended on its own
+        except kvsched.UnknownRequest:
+            pass  # the fuzz cancelled it
+    assert s.step(now=end) is None
+    ended.update(f.request_id for f in s.take_finished())
+    assert s.live_requests == 0
+    stats = s.stats(now=end)
+    assert (stats["live_requests"], stats["running"], stats["waiting"]) == (0, 0, 0)
+    pool = stats["pool"]
+    assert (pool["used"], pool["shared"], pool["reserved"]) == (0, 0, 0), pool
+    assert pool["committed"] == sum(t["kv_floor_blocks"] for t in stats["tenants"].values())
+    assert pool["cached"] == pool["evictable"], pool
+    for name, t in stats["tenants"].items():
+        held = {k: t[k] for k in ("reserved_blocks", "used_blocks", "shared_blocks",
+                                  "live_requests", "waiting", "running")}  # fmt: skip
+        assert set(held.values()) == {0}, (name, held)
+    assert sorted(ended) == sorted(issued), "a terminal event for every request"
+    assert set(ended.values()) <= {1}, "and only one each"
