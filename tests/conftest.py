@@ -28,10 +28,9 @@ settings.register_profile(
 settings.register_profile("long", max_examples=2000, deadline=None)
 settings.load_profile(os.environ.get("KVSCHED_HYPOTHESIS", "ci"))
 
-# The slow tests of files someone else is rewriting (the attention kernels and
-# their tests), marked here so as not to touch those files: test function names
-# (every parametrization), or a function name with its [parameters] for one case.
-# When those files change, move the marks into them and empty this table;
+# The slow tests of the attention-kernel test files, marked here by name: a test
+# function's name (every parametrization), or a name with its [parameters] for
+# one case of a parametrized test (which a decorator cannot mark alone).
 # tests/test_markers.py checks that each name is still a test of its file.
 SLOW_ELSEWHERE: dict[str, set[str]] = {
     "test_engine_attention.py": {
@@ -54,7 +53,6 @@ SLOW_ELSEWHERE: dict[str, set[str]] = {
         "test_the_jax_kernel_in_the_tpu_interpreter_on_one_small_plan",
     },
     "test_kernel_cost.py": {
-        "test_the_counts_are_what_the_kernel_does_in_the_interpreter",
         "test_tpu_v2_counts_are_what_it_does_in_the_interpreter",
     },
     "test_tpu_head_dim.py": {

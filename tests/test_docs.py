@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 pytest.importorskip("mkdocs")
 pytest.importorskip("material")
+pytestmark = pytest.mark.subprocess  # each test runs `mkdocs build`
 
 
 def build(root: Path, site: Path) -> subprocess.CompletedProcess[str]:
