@@ -17,7 +17,7 @@ impl Scheduler {
             .slot_of(id)
             .ok_or(KvError::UnknownRequest(id))?;
         let now = self.clock.max(self.requests.get(slab).arrival);
-        self.end_by_caller(id, FinishReason::Cancelled, now)?
+        self.end_by_caller(id, FinishReason::Cancelled, None, now)?
             .ok_or(KvError::UnknownRequest(id))
     }
 
@@ -30,7 +30,7 @@ impl Scheduler {
     /// (cancel or stop twice is a bug in the caller).
     pub fn cancel_at(&mut self, id: u64, now: f64) -> KvResult<bool> {
         Ok(self
-            .end_by_caller(id, FinishReason::Cancelled, now)?
+            .end_by_caller(id, FinishReason::Cancelled, None, now)?
             .is_some())
     }
 
@@ -41,7 +41,9 @@ impl Scheduler {
     /// it was live, false when it already ended on its own; UnknownRequest for
     /// an id never issued or one the caller already ended.
     pub fn stop(&mut self, id: u64, now: f64) -> KvResult<bool> {
-        Ok(self.end_by_caller(id, FinishReason::Stop, now)?.is_some())
+        Ok(self
+            .end_by_caller(id, FinishReason::Stop, None, now)?
+            .is_some())
     }
 
     /// End live request `id` as `Error`: the host could not serve it (its
@@ -52,23 +54,20 @@ impl Scheduler {
     /// reports and what the host tells its client agree. Returns and errs as
     /// `cancel_at` does.
     pub fn fail(&mut self, id: u64, error: String, now: f64) -> KvResult<bool> {
-        let ended = self.end_by_caller(id, FinishReason::Error, now)?.is_some();
-        if ended {
-            if let Some(record) = self.ended.last_mut() {
-                debug_assert_eq!(record.id, id);
-                record.error = Some(error);
-            }
-        }
-        Ok(ended)
+        Ok(self
+            .end_by_caller(id, FinishReason::Error, Some(error), now)?
+            .is_some())
     }
 
-    /// End live request `id` for `reason` (Cancelled, Stop or Error) at `now`:
-    /// release it, count it, queue its terminal event. Ok(None) for an id
+    /// End live request `id` for `reason` (Cancelled, Stop or Error, with the
+    /// host's `error`) at `now`: release it, count it, queue its terminal
+    /// event. Ok(None) for an id
     /// issued and already ended on its own; nothing changes then.
     fn end_by_caller(
         &mut self,
         id: u64,
         reason: FinishReason,
+        error: Option<String>,
         now: f64,
     ) -> KvResult<Option<Request>> {
         self.accept_now(now)?;
@@ -80,7 +79,10 @@ impl Scheduler {
         };
         self.clock = self.clock.max(now);
         let req = self.release(slab);
-        let record = self.finished_record(&req, reason, now);
+        let record = FinishedRequest {
+            error,
+            ..self.finished_record(&req, reason, now)
+        };
         self.tenants
             .get_mut(req.tenant)
             .count_end(reason.is_finished(), now - req.arrival);
