@@ -171,7 +171,11 @@ def main(argv: list[str] | None = None) -> dict:
             tasks = [one(client_for, TENANTS[i % 3][0], TENANTS[i % 3][2], off, p, o, start,
                          np.random.default_rng(rng.integers(1 << 31)), model)
                      for i, (off, p, o) in enumerate(reqs)]  # fmt: skip
-            return await asyncio.gather(*tasks)
+            try:
+                return await asyncio.gather(*tasks)
+            finally:  # on this loop: their finalizers would try a closed one
+                for c in clients.values():
+                    await c.close()
 
         t0 = time.monotonic()
         records = asyncio.run(run())

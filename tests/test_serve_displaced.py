@@ -61,8 +61,10 @@ def test_a_displaced_request_is_told_with_a_429_and_retry_after(server, stream):
     sched = server.server.scheduler
 
     async def go():
-        low = server.async_client("sk-low")
-        gold = server.async_client("sk-gold")
+        async with server.async_client("sk-low") as low, server.async_client("sk-gold") as gold:
+            await displace(low, gold)
+
+    async def displace(low, gold):
         # Two long low-tier streams take both running places...
         running = []
         for _ in range(2):

@@ -67,9 +67,13 @@ def test_two_hundred_concurrent_streams_all_end_and_tier_zero_is_never_refused()
     async def main():
         clients = {n: openai.AsyncOpenAI(base_url=f"{running.url}/v1", api_key=f"sk-{n}",
                                          max_retries=0, timeout=120) for n in TIERS}  # fmt: skip
-        return await asyncio.wait_for(
-            asyncio.gather(*(one(clients[n], n, p, m) for n, p, m in jobs)), timeout=300
-        )
+        try:
+            return await asyncio.wait_for(
+                asyncio.gather(*(one(clients[n], n, p, m) for n, p, m in jobs)), timeout=300
+            )
+        finally:  # unclosed, their finalizers fail later on another test's loop
+            for c in clients.values():
+                await c.close()
 
     try:
         records = asyncio.run(main())

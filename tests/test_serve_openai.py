@@ -73,6 +73,9 @@ class Running:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, **kw)
 
     def async_client(self, key: str = KEY) -> openai.AsyncOpenAI:
+        """Use it in `async with`: an unclosed one is closed by its finalizer, as a
+        task on whatever loop runs the garbage collection (the server's, in a later
+        test), where it fails and asyncio logs an ERROR that test then sees."""
         return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0)
 
     def stop(self) -> None:
@@ -413,7 +416,10 @@ def test_a_refusal_is_a_429_with_retry_after(tiny):
     """`solo` may run one request at a time: a second one is refused."""
 
     async def go():
-        c = tiny.async_client("sk-test-solo")
+        async with tiny.async_client("sk-test-solo") as c:
+            await refused_while_running(c)
+
+    async def refused_while_running(c):
         first = await c.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=LONG,
                                            stream=True)  # fmt: skip
         async for _ in first:
@@ -908,7 +914,10 @@ def test_smollm2_streams_stop_strings_and_completions(smol):
     gg, running = smol
 
     async def go():
-        c = running.async_client()
+        async with running.async_client() as c:
+            await ask(c)
+
+    async def ask(c):
         stream = await c.chat.completions.create(
             model="SmolLM2", messages=QUESTION, temperature=0, max_tokens=24, stream=True,
             stream_options={"include_usage": True},
