@@ -22,7 +22,8 @@ kvsched calibrate --out FILE [--model tiny|smollm2] [--decode 1,16,64] [--prefil
 kvsched serve --tenants tenants.toml [--model smollm2|tiny] [--host H] [--port P]
               [--drain-seconds S] [--end-at TIME]
                                     the OpenAI-compatible server (pip install -e ".[engine,serve]")
-kvsched fetch-model                 fetch SmolLM2-135M-Instruct's GGUF into the cache
+kvsched fetch-model [smollm2-135m|gemma3-270m]
+                                    fetch a model's GGUF into the cache (default SmolLM2)
 kvsched eval-kv [--kv-dtype int8] [--prompts N] [--tokens N]
                                     the int8 KV gate: measured on the real model, saved
 """

@@ -15,9 +15,10 @@ OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
 def cmd_fetch_model(args: argparse.Namespace) -> int:
     from kvsched import model_files
 
-    path = model_files.fetch()
-    model_files.verify(path)
-    print(f"{path} ({model_files.SMOLLM2_135M.size:,} bytes, sha256 checked)")
+    model = model_files.MODELS[args.model]
+    path = model_files.fetch(model)
+    model_files.verify(path, model)
+    print(f"{path} ({model.size:,} bytes, sha256 checked)")
     return 0
 
 
@@ -186,7 +187,12 @@ def _load(args: argparse.Namespace, tenants: Any, end_at: float | None,
 
 def add_parsers(sub: Any) -> None:
     """The `fetch-model`, `eval-kv` and `serve` sub-commands."""
-    f = sub.add_parser("fetch-model", help="fetch SmolLM2-135M-Instruct's GGUF into the cache")
+    from kvsched.model_files import MODELS
+
+    f = sub.add_parser("fetch-model", help="fetch a model's GGUF file into the cache")
+    f.add_argument("model", nargs="?", default="smollm2-135m", choices=sorted(MODELS),
+                   help="which model (default smollm2-135m: SmolLM2-135M-Instruct; "
+                   "gemma3-270m: Gemma 3 270M, Gemma terms of use)")  # fmt: skip
     f.set_defaults(func=cmd_fetch_model)
 
     e = sub.add_parser("eval-kv", help="the quantized-KV gate, measured on the real model")
