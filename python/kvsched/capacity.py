@@ -4,7 +4,15 @@ and what serving a load costs three ways.
 Memory. The model's KV bytes per token come from kvsched.shapes (the formula
 the engine uses too). Weights take parameters x bytes per weight (bf16 2, int8
 1, int4 0.5). Usable KV = devices x HBM x (1 - overhead reserve) - weights.
-Sliding-window layers count at most their window of each sequence's tokens.
+
+Hybrid models (sliding-window or chunked local layers beside full ones) are
+priced per request from the layer pattern, two ways side by side. The hybrid
+layout (kvsched.shapes.group_layers): pages of Lg layers, a request reserving
+ceil(n / B) pages in each full group and at most ceil((W + chunk - 2) / B) + 1
+in each window group (kvsched.shapes.reserved_pages). The uniform layout, the
+baseline: pages of every layer, ceil(n / B) of them. Sequences of a context
+that fit = the pool's pages // one request's. The least any layout could hold,
+each layer keeping only the tokens it attends, is `max_concurrent_seqs`.
 Tensor parallelism is modelled as one device with the devices' summed memory:
 right for memory while the devices split the KV heads evenly (weights always
 split); past that each device still holds a whole KV head, and a token's KV
@@ -29,6 +37,7 @@ from here too.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -48,13 +57,39 @@ from kvsched.shapes import (  # noqa: F401
     WEIGHT_BYTES,
     Accelerator,
     CapacityError,
+    KVGroupLayout,
     ModelShape,
     kv_bytes,
+    reserved_pages_per_group,
     tensor_parallel_misfit,
 )
 
 if TYPE_CHECKING:
     import kvsched
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """The pool under one layout of the KV cache: pages of `layers_per_page`
+    layers x block_size tokens, and what one request of the context reserves."""
+
+    layout: KVGroupLayout
+    page_bytes: float
+    """Bytes of one page (padding slots included) over the whole replica."""
+    blocks: int
+    """Pages the usable KV bytes hold."""
+    group_pages: tuple[int, ...]
+    """Pages one request of the context reserves in each group."""
+    seqs: int
+    """Requests of the context that fit at once: blocks // pages_per_seq."""
+
+    @property
+    def layers_per_page(self) -> int:
+        return self.layout.layers_per_group
+
+    @property
+    def pages_per_seq(self) -> int:
+        return sum(self.group_pages)
 
 
 @dataclass(frozen=True)
@@ -67,38 +102,93 @@ class Capacity:
     usable_kv_bytes: float
     block_size: int
     kv_blocks: int
+    """Pages of every layer (the uniform layout) the usable bytes hold."""
     kv_tokens: int
     context: int
     max_concurrent_seqs: int
     """Sequences of `context` tokens that fit at once, sliding-window layers
-    keeping only their window (an engine that frees what slid out)."""
+    keeping only their window (an engine that frees what slid out, with no
+    reservation slack: the least any layout holds)."""
     full_context_seqs: int = 0
-    """The same if every layer kept every token (as kvsched's pages do: a page
-    holds all layers); equal to max_concurrent_seqs without sliding windows."""
+    """The same if every layer kept every token (the uniform layout: kvsched's
+    SchedulerConfig today); equal to max_concurrent_seqs without sliding windows."""
     hosts: int = 1
     """Hosts the devices are spread over, `devices` on each: KV and weights
     split evenly, each host holding 1 / hosts of every sequence's KV."""
+    chunk: int = 512
+    """The long-prefill chunk the hybrid reservation assumes (the scheduler's
+    default long_prefill_chunk)."""
+    hybrid: PoolLayout | None = None
+    """The pool in KV-cache groups (kvsched.shapes.group_layers) and what a
+    request reserves in it; the same figures as `uniform` for a model whose
+    layers are all full."""
+    uniform: PoolLayout | None = None
+    """The baseline: one group, every layer kept in full."""
 
     @property
     def kv_bytes_per_host(self) -> float:
         return self.usable_kv_bytes / self.hosts
 
+    @property
+    def hybrid_seqs(self) -> int:
+        """Sequences of `context` tokens reserve admission admits at once in
+        KV-cache groups."""
+        return self.hybrid.seqs if self.hybrid is not None else self.full_context_seqs
+
     def scheduler_config(self, **overrides: Any) -> kvsched.SchedulerConfig:
         """The kvsched.SchedulerConfig this capacity calls for (the overhead
-        reserve is already taken out of the pool, so the scheduler keeps none)."""
+        reserve is already taken out of the pool, so the scheduler keeps none):
+        the uniform layout's pool, every layer in every page."""
         import kvsched
 
+        if self.uniform is not None and self.uniform.seqs == 0:
+            raise CapacityError(
+                f"{self.model}: pages of every layer hold no sequence of {self.context:,} "
+                f"tokens ({self.uniform.blocks:,} pages, {self.uniform.pages_per_seq:,} a "
+                "sequence); a scheduler of KV-cache groups would hold "
+                f"{self.hybrid_seqs:,}"
+            )
         kw: dict[str, Any] = dict(
             num_blocks=self.kv_blocks + 1,  # + the null page
             block_size=self.block_size,
             max_seq_len=self.context,
-            # kvsched's pages hold every layer: no sliding-window saving here.
+            # The uniform layout: no sliding-window saving here.
             max_num_seqs=min(self.full_context_seqs or self.max_concurrent_seqs, 1024),
             overhead_reserve=0.0,
         )
         kw.update(overrides)
         kw.setdefault("max_batched_tokens", max(kw["max_num_seqs"], 2048))
         return kvsched.SchedulerConfig(**kw)
+
+
+def model_shape(model: str | ModelShape) -> ModelShape:
+    """A model preset by name (MODELS), a Hugging Face config.json by path
+    (ModelShape.from_hf_config), or the shape itself."""
+    if isinstance(model, ModelShape):
+        return model
+    if model in MODELS:
+        return MODELS[model]
+    if model.endswith(".json") or os.path.isfile(model):
+        return ModelShape.from_hf_config(model)
+    raise CapacityError(
+        f"unknown model {model!r}: a preset ({', '.join(sorted(MODELS))}) or the path of a "
+        "config.json"
+    )
+
+
+def pool_layout(
+    m: ModelShape, usable_bytes: float, per_token_bytes: float, *, block_size: int,
+    context: int, chunk: int, uniform: bool = False,
+) -> PoolLayout:  # fmt: skip
+    """The pool of `usable_bytes` under the hybrid (or uniform) layout of
+    `m`'s layers, a token of every layer costing `per_token_bytes`, and the
+    sequences of `context` tokens (admitted with long-prefill chunk `chunk`)
+    it holds under reserve admission."""
+    layout = m.kv_layout(uniform=uniform)
+    page = per_token_bytes / m.layers * layout.layers_per_group * block_size
+    blocks = int(usable_bytes // page)
+    group_pages = reserved_pages_per_group(layout.groups, context, 0, block_size, chunk)
+    return PoolLayout(layout, page, blocks, group_pages, blocks // sum(group_pages))
 
 
 def capacity(
@@ -113,22 +203,26 @@ def capacity(
     block_size: int = 16,
     context: int = 8192,
     hosts: int = 1,
+    chunk: int = 512,
 ) -> Capacity:
-    """KV capacity of a model on `hosts` x `devices` accelerators (one tensor-
-    parallel replica: weights and KV heads split over all of them, each device
-    holding at least one KV head, so that past the model's KV heads they are
-    stored more than once: `kv_bytes_per_token` is what the replica stores per
-    token). The KV cache is `kv_dtype` (a name in KV_DTYPES, int8 with its
-    scales) or `kv_dtype_bytes` per element (no scales); bf16 when neither is
-    given."""
-    m = MODELS[model] if isinstance(model, str) else model
+    """KV capacity of a model (a preset, a config.json path or a ModelShape)
+    on `hosts` x `devices` accelerators (one tensor-parallel replica: weights
+    and KV heads split over all of them, each device holding at least one KV
+    head, so that past the model's KV heads they are stored more than once:
+    `kv_bytes_per_token` is what the replica stores per token). The KV cache is
+    `kv_dtype` (a name in KV_DTYPES, int8 with its scales) or `kv_dtype_bytes`
+    per element (no scales); bf16 when neither is given. Sequences of
+    `context` tokens are counted in both layouts (`hybrid`, `uniform`), the
+    hybrid one reserving for requests admitted with long-prefill chunk
+    `chunk`; a context that fits neither is a CapacityError."""
+    m = model_shape(model)
     a = ACCELERATORS[accelerator] if isinstance(accelerator, str) else accelerator
     if precision not in WEIGHT_BYTES:
         raise CapacityError(f"precision must be one of {sorted(WEIGHT_BYTES)}, got {precision!r}")
     if (devices < 1 or hosts < 1 or not 0 <= overhead_reserve < 1 or block_size < 1
-            or context < 1):  # fmt: skip
+            or context < 1 or chunk < 1):  # fmt: skip
         raise CapacityError(
-            "devices, hosts, block_size and context must be >= 1, reserve in [0, 1)"
+            "devices, hosts, block_size, context and chunk must be >= 1, reserve in [0, 1)"
         )
     if kv_dtype is not None and kv_dtype_bytes is not None:
         raise CapacityError("give kv_dtype or kv_dtype_bytes, not both")
@@ -157,10 +251,17 @@ def capacity(
     else:
         seq_bytes = m.kv_bytes_per_sequence(context, kv_dtype=kv_dtype, block_size=block_size)
     seq_bytes *= copies
-    if blocks < per_seq_blocks:
+    uniform = pool_layout(m, usable, per_token, block_size=block_size, context=context,
+                          chunk=chunk, uniform=True)  # fmt: skip
+    hybrid = (pool_layout(m, usable, per_token, block_size=block_size, context=context,
+                          chunk=chunk) if m.is_hybrid else uniform)  # fmt: skip
+    if max(uniform.seqs, hybrid.seqs) == 0:
+        grouped = (f" ({hybrid.blocks:,} pages of {hybrid.layers_per_page} layers, "
+                   f"{hybrid.pages_per_seq:,} a sequence in KV-cache groups)"
+                   if m.is_hybrid else "")  # fmt: skip
         raise CapacityError(
             f"{m.name} on {where} x {a.name} leaves KV room for {blocks * block_size:,} "
-            f"tokens: not one sequence of {context:,}"
+            f"tokens{grouped}: not one sequence of {context:,}"
         )
     return Capacity(
         model=m.name,
@@ -175,11 +276,14 @@ def capacity(
         context=context,
         # Whole pages: the same figure as blocks // per_seq_blocks without windows.
         max_concurrent_seqs=(
-            blocks // per_seq_blocks if not m.sliding_layers
+            blocks // per_seq_blocks if not m.is_hybrid
             else int(usable // seq_bytes)
         ),
         full_context_seqs=blocks // per_seq_blocks,
         hosts=hosts,
+        chunk=chunk,
+        hybrid=hybrid,
+        uniform=uniform,
     )  # fmt: skip
 
 

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
-
-from kvsched.cli.common import preset_options
 
 
 def cmd_capacity(args: argparse.Namespace) -> int:
@@ -14,10 +13,11 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     from kvsched.maxrate_result import load_max_rate
 
     kv_bytes = None if args.kv_dtype else (2.0 if args.kv_bytes is None else args.kv_bytes)
-    c = cap.capacity(args.model, args.accelerator, devices=args.devices, precision=args.precision,
+    m = cap.model_shape(args.model)
+    c = cap.capacity(m, args.accelerator, devices=args.devices, precision=args.precision,
                      kv_dtype_bytes=kv_bytes, kv_dtype=args.kv_dtype, overhead_reserve=args.reserve,
                      block_size=args.block_size, context=args.context,
-                     hosts=args.hosts)  # fmt: skip
+                     hosts=args.hosts, chunk=args.chunk)  # fmt: skip
     where = f"{c.hosts} hosts x {c.devices}" if c.hosts > 1 else f"{c.devices}"
     print(f"{c.model} ({args.precision}) on {where} x {c.accelerator}")
     print(f"  weights          {c.weight_bytes / 1e9:10.1f} GB")
@@ -27,20 +27,24 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     if c.hosts > 1:
         print(f"  KV per host      {c.kv_bytes_per_host / 1e9:10.1f} GB (the pool split "
               "evenly over the hosts)")  # fmt: skip
-    print(f"  KV blocks        {c.kv_blocks:10,} of {c.block_size} tokens = {c.kv_tokens:,} tokens")
-    print(f"  sequences of {c.context:,} tokens at once: {c.max_concurrent_seqs:,}")
-    m = cap.MODELS[args.model]
-    if m.sliding_layers and m.sliding_window is not None:
-        print(f"    ({m.sliding_layers} of {m.layers} layers keep a {m.sliding_window:,}-token "
-              f"sliding window; {c.full_context_seqs:,} if every layer kept all "
-              f"{c.context:,} tokens, as kvsched's pages do)")  # fmt: skip
-    cfg = c.scheduler_config()
-    print(
-        f"  kvsched.SchedulerConfig(num_blocks={cfg.num_blocks}, block_size={cfg.block_size}, "
-        f"max_seq_len={cfg.max_seq_len}, max_num_seqs={cfg.max_num_seqs}, overhead_reserve=0.0)"
-    )
+    if m.is_hybrid:
+        _print_layouts(c, m)
+    else:
+        print(f"  KV blocks        {c.kv_blocks:10,} of {c.block_size} tokens = "
+              f"{c.kv_tokens:,} tokens")  # fmt: skip
+        print(f"  sequences of {c.context:,} tokens at once: {c.max_concurrent_seqs:,}")
+    try:
+        cfg = c.scheduler_config()
+    except cap.CapacityError:
+        print(f"  kvsched.SchedulerConfig: none (pages of every layer hold no sequence of "
+              f"{c.context:,} tokens)")  # fmt: skip
+    else:
+        uniform = "  (pages of every layer)" if m.is_hybrid else ""
+        print(f"  kvsched.SchedulerConfig(num_blocks={cfg.num_blocks}, "
+              f"block_size={cfg.block_size}, max_seq_len={cfg.max_seq_len}, "
+              f"max_num_seqs={cfg.max_num_seqs}, overhead_reserve=0.0){uniform}")  # fmt: skip
     if c.devices * c.hosts > 1:
-        _print_allreduce(args, cfg.max_num_seqs)
+        _print_allreduce(args, m, min(c.hybrid_seqs, 1024))
     if args.load is not None:
         if args.payg is None:
             print("cost: --payg (per million tokens) is needed with --load", file=sys.stderr)
@@ -71,7 +75,7 @@ def cmd_capacity(args: argparse.Namespace) -> int:
                       file=sys.stderr)  # fmt: skip
                 return 2
             max_rate = load_max_rate(
-                args.max_rate_json, model=args.model, accelerator=args.accelerator,
+                args.max_rate_json, model=m.name, accelerator=args.accelerator,
                 devices=args.devices,
             )  # fmt: skip
             # A self-hosted unit is then the simulated replica: its devices together.
@@ -111,18 +115,47 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_allreduce(args: argparse.Namespace, decode_seqs: int) -> None:
+def _print_layouts(c: Any, m: Any) -> None:
+    """The hybrid and the uniform layout of a hybrid model's KV side by side:
+    pages, what one request of the context reserves, sequences that fit."""
+    h, u = c.hybrid, c.uniform
+    print(f"  layers           {m.layers:10,} ({m.kinds_summary()})")
+    print(f"  {'KV layout':<29}{'hybrid':>10} {'uniform':>10}")
+    rows = (
+        ("KV-cache groups", h.layout.num_groups, u.layout.num_groups),
+        ("layers a page", h.layers_per_page, u.layers_per_page),
+        (f"pages of {c.block_size} tokens", h.blocks, u.blocks),
+        ("pages a request reserves", h.pages_per_seq, u.pages_per_seq),
+        (f"sequences of {c.context:,}", h.seqs, u.seqs),
+    )
+    for label, hybrid, uniform in rows:
+        print(f"    {label:<27}{hybrid:>10,} {uniform:>10,}")
+    # A request's pages per kind of group: the full groups hold every page of
+    # the context, a window group what its window and the chunk can touch.
+    per_kind = dict(zip(h.layout.groups, h.group_pages, strict=True))
+    print("  hybrid: a request of {:,} tokens reserves {} (long-prefill chunk {:,})".format(
+        c.context, ", ".join(f"{n:,} pages in each {k} group" for k, n in per_kind.items()),
+        c.chunk))  # fmt: skip
+    print(f"  each layer keeping only the tokens it attends: {c.max_concurrent_seqs:,} "
+          "sequences")  # fmt: skip
+
+
+def _print_allreduce(args: argparse.Namespace, m: Any, decode_seqs: int) -> None:
     """What tensor parallelism's all-reduces cost a decode step of
     `decode_seqs` sequences at half the context and a 2,048-token prefill step,
     in the step-cost model (sim/simulator.py)."""
+    import numpy as np
+
+    from kvsched.shapes import ACCELERATORS
     from kvsched.sim.simulator import StepCost
 
-    cost = StepCost.preset(args.model, args.accelerator, devices=args.devices, hosts=args.hosts,
-                           precision=args.precision)  # fmt: skip
+    cost = StepCost(m, ACCELERATORS[args.accelerator], devices=args.devices, hosts=args.hosts,
+                    precision=args.precision)  # fmt: skip
     print("  tensor-parallel all-reduces per step (2 per layer, not overlapped; step-cost model):")
+    decode_kv = cost.kv_tokens_read(np.full(decode_seqs, args.context // 2), np.ones(decode_seqs))
     for what, tokens, kv in (
-        (f"decode, {decode_seqs} seqs", decode_seqs, decode_seqs * args.context // 2),
-        ("prefill, 2,048 tokens", 2048, 2048),
+        (f"decode, {decode_seqs} seqs", decode_seqs, decode_kv),
+        ("prefill, 2,048 tokens", 2048, cost.kv_tokens_read(np.array([2048]), np.array([2048]))),
     ):
         ar, step = cost.allreduce_seconds(tokens), cost.seconds(tokens, kv)
         across = cost.host_bytes(tokens)
@@ -131,11 +164,31 @@ def _print_allreduce(args: argparse.Namespace, decode_seqs: int) -> None:
               f"({ar / step:.0%}){hosts}")  # fmt: skip
 
 
+def _model(value: str) -> str:
+    """--model: a preset's name or the path of a file (read when the command runs)."""
+    from kvsched.shapes import MODELS
+
+    if value in MODELS or os.path.isfile(value):
+        return value
+    raise argparse.ArgumentTypeError(
+        f"{value!r} is neither a preset ({', '.join(sorted(MODELS))}) nor a config.json file"
+    )
+
+
 def add_parsers(sub: Any) -> None:
     """The `capacity` sub-command."""
+    from kvsched.shapes import ACCELERATORS, MODELS
+
     c = sub.add_parser("capacity", help="KV capacity, the matching SchedulerConfig, cost")
-    preset_options(c, devices_help="accelerators, tensor parallel, memory summed as one big "
-                    "device; per host with --hosts (count; default 1)")  # fmt: skip
+    # Not preset_options: a model here may also be a config.json.
+    c.add_argument("--model", default="llama-3-8b", metavar="PRESET|CONFIG.JSON", type=_model,
+                   help=f"model preset ({', '.join(sorted(MODELS))}) or the path of a Hugging "
+                   "Face config.json (default llama-3-8b)")  # fmt: skip
+    c.add_argument("--accelerator", default="h100", choices=sorted(ACCELERATORS),
+                   help="accelerator preset (default h100)")  # fmt: skip
+    c.add_argument("--devices", type=int, default=1,
+                   help="accelerators, tensor parallel, memory summed as one big device; per "
+                   "host with --hosts (count; default 1)")  # fmt: skip
     c.add_argument("--hosts", type=int, default=1,
                    help="hosts of --devices accelerators each, one tensor-parallel replica over "
                    "all of them: KV per host and the all-reduce traffic between hosts (count; "
@@ -160,6 +213,10 @@ def add_parsers(sub: Any) -> None:
     )
     c.add_argument("--block-size", type=int, default=16,
                    help="tokens per KV page (default 16)")  # fmt: skip
+    c.add_argument("--chunk", type=int, default=512,
+                   help="long-prefill chunk in tokens a request is admitted with: what a "
+                   "sliding-window group reserves beside its window (default 512, the "
+                   "scheduler's)")  # fmt: skip
     c.add_argument(
         "--context",
         type=int,
