@@ -51,6 +51,7 @@ from kvsched.maxrate_result import MaxRate, load_max_rate  # noqa: F401
 from kvsched.shapes import (  # noqa: F401
     ACCELERATORS,
     COLLECTIVE_LATENCY_S,
+    FULL,
     GPU_HOST_LINK,
     KV_DTYPES,
     MODELS,
@@ -253,15 +254,18 @@ def capacity(
     seq_bytes *= copies
     uniform = pool_layout(m, usable, per_token, block_size=block_size, context=context,
                           chunk=chunk, uniform=True)  # fmt: skip
+    # KV-cache groups need a full-attention group 0: a model of windows alone
+    # (Mistral 7B v0.1) runs in the uniform layout.
+    grouped = m.is_hybrid and FULL in m.layer_types
     hybrid = (pool_layout(m, usable, per_token, block_size=block_size, context=context,
-                          chunk=chunk) if m.is_hybrid else uniform)  # fmt: skip
+                          chunk=chunk) if grouped else uniform)  # fmt: skip
     if max(uniform.seqs, hybrid.seqs) == 0:
-        grouped = (f" ({hybrid.blocks:,} pages of {hybrid.layers_per_page} layers, "
-                   f"{hybrid.pages_per_seq:,} a sequence in KV-cache groups)"
-                   if m.is_hybrid else "")  # fmt: skip
+        groups = (f" ({hybrid.blocks:,} pages of {hybrid.layers_per_page} layers, "
+                  f"{hybrid.pages_per_seq:,} a sequence in KV-cache groups)"
+                  if grouped else "")  # fmt: skip
         raise CapacityError(
             f"{m.name} on {where} x {a.name} leaves KV room for {blocks * block_size:,} "
-            f"tokens{grouped}: not one sequence of {context:,}"
+            f"tokens{groups}: not one sequence of {context:,}"
         )
     return Capacity(
         model=m.name,

@@ -120,6 +120,9 @@ def _print_layouts(c: Any, m: Any) -> None:
     pages, what one request of the context reserves, sequences that fit."""
     h, u = c.hybrid, c.uniform
     print(f"  layers           {m.layers:10,} ({m.kinds_summary()})")
+    if h is u:
+        print("  no full-attention layer: KV-cache groups need one (group 0), so every page "
+              "holds every layer")  # fmt: skip
     print(f"  {'KV layout':<29}{'hybrid':>10} {'uniform':>10}")
     rows = (
         ("KV-cache groups", h.layout.num_groups, u.layout.num_groups),
@@ -136,8 +139,9 @@ def _print_layouts(c: Any, m: Any) -> None:
     print("  hybrid: a request of {:,} tokens reserves {} (long-prefill chunk {:,})".format(
         c.context, ", ".join(f"{n:,} pages in each {k} group" for k, n in per_kind.items()),
         c.chunk))  # fmt: skip
-    print(f"  each layer keeping only the tokens it attends: {c.max_concurrent_seqs:,} "
-          "sequences")  # fmt: skip
+    n = c.max_concurrent_seqs
+    print(f"  each layer keeping only the tokens it attends: {n:,} "
+          f"sequence{'' if n == 1 else 's'}")  # fmt: skip
 
 
 def _print_allreduce(args: argparse.Namespace, m: Any, decode_seqs: int) -> None:
