@@ -462,3 +462,24 @@ def test_the_simulator_charges_each_step_the_windowed_read():
         (3 * 2048 + 15 * 1023) / 18,
         (3 * 2049 + 15 * 512) / 18,
     ]
+
+
+def test_calibration_counts_a_hybrid_engine_models_windowed_read():
+    """`kvsched calibrate` fits the byte rate on the KV a step read: the engine
+    model's layer kinds (`layer_kinds`) come into its ModelShape."""
+    pytest.importorskip("jax")
+    from types import SimpleNamespace
+
+    from kvsched.sim.calibrate import model_shape
+    from kvsched.sim.simulator import kv_tokens_read
+
+    kinds = ("sliding_window:16",) * 5 + ("full",)
+    config = SimpleNamespace(name="tiny-gemma3", n_layers=6, n_kv_heads=1, head_dim=8,
+                             vocab_size=64, dim=32, n_heads=2, ffn_dim=64,
+                             layer_kinds=kinds)  # fmt: skip
+    shape = model_shape(config, {"w": np.zeros((4, 8))})  # type: ignore[arg-type]
+    assert (shape.layer_types, shape.params) == (kinds, 32.0)
+    # A decode at 100: (1 x 100 + 5 x 16) / 6 = 30 tokens of every layer.
+    assert kv_tokens_read(shape, np.array([100]), np.array([1])) == 30
+    llama = SimpleNamespace(**{k: v for k, v in vars(config).items() if k != "layer_kinds"})
+    assert model_shape(llama, {}).layer_types == ("full",) * 6  # type: ignore[arg-type]

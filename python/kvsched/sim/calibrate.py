@@ -25,7 +25,8 @@ does not model.
 The fit: the simulator's model, step = overhead + max(compute, memory) with
 compute = tokens x 2 x params / flop_rate and memory = (weight bytes + KV bytes
 read) / byte_rate (kvsched.sim.simulator.StepCost; KV read = each scheduled
-sequence's kv_len, as the simulator counts it). Least squares on the relative
+sequence's kv_len, only what the window covers in a sliding-window layer, as
+the simulator counts it: kv_tokens_read). Least squares on the relative
 error (each point weighted by 1 / its time, so a 1 ms step counts as much as a
 100 ms one) of that exact max() model: the max() makes a point compute-bound
 exactly when tokens x 2 x params / (weight + KV bytes) is above
@@ -74,7 +75,7 @@ import numpy as np
 
 import kvsched
 from kvsched.shapes import Accelerator, ModelShape
-from kvsched.sim.simulator import StepCost
+from kvsched.sim.simulator import StepCost, kv_tokens_read
 
 if TYPE_CHECKING:
     from kvsched.engine.model_config import LlamaConfig
@@ -106,7 +107,7 @@ class Point:
 class Measured:
     point: Point
     tokens: int  # scheduled tokens of the step, as planned
-    kv_read: float  # sum of the scheduled sequences' kv_len (mean over the timed steps)
+    kv_read: float  # KV tokens the step read (kv_tokens_read; mean over the timed steps)
     seconds: float  # median of the timed steps
     samples: list[float] = field(default_factory=list)
     predicted: float = math.nan  # the fitted model's time
@@ -144,9 +145,13 @@ def model_shape(config: LlamaConfig, params: Any) -> ModelShape:
     import jax
 
     n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    # A hybrid model's layers (Gemma 3's config says them: `layer_kinds`): the
+    # step cost then charges a window layer only its window's KV.
+    kinds = tuple(getattr(config, "layer_kinds", ()))
     return ModelShape(config.name, config.n_layers, config.n_kv_heads, config.head_dim,
                       float(n), config.vocab_size, hidden=config.dim,
-                      query_heads=config.n_heads, ffn=config.ffn_dim)  # fmt: skip
+                      query_heads=config.n_heads, ffn=config.ffn_dim,
+                      layer_types=kinds)  # fmt: skip
 
 
 class Bench:
@@ -196,6 +201,7 @@ class Bench:
         sched.add_tenant(kvsched.TenantConfig(self.TENANT))
         self.engine: Engine = Engine(model, params, sched, backend=backend, kv_dtype=kv_dtype)
         self.steps_per_point = steps_per_point
+        self.shape = model_shape(model, params)  # what a step's KV read is counted on
         self.rng = np.random.default_rng(seed)
         self.vocab = model.vocab_size
 
@@ -254,7 +260,14 @@ class Bench:
                     )
                 if i >= warmup:
                     samples.append(res.seconds if clock == "wall" else cpu)
-                    kv.append(float(np.asarray(res.plan.kv_lens)[: len(res.plan)].sum()))
+                    n = len(res.plan)
+                    kv.append(
+                        kv_tokens_read(
+                            self.shape,
+                            np.asarray(res.plan.kv_lens)[:n],
+                            np.diff(np.asarray(res.plan.cu_q_lens)[: n + 1]),
+                        )
+                    )
         finally:
             for rid in decoders:
                 s.cancel(rid, now=now)

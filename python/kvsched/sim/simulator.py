@@ -66,6 +66,43 @@ class StepCostError(ValueError):
 STEP_COST_FORMAT = "kvsched-step-cost/1"
 
 
+def kv_tokens_read(model: ModelShape, kv_lens: np.ndarray, q_lens: np.ndarray) -> float:
+    """KV tokens a step reads, counted as tokens of every layer (what
+    `StepCost.memory_seconds` charges KV bytes per token for), of sequences with
+    these kv_lens (cached + scheduled) and q_lens (scheduled): a full layer
+    reads each sequence's kv_len, a sliding-window layer of W only what its
+    queries' windows cover, min(kv_len, W + q_len - 1), a chunked local layer
+    of C from the start of its first query's chunk; averaged over the layers.
+    The sum of kv_lens for a model of full layers."""
+    return _read(_kind_spans(model), model.layers, kv_lens, q_lens)
+
+
+def _kind_spans(model: ModelShape) -> tuple[tuple[int, str, int | None], ...]:
+    # (layers, kind name, span) of each distinct kind: the sum a step makes
+    # runs over a model's few kinds, not its layers.
+    kinds = Counter(model.layer_types)
+    return tuple((n, *parse_kind(k)) for k, n in kinds.items())
+
+
+def _read(
+    spans: tuple[tuple[int, str, int | None], ...], layers: int, kv_lens: np.ndarray,
+    q_lens: np.ndarray,
+) -> float:  # fmt: skip
+    kv = np.asarray(kv_lens, dtype=np.int64)
+    total = 0
+    for n, name, span in spans:
+        if span is None:
+            read = int(kv.sum())
+        else:
+            q = np.asarray(q_lens, dtype=np.int64)
+            if name == CHUNKED_LOCAL:
+                read = int((kv - (kv - q) // span * span).sum())
+            else:
+                read = int(np.minimum(kv, span + q - 1).sum())
+        total += n * read
+    return total / layers
+
+
 @dataclass(frozen=True)
 class StepCost:
     model: ModelShape
@@ -154,32 +191,11 @@ class StepCost:
 
     @cached_property
     def _spans(self) -> tuple[tuple[int, str, int | None], ...]:
-        # (layers, kind name, span) of each distinct kind: the step-by-step
-        # sum runs over a model's few kinds, not its layers.
-        kinds = Counter(self.model.layer_types)
-        return tuple((n, *parse_kind(k)) for k, n in kinds.items())
+        return _kind_spans(self.model)
 
     def kv_tokens_read(self, kv_lens: np.ndarray, q_lens: np.ndarray) -> float:
-        """KV tokens a step reads, counted as tokens of every layer (what
-        `memory_seconds` charges KV bytes per token for), of sequences with
-        these kv_lens (cached + scheduled) and q_lens (scheduled): a full layer
-        reads each sequence's kv_len, a sliding-window layer of W only what
-        its queries' windows cover, min(kv_len, W + q_len - 1), a chunked local
-        layer of C from the start of its first query's chunk; averaged over
-        the layers. The sum of kv_lens for a model of full layers."""
-        kv = np.asarray(kv_lens, dtype=np.int64)
-        total = 0
-        for layers, name, span in self._spans:
-            if span is None:
-                read = int(kv.sum())
-            else:
-                q = np.asarray(q_lens, dtype=np.int64)
-                if name == CHUNKED_LOCAL:
-                    read = int((kv - (kv - q) // span * span).sum())
-                else:
-                    read = int(np.minimum(kv, span + q - 1).sum())
-            total += layers * read
-        return total / self.model.layers
+        """`kv_tokens_read` of this cost's model."""
+        return _read(self._spans, self.model.layers, kv_lens, q_lens)
 
     def plan_kv_tokens(self, plan: kvsched.StepPlan) -> float:
         """`kv_tokens_read` of a plan's sequences (plan.kv_tokens, the sum of
