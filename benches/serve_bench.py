@@ -13,8 +13,8 @@ silver / bronze (tiers 0 / 1 / 2) in turn. Reports per tenant: requests, ended
 with a finish reason, HTTP errors by status, client-side TTFT and inter-token
 p50/p99, and goodput (requests/s that met the SLO: TTFT <= --slo-ttft and p99
 inter-token <= --slo-itl); and from the server's /metrics the share of engine
-step time spent outside the model (scheduling, detokenization, Python), the
-figure the serving issue asks to keep under 5%.
+step time spent outside the model (scheduling, detokenization, Python): the
+server's own overhead, which should stay under 5% of step time.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Shared test set-up: hypothesis profiles, and the slow marks of files being
-rewritten elsewhere.
+"""Shared test set-up: hypothesis profiles, and slow marks given by name
+(`SLOW_ELSEWHERE`): one case of a parametrized test, which a decorator cannot
+mark alone, and the slow tests of the attention-kernel files, marked from here.
 
 `ci` (the default) keeps the suite within CI's budget on 2 cores; run the long one
 with KVSCHED_HYPOTHESIS=long for a deeper search.
