@@ -20,6 +20,13 @@ use crate::tenant::Tenant;
 #[derive(Clone, Copy, Debug)]
 pub struct Capacity {
     pub block_size: usize,
+    /// Blocks the request reserves at its final length (prompt + max_tokens)
+    /// over the model's KV-cache groups: ceil(len / block_size) for a model
+    /// with one group (see crate::groups).
+    pub final_blocks: usize,
+    /// The same at its prompt's length (over-commit reserves that plus the
+    /// watermark).
+    pub prompt_blocks: usize,
     pub max_seq_len: usize,
     /// Pool pages less the overhead reserve.
     pub usable_blocks: usize,
@@ -238,15 +245,11 @@ pub fn decide(
         ));
     }
 
-    let final_blocks = final_len.div_ceil(cap.block_size);
+    let final_blocks = cap.final_blocks;
     let blocks = match cap.overcommit_watermark_blocks {
         None => final_blocks,
         // Saturating: a watermark past the final length reserves the final length.
-        Some(w) => prompt
-            .len()
-            .div_ceil(cap.block_size)
-            .saturating_add(w)
-            .min(final_blocks),
+        Some(w) => cap.prompt_blocks.saturating_add(w).min(final_blocks),
     };
 
     // A configured cap counts every page a request references, shared or not;

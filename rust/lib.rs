@@ -7,6 +7,7 @@
 pub mod admission;
 pub mod buckets;
 pub mod error;
+pub mod groups;
 pub mod ladder;
 pub mod metrics;
 pub mod page;

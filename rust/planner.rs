@@ -12,6 +12,7 @@
 
 use crate::buckets::TokenBuckets;
 use crate::error::{KvError, KvResult};
+use crate::groups::AttentionKind;
 use crate::page::BlockSize;
 use crate::pool::BlockPool;
 
@@ -27,6 +28,8 @@ pub struct PlanShape {
     pub block_size: BlockSize,
     /// num_blocks * block_size: out of range, so a padded write is dropped.
     pub pad_slot: i32,
+    /// KV-cache groups (crate::groups): one page table and slot mapping each.
+    pub num_groups: usize,
 }
 
 /// Mutable views of one buffer set; the bindings back these with numpy arrays.
@@ -41,11 +44,19 @@ pub struct PlanBuffers<'a> {
     pub num_seqs: &'a mut [i32],
     pub distribution: &'a mut [i32],
     pub logits_indices: &'a mut [i32],
+    /// The KV-cache groups after group 0: row-major [G - 1, S, PPS] (empty
+    /// for a model with one group).
+    pub group_page_indices: &'a mut [i32],
+    /// Row-major [G - 1, T].
+    pub group_slot_mapping: &'a mut [i32],
 }
 
 impl PlanBuffers<'_> {
     fn check_shape(&self, s: &PlanShape) -> KvResult<()> {
-        let ok = self.token_ids.len() == s.max_tokens
+        let extra = s.num_groups.saturating_sub(1);
+        let ok = self.group_page_indices.len() == extra * s.max_seqs * s.pages_per_seq
+            && self.group_slot_mapping.len() == extra * s.max_tokens
+            && self.token_ids.len() == s.max_tokens
             && self.positions.len() == s.max_tokens
             && self.slot_mapping.len() == s.max_tokens
             && self.cu_q_lens.len() == s.max_seqs + 1
@@ -76,11 +87,16 @@ pub struct OwnedPlanBuffers {
     pub num_seqs: Vec<i32>,
     pub distribution: Vec<i32>,
     pub logits_indices: Vec<i32>,
+    pub group_page_indices: Vec<i32>,
+    pub group_slot_mapping: Vec<i32>,
 }
 
 impl OwnedPlanBuffers {
     pub fn new(s: &PlanShape) -> Self {
+        let extra = s.num_groups.saturating_sub(1);
         OwnedPlanBuffers {
+            group_page_indices: vec![0; extra * s.max_seqs * s.pages_per_seq],
+            group_slot_mapping: vec![s.pad_slot; extra * s.max_tokens],
             token_ids: vec![0; s.max_tokens],
             positions: vec![0; s.max_tokens],
             slot_mapping: vec![s.pad_slot; s.max_tokens],
@@ -104,6 +120,25 @@ impl OwnedPlanBuffers {
             num_seqs: &mut self.num_seqs,
             distribution: &mut self.distribution,
             logits_indices: &mut self.logits_indices,
+            group_page_indices: &mut self.group_page_indices,
+            group_slot_mapping: &mut self.group_slot_mapping,
+        }
+    }
+
+    /// Group `g`'s page table, row-major [S, PPS] (group 0: `page_indices`).
+    pub fn group_rows(&self, s: &PlanShape, g: usize) -> &[i32] {
+        let n = s.max_seqs * s.pages_per_seq;
+        match g {
+            0 => &self.page_indices,
+            _ => &self.group_page_indices[(g - 1) * n..g * n],
+        }
+    }
+
+    /// Group `g`'s slot mapping, [T] (group 0: `slot_mapping`).
+    pub fn group_slots(&self, s: &PlanShape, g: usize) -> &[i32] {
+        match g {
+            0 => &self.slot_mapping,
+            _ => &self.group_slot_mapping[(g - 1) * s.max_tokens..g * s.max_tokens],
         }
     }
 }
@@ -509,6 +544,190 @@ pub fn validate(
             .all(|&c| c as usize == written.num_tokens);
     if !pad_ok {
         return bad("padding out of contract".into());
+    }
+    Ok(())
+}
+
+/// What one page-table row of a KV-cache group after group 0 holds, per
+/// buffer set: as `RowCache`, plus the first block the row holds (the null
+/// page before it).
+#[derive(Clone, Debug)]
+pub struct GroupRowCache {
+    keys: Vec<u64>,
+    filled: Vec<u32>,
+    from: Vec<u32>,
+}
+
+impl GroupRowCache {
+    pub fn new(max_seqs: usize) -> Self {
+        GroupRowCache {
+            keys: vec![0; max_seqs],
+            filled: vec![0; max_seqs],
+            from: vec![0; max_seqs],
+        }
+    }
+
+    /// See `RowCache::forget`.
+    pub fn forget(&mut self) {
+        self.keys.fill(0);
+        self.filled.fill(0);
+        self.from.fill(0);
+    }
+}
+
+/// A sequence of a plan as the KV-cache groups after group 0 see it: its
+/// queries are positions [start, start + q_len); `tables[g]` is group g + 1's
+/// page table, holding the null page before `live_from[g]`.
+pub struct GroupSeq<'a> {
+    pub row_key: u64,
+    pub start: usize,
+    pub q_len: usize,
+    pub tables: &'a [Vec<u32>],
+    pub live_from: &'a [usize],
+}
+
+/// Write the KV-cache groups after group 0 of a plan that `write_plan` wrote:
+/// each group's page-table row and slot of every token, padding as group 0's.
+/// `seqs` are the plan's sequences in plan order. Checked as they are
+/// written: a table covers the same blocks as the sequence's kv_len, every
+/// block a query reads (`AttentionKind::visible_from` its first query) is a
+/// page, and a page written is held alone.
+pub fn write_groups(
+    shape: &PlanShape,
+    bufs: &mut PlanBuffers<'_>,
+    rows: &mut [GroupRowCache],
+    pool: &BlockPool,
+    kinds: &[AttentionKind],
+    seqs: &[GroupSeq<'_>],
+    written: &WrittenPlan,
+) -> KvResult<()> {
+    let (bs, pps, s, t) = (
+        shape.block_size,
+        shape.pages_per_seq,
+        shape.max_seqs,
+        shape.max_tokens,
+    );
+    debug_assert_eq!(rows.len(), kinds.len());
+    let check_owner = pool.shared() > 0;
+    for (g, (&kind, rows)) in kinds.iter().zip(rows.iter_mut()).enumerate() {
+        let table = &mut bufs.group_page_indices[g * s * pps..(g + 1) * s * pps];
+        let slots = &mut bufs.group_slot_mapping[g * t..(g + 1) * t];
+        let mut off = 0;
+        for (i, seq) in seqs.iter().enumerate() {
+            let (pages, from) = (&seq.tables[g], seq.live_from[g]);
+            let kv_len = seq.start + seq.q_len;
+            let read_from = kind.visible_from(seq.start) / bs.get();
+            if pages.len() != bs.blocks_for(kv_len) || pages.len() > pps || from > read_from {
+                return Err(KvError::Internal(format!(
+                    "invalid step plan: sequence {i} has {} pages of group {} from block \
+                     {from} for kv_len {kv_len}",
+                    pages.len(),
+                    g + 1
+                )));
+            }
+            let mut last = u32::MAX;
+            for (k, pos) in (seq.start..kv_len).enumerate() {
+                let (idx, in_page) = bs.split(pos);
+                let page = pages[idx];
+                if page != last {
+                    if check_owner && pool.refcount(page) != 1 {
+                        return Err(not_own(i, page));
+                    }
+                    last = page;
+                }
+                slots[off + k] = (page as usize * bs.get() + in_page) as i32;
+            }
+            off += seq.q_len;
+            let row = &mut table[i * pps..(i + 1) * pps];
+            let filled = rows.filled[i] as usize;
+            let was_from = rows.from[i] as usize;
+            if rows.keys[i] == seq.row_key && was_from <= from && filled <= pages.len() {
+                // Tables only grow at the end and give back at the front.
+                row[was_from..from].fill(0);
+                for (dst, &p) in row[filled..pages.len()].iter_mut().zip(&pages[filled..]) {
+                    *dst = p as i32;
+                }
+            } else {
+                row[..filled.max(pages.len())].fill(0);
+                for (dst, &p) in row[from..pages.len()].iter_mut().zip(&pages[from..]) {
+                    *dst = p as i32;
+                }
+            }
+            rows.keys[i] = seq.row_key;
+            rows.filled[i] = pages.len() as u32;
+            rows.from[i] = from as u32;
+        }
+        debug_assert_eq!(off, written.num_tokens);
+        slots[off..written.bucket].fill(shape.pad_slot);
+        for i in seqs.len()..s {
+            let filled = rows.filled[i] as usize;
+            table[i * pps..i * pps + filled].fill(0);
+            rows.keys[i] = 0;
+            rows.filled[i] = 0;
+            rows.from[i] = 0;
+        }
+    }
+    Ok(())
+}
+
+/// `validate` for the KV-cache groups after group 0, against the plan's
+/// shared arrays: each row holds the null page past kv_len, a page for every
+/// block its first query reads from, and the slots its rows say; pages
+/// written are held alone; padding is in contract.
+pub fn validate_groups(
+    shape: &PlanShape,
+    bufs: &PlanBuffers<'_>,
+    written: &WrittenPlan,
+    pool: &BlockPool,
+    kinds: &[AttentionKind],
+) -> KvResult<()> {
+    let bad = |m: String| Err(KvError::Internal(format!("invalid step plan: {m}")));
+    let (bs, pps, s, t) = (
+        shape.block_size.get(),
+        shape.pages_per_seq,
+        shape.max_seqs,
+        shape.max_tokens,
+    );
+    let n = written.num_seqs;
+    for (g, &kind) in kinds.iter().enumerate() {
+        let table = &bufs.group_page_indices[g * s * pps..(g + 1) * s * pps];
+        let slots = &bufs.group_slot_mapping[g * t..(g + 1) * t];
+        for i in 0..n {
+            let (lo, hi) = (bufs.cu_q_lens[i] as usize, bufs.cu_q_lens[i + 1] as usize);
+            let kv = bufs.kv_lens[i] as usize;
+            let first = kv - (hi - lo);
+            let row = &table[i * pps..(i + 1) * pps];
+            let used = kv.div_ceil(bs);
+            let read_from = kind.visible_from(first) / bs;
+            if row[read_from..used].contains(&0) || row[used..].iter().any(|&p| p != 0) {
+                return bad(format!(
+                    "sequence {i}: group {} row does not cover what it reads of kv_len {kv}",
+                    g + 1
+                ));
+            }
+            for (tok, pos) in (lo..hi).zip(first..kv) {
+                let page = row[pos / bs];
+                if slots[tok] as i64 != page as i64 * bs as i64 + (pos % bs) as i64 {
+                    return bad(format!(
+                        "sequence {i}: group {} slot of token {tok} disagrees with its row",
+                        g + 1
+                    ));
+                }
+                if pool.refcount(page as u32) != 1 {
+                    return bad(format!(
+                        "sequence {i}: group {} writes into page {page}, not its own",
+                        g + 1
+                    ));
+                }
+            }
+        }
+        let pad_ok = slots[written.num_tokens..written.bucket]
+            .iter()
+            .all(|&x| x == shape.pad_slot)
+            && table[n * pps..].iter().all(|&p| p == 0);
+        if !pad_ok {
+            return bad(format!("group {} padding out of contract", g + 1));
+        }
     }
     Ok(())
 }

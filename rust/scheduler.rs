@@ -38,10 +38,13 @@ pub use crate::admission::Room;
 use crate::admission::{self, Capacity};
 use crate::buckets::TokenBuckets;
 use crate::error::{KvError, KvResult, RejectReason, Rejection};
+use crate::groups::{AttentionKind, KvGroups};
 use crate::ladder::{Ladder, LadderConfig, LadderMove, Pressure};
 use crate::metrics::{Histogram, TenantMetrics};
 use crate::page::BlockSize;
-use crate::planner::{self, DecodeSeq, PlanBuffers, PlanShape, RowCache, SeqSlice};
+use crate::planner::{
+    self, DecodeSeq, GroupRowCache, GroupSeq, PlanBuffers, PlanShape, RowCache, SeqSlice,
+};
 use crate::pool::BlockPool;
 use crate::prefix::{BlockChain, BlockKey, Namespace, PrefixHasher, Scope};
 #[cfg(test)]
@@ -73,13 +76,13 @@ pub use config::{
 };
 pub use events::{SchedulerEvent, MAX_PENDING_EVENTS};
 pub use lifecycle::Lifecycle;
-pub use request::{FinishReason, FinishedRequest, Request};
+pub use request::{FinishReason, FinishedRequest, GroupPages, Request};
 pub use stats::{PoolStats, SchedulerStats, TenantStats};
 pub use step::StepOutcome;
 pub use submit::SubmitOptions;
 
 use events::EventLog;
-use kv::KvManager;
+use kv::{GroupHits, KvManager};
 use queues::{ResumeQueues, RunningSet};
 use request::{IdSet, Live, Place, RequestTable};
 use step::{Pending, PendingSeq};
@@ -128,6 +131,8 @@ pub struct Scheduler {
     running: RunningSet,
     resume: ResumeQueues,
     rows: [RowCache; 2],
+    /// The row caches of the KV-cache groups after group 0, per buffer set.
+    group_rows: [Vec<GroupRowCache>; 2],
     steps: u64,
     pending: Option<Pending>,
     next_row_key: u64,
@@ -179,6 +184,10 @@ impl Scheduler {
             running: RunningSet::default(),
             resume: ResumeQueues::default(),
             rows: [RowCache::new(shape.max_seqs), RowCache::new(shape.max_seqs)],
+            group_rows: std::array::from_fn(|_| {
+                let extra = config.kv_cache_groups.len() - 1;
+                vec![GroupRowCache::new(shape.max_seqs); extra]
+            }),
             steps: 0,
             pending: None,
             next_row_key: 1,
@@ -266,8 +275,8 @@ impl Scheduler {
             Place::Running(pos) => self.remove_running(pos),
             Place::Queued | Place::Resuming(_) => self.remove_waiting(slab),
         }
+        self.drop_all_pages(slab);
         let req = self.requests.remove(slab);
-        self.drop_pages(req.tenant, &req.pages);
         self.tenants.release(req.tenant, req.reserved_blocks);
         self.tenants.get_mut(req.tenant).request_ended();
         // What it released stays cached within the tenant's quota (partitioned).

@@ -56,6 +56,7 @@ SCHEDULER_KNOBS: dict[str, Any] = {
     "require_warmup": True,
     "retry_after_hint_s": 0.5,
     "vocab_size": 49152,
+    "kv_cache_groups": ["full", "sliding_window:512", "chunked_local:64"],
 }
 WRITE_ONLY = {"prefix_cache_key"}
 # Knobs whose value follows another's unless set: the derived token buckets end

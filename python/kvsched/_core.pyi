@@ -453,6 +453,7 @@ class SchedulerConfig:
         require_warmup: bool | None = None,
         retry_after_hint_s: float | None = None,
         vocab_size: int | None = None,
+        kv_cache_groups: list[str] | None = None,
     ) -> SchedulerConfig: ...
     @property
     def num_blocks(self) -> int:
@@ -526,6 +527,12 @@ class SchedulerConfig:
     def vocab_size(self) -> int | None:
         """The model's vocabulary size: prompt, sampled and restored token ids must
         be below it (None: only checked for being non-negative). Restart-only."""
+    @property
+    def kv_cache_groups(self) -> list[str]:
+        """The model's KV-cache groups, group 0 first: "full", "sliding_window:W"
+        or "chunked_local:C" each (group 0 is "full"). One page table per
+        group per request, from the one pool; a window group holds only what
+        its window reads. Restart-only."""
     def replace(self, **changes: Any) -> SchedulerConfig:
         """A copy with some arguments changed (validated like the constructor); the
         write-only prefix_cache_key is carried over unless given."""
@@ -733,7 +740,8 @@ class Scheduler:
         """Change live knobs, given as SchedulerConfig keyword arguments; effective
         from the next step, validated as a whole, nothing changes on an error.
         Restart-only knobs (num_blocks, block_size, token_buckets, admission,
-        prefix_caching, prefix_cache_key, prefix_cache_partition, vocab_size, and raising
+        prefix_caching, prefix_cache_key, prefix_cache_partition, vocab_size,
+        kv_cache_groups, and raising
         max_num_seqs, max_seq_len or max_batched_tokens past the plan shape)
         raise RestartRequired naming the knob."""
     def take_events(self) -> list[RungEvent | MaxTokensCappedEvent | DisplacedEvent]:
@@ -824,6 +832,14 @@ class StepPlan:
     @property
     def logits_indices(self) -> npt.NDArray[np.int32]:
         """int32 [S]: cu_q_lens[1:] - 1, the row whose logits are sampled."""
+    @property
+    def group_page_indices(self) -> npt.NDArray[np.int32]:
+        """int32 [G, S, PPS]: every KV-cache group's page table (group 0's is
+        `page_indices`); a window group's row holds page 0 before the first
+        block its sequence still reads."""
+    @property
+    def group_slot_mapping(self) -> npt.NDArray[np.int32]:
+        """int32 [G, T]: every KV-cache group's slots (group 0's is `slot_mapping`)."""
     @property
     def request_ids(self) -> npt.NDArray[np.int64]:
         """int64 [n]: request id of each sequence, in plan order."""

@@ -29,6 +29,9 @@ fn cap() -> Capacity {
         shed_tier: None,
         reject_fast_would_wait: false,
         shed_retry_after: 0.25,
+        // Set per request by `decide_with`, as the scheduler does.
+        final_blocks: 0,
+        prompt_blocks: 0,
     }
 }
 
@@ -49,6 +52,13 @@ fn decide_with(
     let shared_asked = Cell::new(false);
     let room = Cell::new(None);
     let prompt = vec![1; prompt_len];
+    // What a request of one KV-cache group reserves (the scheduler sizes a
+    // hybrid model's: see crate::groups).
+    let c = &Capacity {
+        final_blocks: (prompt_len + max_tokens).div_ceil(c.block_size),
+        prompt_blocks: prompt_len.div_ceil(c.block_size),
+        ..*c
+    };
     let result = decide(
         t,
         c,

@@ -95,6 +95,7 @@ fn fixture() -> Fixture {
         pages_per_seq: 4,
         block_size: BlockSize::new(4),
         pad_slot: 9 * 4,
+        num_groups: 1,
     };
     Fixture {
         bufs: OwnedPlanBuffers::new(&shape),

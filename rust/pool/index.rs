@@ -28,20 +28,31 @@
 
 use crate::prefix::BlockKey;
 
-/// What a cached page is found by: today its block's name alone. Every
-/// comparison of cached pages' keys and every hash the index takes of one
-/// goes through this type, so a page keyed by more than its name changes
-/// this type and `home_and_tag` only. Its bits are uniform (a name is the
-/// output of a keyed PRF), so the index takes them as the hash.
+/// What a cached page is found by: its block's name and its KV-cache group
+/// (crate::groups): the same block holds different layers in each group, so
+/// each group caches its own page of it. Group 0's key is the name itself;
+/// group g's is the name XOR g times an odd 128-bit constant, distinct per
+/// group and, the names being uniform outputs of a keyed PRF, as uniform and
+/// as hard to make collide as the names. Every comparison of cached pages'
+/// keys and every hash the index takes of one goes through this type. Its
+/// bits are uniform, so the index takes them as the hash.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[repr(transparent)]
 pub struct CacheKey(BlockKey);
 
 impl CacheKey {
-    /// The key of the block named `name`.
+    /// The key of the block named `name` (in group 0).
     #[inline]
     pub fn new(name: BlockKey) -> Self {
         CacheKey(name)
+    }
+
+    /// The key of the block named `name` in KV-cache group `group`.
+    #[inline]
+    pub fn of_group(name: BlockKey, group: usize) -> Self {
+        /// The fractional bits of the golden ratio, made odd.
+        const GROUP_STRIDE: u128 = 0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835;
+        CacheKey(name ^ GROUP_STRIDE.wrapping_mul(group as u128))
     }
 
     /// The name of the block.

@@ -137,6 +137,25 @@ fn token_buckets_arg(o: &Bound<'_, PyAny>) -> PyResult<Option<Vec<usize>>> {
         .map(Some)
 }
 
+/// `kv_cache_groups`: None or a list of group names (a lone string is not a
+/// list of them).
+fn kv_cache_groups_arg(o: &Bound<'_, PyAny>) -> PyResult<Option<Vec<String>>> {
+    if o.is_none() {
+        return Ok(None);
+    }
+    let names = (!o.is_instance_of::<pyo3::types::PyString>())
+        .then(|| o.extract::<Vec<String>>().ok())
+        .flatten();
+    names.map(Some).ok_or_else(|| {
+        KvError::InvalidConfig(
+            "kv_cache_groups must be a list of group names (\"full\", \"sliding_window:W\", \
+             \"chunked_local:C\"), group 0 \"full\""
+                .into(),
+        )
+        .into()
+    })
+}
+
 /// Scheduler configuration. `num_blocks` and `block_size` are restart-only;
 /// every argument left out takes the core's default.
 #[pyclass(name = "SchedulerConfig", module = "kvsched", frozen, from_py_object)]
@@ -209,6 +228,11 @@ knob_table! {
     /// The model's vocabulary size: prompt, sampled and restored token ids must
     /// be below it (None: only checked for being non-negative). Restart-only.
     vocab_size: Option<u32> = |c, py| c.vocab_size;
+    /// The model's KV-cache groups, group 0 first: "full", "sliding_window:W"
+    /// or "chunked_local:C" each (group 0 is "full"). One page table per
+    /// group per request, from the one pool; a window group holds only what
+    /// its window reads. Restart-only.
+    kv_cache_groups: Vec<String> = |c, py| c.kv_cache_groups.kinds().iter().map(|k| k.name()).collect();
 
     @methods {
         #[new]
@@ -217,7 +241,7 @@ knob_table! {
             long_prefill_chunk=None, token_buckets=None, admission=None, watermark_blocks=None,
             preempt_lower_tiers=None, full_validation=None, prefix_caching=None,
             prefix_cache_key=None, prefix_cache_partition=None, ladder=None, ladder_retry_after_s=None, require_warmup=None,
-            retry_after_hint_s=None, vocab_size=None))]
+            retry_after_hint_s=None, vocab_size=None, kv_cache_groups=None))]
         #[allow(clippy::too_many_arguments)]
         fn new(
             #[pyo3(from_py_with = num_blocks_arg)] num_blocks: Option<usize>,
@@ -241,6 +265,7 @@ knob_table! {
             require_warmup: Option<bool>,
             retry_after_hint_s: Option<f64>,
             #[pyo3(from_py_with = vocab_size_arg)] vocab_size: Option<u32>,
+            #[pyo3(from_py_with = kv_cache_groups_arg)] kv_cache_groups: Option<Vec<String>>,
         ) -> PyResult<Self> {
             let prefix_cache_key = match prefix_cache_key {
                 None => None,
@@ -303,6 +328,10 @@ knob_table! {
                 require_warmup: require_warmup.unwrap_or(d.require_warmup),
                 retry_after_hint_s: retry_after_hint_s.unwrap_or(d.retry_after_hint_s),
                 vocab_size,
+                kv_cache_groups: match kv_cache_groups {
+                    None => d.kv_cache_groups.clone(),
+                    Some(names) => crate::groups::KvGroups::parse(&names)?,
+                },
             };
             let mut inner = inner;
             inner.ladder = super::ladder::ladder_arg(

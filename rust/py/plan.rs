@@ -12,7 +12,7 @@
 //! The buffers are allocated fallibly: a plan shape whose buffers cannot be
 //! allocated is an InvalidConfig naming the shape, never an abort or a panic.
 
-use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyUntypedArrayMethods};
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyArray3, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PySlice;
 
@@ -24,15 +24,22 @@ use crate::scheduler::StepOutcome;
 struct PlanArrays {
     token_ids: Py<PyArray1<i32>>,
     positions: Py<PyArray1<i32>>,
+    /// Group 0's slots: a view of `group_slot_mapping[0]`.
     slot_mapping: Py<PyArray1<i32>>,
     cu_q_lens: Py<PyArray1<i32>>,
     kv_lens: Py<PyArray1<i32>>,
+    /// Group 0's page table: a view of `group_page_indices[0]`.
     page_indices: Py<PyArray2<i32>>,
     num_seqs: Py<PyArray1<i32>>,
     distribution: Py<PyArray1<i32>>,
     logits_indices: Py<PyArray1<i32>>,
-    /// Per bucket (same order as the buckets): views [:T] of the token arrays.
-    token_views: Vec<[Py<PyAny>; 3]>,
+    /// [G, S, PPS]: every KV-cache group's page table, in one buffer.
+    group_page_indices: Py<PyArray3<i32>>,
+    /// [G, T]: every KV-cache group's slots, in one buffer.
+    group_slot_mapping: Py<PyArray2<i32>>,
+    /// Per bucket (same order as the buckets): views [:T] of the token arrays,
+    /// and [:, :T] of the groups' slots.
+    token_views: Vec<[Py<PyAny>; 4]>,
 }
 
 /// Clear the WRITEABLE flag: Python cannot write the plan arrays (the core's
@@ -109,16 +116,27 @@ impl PlanArrays {
         let (t, s, pps) = (shape.max_tokens, shape.max_seqs, shape.pages_per_seq);
         let arr =
             |what: &str, len: Option<usize>, fill: i32| plan_array(py, shape, what, len, fill);
+        let g = shape.num_groups;
         let token_ids = arr("token_ids", Some(t), 0)?;
         let positions = arr("positions", Some(t), 0)?;
-        let slot_mapping = arr("slot_mapping", Some(t), shape.pad_slot)?;
+        // [G, T] and [G, S, PPS] as views of one flat buffer each: their base
+        // is the flat array, whose base refuses writeable. Group 0's arrays
+        // are views of their first rows.
+        let group_slot_mapping = arr("slot_mapping", t.checked_mul(g), shape.pad_slot)?;
+        let group_slot_mapping: Bound<'_, PyArray2<i32>> = group_slot_mapping.reshape([g, t])?;
+        let slot_mapping = group_slot_mapping
+            .get_item(0)?
+            .cast_into::<PyArray1<i32>>()?;
         let cu_q_lens = arr("cu_q_lens", s.checked_add(1), 0)?;
         let kv_lens = arr("kv_lens", Some(s), 0)?;
-        // [S, PPS] as a view of one flat buffer: its base is the flat array,
-        // whose base refuses writeable.
-        let page_indices = arr("page_indices", s.checked_mul(pps), 0)?;
-        let page_indices: Bound<'_, PyArray2<i32>> = page_indices.reshape([s, pps])?;
-        debug_assert!(page_indices.is_c_contiguous());
+        let pages = s.checked_mul(pps).and_then(|n| n.checked_mul(g));
+        let group_page_indices = arr("page_indices", pages, 0)?;
+        let group_page_indices: Bound<'_, PyArray3<i32>> =
+            group_page_indices.reshape([g, s, pps])?;
+        let page_indices = group_page_indices
+            .get_item(0)?
+            .cast_into::<PyArray2<i32>>()?;
+        debug_assert!(page_indices.is_c_contiguous() && group_page_indices.is_c_contiguous());
         let num_seqs = arr("num_seqs", Some(1), 0)?;
         let distribution = arr("distribution", Some(3), 0)?;
         let logits_indices = arr("logits_indices", Some(s), 0)?;
@@ -132,16 +150,21 @@ impl PlanArrays {
             num_seqs.as_any(),
             distribution.as_any(),
             logits_indices.as_any(),
+            group_page_indices.as_any(),
+            group_slot_mapping.as_any(),
         ] {
             freeze(arr)?;
         }
         let token_views = buckets
             .iter()
             .map(|&b| {
+                let all = PySlice::full(py);
+                let first = PySlice::new(py, 0, b as isize, 1);
                 Ok([
                     prefix_view(py, token_ids.as_any(), b)?,
                     prefix_view(py, positions.as_any(), b)?,
                     prefix_view(py, slot_mapping.as_any(), b)?,
+                    group_slot_mapping.as_any().get_item((all, first))?.unbind(),
                 ])
             })
             .collect::<PyResult<Vec<_>>>()?;
@@ -155,6 +178,8 @@ impl PlanArrays {
             num_seqs: num_seqs.unbind(),
             distribution: distribution.unbind(),
             logits_indices: logits_indices.unbind(),
+            group_page_indices: group_page_indices.unbind(),
+            group_slot_mapping: group_slot_mapping.unbind(),
             token_views,
         })
     }
@@ -203,9 +228,30 @@ impl PlanSet {
         parity: usize,
     ) -> KvResult<PlanBuffers<'a>> {
         let a = &self.arrays[parity];
+        // SAFETY: see the function's contract. Group 0's page table and slots
+        // are the first rows of the groups' buffers: each buffer is borrowed
+        // once, then split.
+        let (page_indices, group_page_indices) = unsafe {
+            a.group_page_indices
+                .bind(py)
+                .as_slice_mut()
+                .map_err(not_contiguous)?
+        }
+        .split_at_mut(a.page_indices.bind(py).len());
+        let (slot_mapping, group_slot_mapping) = unsafe {
+            a.group_slot_mapping
+                .bind(py)
+                .as_slice_mut()
+                .map_err(not_contiguous)?
+        }
+        .split_at_mut(a.slot_mapping.bind(py).len());
         // SAFETY: see the function's contract.
         unsafe {
             Ok(PlanBuffers {
+                page_indices,
+                group_page_indices,
+                slot_mapping,
+                group_slot_mapping,
                 token_ids: a
                     .token_ids
                     .bind(py)
@@ -216,22 +262,12 @@ impl PlanSet {
                     .bind(py)
                     .as_slice_mut()
                     .map_err(not_contiguous)?,
-                slot_mapping: a
-                    .slot_mapping
-                    .bind(py)
-                    .as_slice_mut()
-                    .map_err(not_contiguous)?,
                 cu_q_lens: a
                     .cu_q_lens
                     .bind(py)
                     .as_slice_mut()
                     .map_err(not_contiguous)?,
                 kv_lens: a.kv_lens.bind(py).as_slice_mut().map_err(not_contiguous)?,
-                page_indices: a
-                    .page_indices
-                    .bind(py)
-                    .as_slice_mut()
-                    .map_err(not_contiguous)?,
                 num_seqs: a.num_seqs.bind(py).as_slice_mut().map_err(not_contiguous)?,
                 distribution: a
                     .distribution
@@ -255,7 +291,7 @@ impl PlanSet {
             .iter()
             .position(|&b| b == out.bucket)
             .ok_or_else(|| KvError::Internal(format!("bucket {} unknown", out.bucket)))?;
-        let [tv, pv, sv] = &a.token_views[b];
+        let [tv, pv, sv, gsv] = &a.token_views[b];
         // In place (same size and alignment): no second buffer to allocate.
         let ids: Vec<i64> = out.request_ids.into_iter().map(|id| id as i64).collect();
         // Summed by the core as it wrote the plan: a numpy reduction over a
@@ -271,6 +307,8 @@ impl PlanSet {
             num_seqs: a.num_seqs.clone_ref(py).into_any(),
             distribution: a.distribution.clone_ref(py).into_any(),
             logits_indices: a.logits_indices.clone_ref(py).into_any(),
+            group_page_indices: a.group_page_indices.clone_ref(py).into_any(),
+            group_slot_mapping: gsv.clone_ref(py),
             request_ids: ids.into_pyarray(py).unbind(),
             samples: out.samples.into_pyarray(py).unbind(),
             preempted: out.preempted,
@@ -315,6 +353,14 @@ pub struct PyStepPlan {
     /// int32 [S]: cu_q_lens[1:] - 1, the row whose logits are sampled.
     #[pyo3(get)]
     logits_indices: Py<PyAny>,
+    /// int32 [G, S, PPS]: every KV-cache group's page table (group 0's is
+    /// `page_indices`); a window group's row holds page 0 before the first
+    /// block its sequence still reads.
+    #[pyo3(get)]
+    group_page_indices: Py<PyAny>,
+    /// int32 [G, T]: every KV-cache group's slots (group 0's is `slot_mapping`).
+    #[pyo3(get)]
+    group_slot_mapping: Py<PyAny>,
     /// int64 [n]: request id of each sequence, in plan order.
     #[pyo3(get)]
     request_ids: Py<PyArray1<i64>>,

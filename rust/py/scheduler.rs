@@ -329,7 +329,8 @@ impl PyScheduler {
     /// Change live knobs, given as SchedulerConfig keyword arguments; effective
     /// from the next step, validated as a whole, nothing changes on an error.
     /// Restart-only knobs (num_blocks, block_size, token_buckets, admission,
-    /// prefix_caching, prefix_cache_key, prefix_cache_partition, vocab_size, and raising
+    /// prefix_caching, prefix_cache_key, prefix_cache_partition, vocab_size,
+    /// kv_cache_groups, and raising
     /// max_num_seqs, max_seq_len or max_batched_tokens past the plan shape)
     /// raise RestartRequired naming the knob.
     #[pyo3(signature = (**knobs))]

@@ -267,12 +267,10 @@ impl Scheduler {
             let Some(slab) = self.requests.slot_of(id) else {
                 continue;
             };
-            let req = self.requests.remove(slab);
-            if !req.pages.is_empty() {
-                // Gives the pages back to the pool; the tenant's usage it also
-                // adjusts is put back whole below.
-                self.drop_pages(req.tenant, &req.pages);
-            }
+            // Gives the pages back to the pool; the tenant's usage it also
+            // adjusts is put back whole below.
+            self.drop_all_pages(slab);
+            self.requests.remove(slab);
         }
         self.tenants = saved.tenants;
         // The hits given back parked within the restored tenants' quotas,

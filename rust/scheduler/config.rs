@@ -101,6 +101,9 @@ pub struct SchedulerConfig {
     /// one at restore. None: ids are only checked for being non-negative.
     /// Restart-only.
     pub vocab_size: Option<u32>,
+    /// The model's KV-cache groups (see crate::groups): one page table per
+    /// group per request; one full-attention group by default. Restart-only.
+    pub kv_cache_groups: KvGroups,
 }
 
 /// A 128-bit secret that never shows in Debug output.
@@ -135,6 +138,7 @@ impl Default for SchedulerConfig {
             require_warmup: false,
             retry_after_hint_s: 1.0,
             vocab_size: None,
+            kv_cache_groups: KvGroups::single(),
         }
     }
 }
@@ -235,6 +239,7 @@ impl SchedulerConfig {
             pages_per_seq: self.max_seq_len.div_ceil(self.block_size).min(pages),
             block_size: crate::page::BlockSize::new(self.block_size),
             pad_slot: (self.num_blocks * self.block_size) as i32,
+            num_groups: self.kv_cache_groups.len(),
         })
     }
 }

@@ -101,14 +101,16 @@ impl Scheduler {
         let shared_hits = || {
             *shared.get_or_init(|| {
                 let (mut hits, mut chain) = (Vec::new(), self.kv.chain(root));
-                self.kv.lookup_at_submit(tid, prompt, &mut hits, &mut chain)
+                let mut groups = self.kv.new_group_pages(self.config.long_prefill_chunk);
+                self.kv
+                    .lookup_at_submit(tid, prompt, &mut hits, &mut chain, &mut groups)
             })
         };
         let outcome = self.each_displaceable(tier, |slab| {
             let r = self.requests.get(slab);
             let e = freed.entry(r.tenant).or_default();
             e.0 += r.reserved_blocks;
-            e.1 += r.pages.len();
+            e.1 += r.held_pages();
             victims.push(slab);
             let released: usize = freed
                 .iter()

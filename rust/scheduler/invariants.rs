@@ -50,6 +50,35 @@ impl Scheduler {
                 break;
             }
         }
+        let s = self.shape.max_seqs;
+        for (g, _) in self.kv.groups().extra().iter().enumerate() {
+            let table = &bufs.group_page_indices[g * s * pps..(g + 1) * s * pps];
+            let planned = self.running.slots().iter().zip(self.running.owners());
+            for (i, (&slab, o)) in planned.take(num_seqs).enumerate() {
+                let Some(mine) = self.requests.get(slab).groups.as_deref() else {
+                    continue;
+                };
+                let (pages, from) = (&mine.tables[g], mine.live_from[g]);
+                let row = &table[i * pps..(i + 1) * pps];
+                let same = pages.len() <= pps
+                    && row[..from].iter().all(|&p| p == 0)
+                    && row[from..pages.len()]
+                        .iter()
+                        .zip(&pages[from..])
+                        .all(|(&got, &want)| got as i64 == want as i64)
+                    && row[pages.len()..].iter().all(|&p| p == 0);
+                if !same && wrong.is_none() {
+                    wrong = Some(format!(
+                        "group {} row {i} (request {}) does not hold the request's pages",
+                        g + 1,
+                        o.id
+                    ));
+                }
+            }
+            if wrong.is_none() && table[num_seqs * pps..].iter().any(|&p| p != 0) {
+                wrong = Some(format!("a group {} padding row is not page 0", g + 1));
+            }
+        }
         if wrong.is_none() && bufs.page_indices[num_seqs * pps..].iter().any(|&p| p != 0) {
             wrong = Some(format!(
                 "a padding row past the {num_seqs} sequences is not page 0"
@@ -60,6 +89,10 @@ impl Scheduler {
             Some(what) => {
                 bufs.page_indices.fill(0);
                 self.rows[parity].forget();
+                bufs.group_page_indices.fill(0);
+                self.group_rows[parity]
+                    .iter_mut()
+                    .for_each(GroupRowCache::forget);
                 Err(KvError::Internal(format!(
                     "invalid step plan: {what}; the page table was written outside the \
                      scheduler, or a bug; its rows are rewritten from the page lists at the \
@@ -91,12 +124,13 @@ impl Scheduler {
         }
         self.check_hot().map_err(|e| e.to_string())?;
         for (slab, r) in self.requests.iter() {
-            if reserve_mode && r.pages.len() > r.reserved_blocks {
+            if reserve_mode && r.held_pages() > r.reserved_blocks {
                 return Err(format!("request {} holds more pages than reserved", r.id));
             }
             let bs = self.config.block_size;
             // Counting the tokens its tail holds (see tail.rs).
             let lag = self.unsettled(r);
+            self.check_group_tables(r, r.num_computed + lag)?;
             if r.pages.len() < (r.num_computed + lag).div_ceil(bs)
                 || r.pages.len() > (r.tokens.len() + lag).div_ceil(bs)
             {
@@ -172,6 +206,29 @@ impl Scheduler {
                     _ => {}
                 }
             }
+            for (g, (b, p)) in r
+                .groups
+                .iter()
+                .flat_map(|x| x.tables.iter().zip(&x.live_from).enumerate())
+                .flat_map(|(g, (t, &from))| {
+                    t.iter().enumerate().skip(from).map(move |bp| (g + 1, bp))
+                })
+            {
+                // Only group 0's pages earn admission room by being shared.
+                refs[*p as usize] += 1;
+                match (cache.key_of(*p), names.get(b)) {
+                    (Some(k), Some(&mine)) if k != CacheKey::of_group(mine, g) => {
+                        return Err(format!(
+                            "request {} page {p} of group {g} is cached under another name",
+                            r.id
+                        ))
+                    }
+                    (Some(_), None) => {
+                        return Err(format!("request {} shares page {p} it has not named", r.id))
+                    }
+                    _ => {}
+                }
+            }
             if self.kv.caching() && !r.pages.is_empty() && names.len() != r.num_computed / bs {
                 return Err(format!(
                     "request {} names {} blocks, has computed {}",
@@ -181,7 +238,7 @@ impl Scheduler {
                 ));
             }
             reserved[r.tenant] += r.reserved_blocks;
-            used[r.tenant] += r.pages.len();
+            used[r.tenant] += r.held_pages();
             live[r.tenant] += 1;
         }
         for (p, &n) in refs.iter().enumerate() {
@@ -282,6 +339,40 @@ impl Scheduler {
         Ok(())
     }
 
+    /// A hybrid model's request: its group tables cover the blocks group 0's
+    /// does, hold the null page exactly before their first block held, and
+    /// hold every block a query at `next` (its next token's position) reads.
+    fn check_group_tables(&self, r: &Request, next: usize) -> Result<(), String> {
+        let bs = self.config.block_size;
+        let kinds = self.kv.groups().extra();
+        match &r.groups {
+            None if kinds.is_empty() => Ok(()),
+            None => Err(format!("request {} has no group tables", r.id)),
+            Some(g) => {
+                if g.tables.len() != kinds.len() || g.live_from.len() != kinds.len() {
+                    return Err(format!("request {} has tables for other groups", r.id));
+                }
+                for ((t, &from), kind) in g.tables.iter().zip(&g.live_from).zip(kinds) {
+                    let ok = t.len() == r.pages.len()
+                        && from <= t.len()
+                        && t[..from].iter().all(|&p| p == 0)
+                        && t[from..].iter().all(|&p| p != 0)
+                        && (t.is_empty() || from <= kind.visible_from(next) / bs);
+                    if !ok {
+                        return Err(format!(
+                            "request {}: its {} table ({} pages from block {from}) does not \
+                             hold what a query at {next} reads",
+                            r.id,
+                            kind.name(),
+                            t.len()
+                        ));
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+
     /// Partitioned cache: each tenant keeps at most its quota of evictable
     /// blocks, a removed tenant none, and the free list alone covers every
     /// page admission promised that no request holds yet, so no allocation
@@ -311,7 +402,7 @@ impl Scheduler {
         let promised: usize = self
             .requests
             .iter()
-            .map(|(_, r)| r.reserved_blocks.saturating_sub(r.pages.len()))
+            .map(|(_, r)| r.reserved_blocks.saturating_sub(r.held_pages()))
             .sum();
         if self.kv.pool().free_count() < promised {
             return Err(format!(

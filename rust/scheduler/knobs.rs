@@ -15,7 +15,7 @@ impl Scheduler {
     ///
     /// Restart-only (`RestartRequired` names the knob): num_blocks, block_size,
     /// token_buckets, admission, prefix_caching, prefix_cache_key,
-    /// prefix_cache_partition, vocab_size; and raising
+    /// prefix_cache_partition, vocab_size, kv_cache_groups; and raising
     /// max_num_seqs, max_seq_len or max_batched_tokens past the plan shape the
     /// scheduler started with (the engine compiled for it). Lowering them is
     /// live: running sequences are not cut, new work obeys. overhead_reserve may
@@ -44,6 +44,9 @@ impl Scheduler {
         }
         if new.vocab_size != old.vocab_size {
             return restart("vocab_size");
+        }
+        if new.kv_cache_groups != old.kv_cache_groups {
+            return restart("kv_cache_groups");
         }
         if new.prefix_cache_key.is_some() && new.prefix_cache_key != old.prefix_cache_key {
             return restart("prefix_cache_key");

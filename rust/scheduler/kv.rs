@@ -18,6 +18,7 @@
 use super::*;
 use std::cell::RefCell;
 
+use crate::page::NULL_PAGE;
 use crate::pool::CacheKey;
 use crate::prefix::{BlockChain, NameMemo, TokenWidth};
 
@@ -30,13 +31,29 @@ pub(super) struct KvManager {
     /// `block_size` with the shift its hot loops divide by.
     block: BlockSize,
     /// Scratch: the blocks a commit filled, named, to cache together
-    /// (page, name, namespace scope), in plan order.
-    named: Vec<(u32, BlockKey, Scope)>,
+    /// (page, key, namespace scope), in plan order.
+    named: Vec<(u32, CacheKey, Scope)>,
     /// Each tenant's evictable blocks are its own (`CachePartition::Tenant`).
     partitioned: bool,
     /// The names of recently looked-up prompts by their tokens: a prompt
     /// that starts like one just before compares instead of hashing.
     memo: RefCell<NameMemo>,
+    /// The model's KV-cache groups; group 0's pages are `Request::pages`,
+    /// the others' `Request::groups` (see crate::groups).
+    groups: KvGroups,
+}
+
+/// A prefix lookup's hits beyond group 0's pages: the other groups' tables.
+pub(super) type GroupHits = Option<Box<GroupPages>>;
+
+/// What `grow_groups` did: pages released behind the windows (`shared` of
+/// them shared with another of the tenant's requests, as `drop_pages`
+/// counts), pages added.
+#[derive(Clone, Copy, Debug, Default)]
+struct Growth {
+    released: usize,
+    shared: usize,
+    added: usize,
 }
 
 impl KvManager {
@@ -72,7 +89,36 @@ impl KvManager {
             named: Vec::new(),
             partitioned,
             memo: RefCell::default(),
+            groups: config.kv_cache_groups.clone(),
         })
+    }
+
+    /// Whether the model has more than one KV-cache group.
+    #[inline]
+    pub(super) fn hybrid(&self) -> bool {
+        self.groups.is_hybrid()
+    }
+
+    pub(super) fn groups(&self) -> &KvGroups {
+        &self.groups
+    }
+
+    /// Empty tables for a new request of a hybrid model (None with one group),
+    /// for a reservation that assumed steps of at most `chunk` tokens.
+    pub(super) fn new_group_pages(&self, chunk: usize) -> GroupHits {
+        self.hybrid()
+            .then(|| Box::new(GroupPages::new(self.groups.len() - 1, chunk)))
+    }
+
+    /// Pages a request of final length `len` reserves over the groups, with
+    /// steps of at most `chunk` of its tokens.
+    #[inline]
+    pub(super) fn reserve_for(&self, len: usize, chunk: usize) -> usize {
+        if self.hybrid() {
+            self.groups.reserve(len, self.block, chunk)
+        } else {
+            self.block.blocks_for(len)
+        }
     }
 
     #[inline]
@@ -199,19 +245,122 @@ impl KvManager {
         prompt: &[i32],
         hits: &mut Vec<u32>,
         chain: &mut BlockChain,
+        groups: &mut GroupHits,
     ) -> usize {
         if !self.shares_at_submit() {
             return 0;
         }
         let max_blocks = prompt.len().saturating_sub(1) / self.block_size;
+        let scope = Some(Scope::Tenant(tid));
+        if let Some(g) = groups {
+            return self.match_prefix_groups(chain, prompt, max_blocks, hits, g, scope);
+        }
         hits.reserve_exact(max_blocks);
-        self.match_prefix(chain, prompt, max_blocks, hits, Some(Scope::Tenant(tid)))
+        self.match_prefix(chain, prompt, max_blocks, hits, scope)
     }
 
-    /// Take a reference on each of `hits` (cached pages `lookup_at_submit` found).
-    pub(super) fn share_hits(&mut self, hits: &[u32]) -> KvResult<()> {
+    /// `match_prefix` for a hybrid model: the longest prefix every group
+    /// can resume from. Group 0 (and any other full group) must hold all of
+    /// its blocks, a window group the blocks a query right after it reads
+    /// (`AttentionKind::visible_from`); the hit is the longest length all
+    /// groups accept, at most group 0's own. `pages` receives group 0's hits,
+    /// `groups` (empty on entry) the other groups' tables, with the null page
+    /// before each one's first block read. Returns how many of all those
+    /// pages someone references, named in `scope`'s namespace.
+    fn match_prefix_groups(
+        &self,
+        chain: &mut BlockChain,
+        tokens: &[i32],
+        max_blocks: usize,
+        pages: &mut Vec<u32>,
+        groups: &mut GroupPages,
+        scope: Option<Scope>,
+    ) -> usize {
+        debug_assert!(pages.is_empty() && chain.tokens() == 0 && groups.held() == 0);
+        if self.names.is_none() {
+            return 0;
+        }
+        let cache = self.pool.cache();
+        // Group 0's hits, with each block's name and the stream after it.
+        let mut named = Vec::new();
+        {
+            let mut memo = self.memo.borrow_mut();
+            for (name, after) in memo.names(*chain, tokens, self.block_size, max_blocks) {
+                match cache.lookup(CacheKey::new(name)) {
+                    Some(p) => named.push((name, after, p)),
+                    None => break,
+                }
+            }
+        }
+        // Per extra group, the page of each of those blocks it holds, and the
+        // run of consecutive blocks it holds ending at each.
+        let extra = self.groups.extra();
+        let found: Vec<Vec<Option<u32>>> = (1..=extra.len())
+            .map(|g| {
+                named
+                    .iter()
+                    .map(|&(name, _, _)| cache.lookup(CacheKey::of_group(name, g)))
+                    .collect()
+            })
+            .collect();
+        let runs: Vec<Vec<usize>> = found
+            .iter()
+            .map(|f| {
+                let mut run = 0;
+                f.iter()
+                    .map(|p| {
+                        run = if p.is_some() { run + 1 } else { 0 };
+                        run
+                    })
+                    .collect()
+            })
+            .collect();
+        let first_read = |kind: AttentionKind, h: usize| {
+            kind.visible_from(h * self.block_size) / self.block_size
+        };
+        let accepts = |h: usize| {
+            h == 0
+                || extra
+                    .iter()
+                    .zip(&runs)
+                    .all(|(&kind, run)| run[h - 1] >= h - first_read(kind, h))
+        };
+        let h = (0..=named.len()).rev().find(|&h| accepts(h)).unwrap_or(0);
+        if h == 0 {
+            return 0;
+        }
+        *chain = named[h - 1].1;
+        pages.extend(named[..h].iter().map(|&(_, _, p)| p));
+        for ((table, from), (&kind, f)) in groups
+            .tables
+            .iter_mut()
+            .zip(&mut groups.live_from)
+            .zip(extra.iter().zip(&found))
+        {
+            *from = first_read(kind, h);
+            table.clear();
+            table.resize(*from, NULL_PAGE);
+            table.extend(
+                f[*from..h]
+                    .iter()
+                    .map(|p| p.expect("within the accepted run")),
+            );
+        }
+        // Only group 0's pages earn admission room (see `drop_pages_counting`).
+        let held = |p: u32| self.pool.refcount(p) > 0 && cache.scope(p) == scope;
+        if scope.is_none() {
+            return 0;
+        }
+        pages.iter().filter(|&&p| held(p)).count()
+    }
+
+    /// Take a reference on each of `hits` (cached pages `lookup_at_submit`
+    /// found), and on the other groups' hits.
+    pub(super) fn share_hits(&mut self, hits: &[u32], groups: &GroupHits) -> KvResult<()> {
+        let extra: Vec<u32> = groups.iter().flat_map(|g| g.live_pages()).collect();
         self.pool
             .retain_cached(hits)
+            .and_then(|()| self.pool.retain_cached(&extra))
             .map_err(|e| KvError::Internal(format!("a cache hit is not a cached page: {e}")))
     }
 
@@ -219,7 +368,15 @@ impl KvManager {
     /// Returns how many of them were shared with another of its requests in
     /// its own namespace (reserve mode only: sharing earns admission room there).
     fn drop_pages(&mut self, tid: TenantId, pages: &[u32]) -> usize {
-        let scope = self.shares_at_submit().then_some(Scope::Tenant(tid));
+        self.drop_pages_counting(tid, pages, true)
+    }
+
+    /// `drop_pages`, counting the shared pages only when `counted`: pages
+    /// of the groups after group 0 never earn admission room (a window group
+    /// gives its hits back as its window moves, and then takes pages of its
+    /// own, up to what it reserved), so their release changes no credit.
+    fn drop_pages_counting(&mut self, tid: TenantId, pages: &[u32], counted: bool) -> usize {
+        let scope = (counted && self.shares_at_submit()).then_some(Scope::Tenant(tid));
         let freed = if self.partitioned {
             self.pool.free_counting_by(tid, pages, scope)
         } else {
@@ -243,17 +400,26 @@ impl KvManager {
         if !self.caching() {
             return 0;
         }
-        debug_assert!(r.pages.is_empty() && r.num_computed == 0);
+        debug_assert!(r.held_pages() == 0 && r.num_computed == 0);
         let limit = r.tokens.len().saturating_sub(1) / self.block_size;
         let mut pages = Vec::new();
         // Names follow content: the blocks named before a preemption are named
         // alike again, from the root.
         r.chain = self.chain(r.namespace.root);
-        self.match_prefix(&mut r.chain, &r.tokens, limit, &mut pages, None);
+        match &mut r.groups {
+            Some(g) => {
+                self.match_prefix_groups(&mut r.chain, &r.tokens, limit, &mut pages, g, None);
+                let extra: Vec<u32> = g.live_pages().collect();
+                self.pool.retain_cached(&extra).expect("cached pages");
+            }
+            None => {
+                self.match_prefix(&mut r.chain, &r.tokens, limit, &mut pages, None);
+            }
+        }
         self.pool.retain_cached(&pages).expect("cached pages");
         r.num_computed = pages.len() * self.block_size;
         r.pages = pages;
-        r.pages.len()
+        r.held_pages()
     }
 
     /// Pages so that `r` covers `len` tokens; returns how many were added.
@@ -262,7 +428,7 @@ impl KvManager {
         if need == 0 {
             return Ok(0);
         }
-        if !self.admission.preempts_for_pages() && r.pages.len() + need > r.reserved_blocks {
+        if !self.admission.preempts_for_pages() && r.held_pages() + need > r.reserved_blocks {
             return Err(KvError::Internal(format!(
                 "request {} would exceed its reservation",
                 r.id
@@ -282,7 +448,9 @@ impl KvManager {
     }
 
     /// Name the full blocks of `r` that its committed tokens filled since it
-    /// last named one, into the step's batch (`register_named` caches them).
+    /// last named one, into the step's batch (`register_named` caches them):
+    /// each group's page of the block, under the group's key (a window
+    /// group's block that already went back is not cached).
     #[inline]
     pub(super) fn name_filled_blocks(&mut self, r: &mut Request) {
         if self.names.is_none() {
@@ -293,9 +461,68 @@ impl KvManager {
         while named < full {
             let start = named * self.block_size;
             let key = r.chain.push(&r.tokens[start..start + self.block_size]);
-            self.named.push((r.pages[named], key, r.namespace.scope));
+            self.named
+                .push((r.pages[named], CacheKey::new(key), r.namespace.scope));
+            if let Some(g) = &r.groups {
+                for (i, t) in g.tables.iter().enumerate() {
+                    if named >= g.live_from[i] {
+                        let k = CacheKey::of_group(key, i + 1);
+                        self.named.push((t[named], k, r.namespace.scope));
+                    }
+                }
+            }
             named += 1;
         }
+    }
+
+    /// Hybrid: the other groups' tables of `r` for a step whose first query
+    /// is at `start` and whose last token is `len - 1`: first the blocks no
+    /// query from `start` on reads go back to the pool (or its LRU, named),
+    /// then each table grows to cover `len` tokens, as group 0's does.
+    fn grow_groups(&mut self, r: &mut Request, start: usize, len: usize) -> KvResult<Growth> {
+        let Some(g) = r.groups.as_mut() else {
+            return Ok(Growth::default());
+        };
+        let blocks = self.block.blocks_for(len);
+        let mut released = Vec::new();
+        for (i, &kind) in self.groups.extra().iter().enumerate() {
+            let (table, from) = (&mut g.tables[i], &mut g.live_from[i]);
+            let keep = (kind.visible_from(start) / self.block_size).min(table.len());
+            if keep > *from {
+                released.extend_from_slice(&table[*from..keep]);
+                table[*from..keep].fill(NULL_PAGE);
+                *from = keep;
+            }
+        }
+        let mut growth = Growth {
+            released: released.len(),
+            shared: if released.is_empty() {
+                0
+            } else {
+                self.drop_pages_counting(r.tenant, &released, false)
+            },
+            added: 0,
+        };
+        for (i, &kind) in self.groups.extra().iter().enumerate() {
+            let (table, from) = (&mut g.tables[i], &mut g.live_from[i]);
+            if table.len() < blocks {
+                if *from == table.len() {
+                    // Nothing held: the table starts where the group reads.
+                    let first = (kind.visible_from(start) / self.block_size).min(blocks);
+                    table.resize(first, NULL_PAGE);
+                    *from = first;
+                }
+                let need = blocks - table.len();
+                growth.added += need;
+                table.reserve_exact(need);
+                self.pool
+                    .allocate_into_for(r.tenant, need, table)
+                    .map_err(|e| {
+                        KvError::Internal(format!("a page the plan counted on is gone: {e}"))
+                    })?;
+            }
+        }
+        Ok(growth)
     }
 
     /// Cache the blocks `name_filled_blocks` named this step, in the order
@@ -311,10 +538,10 @@ impl KvManager {
         }
         self.pool
             .cache()
-            .prefetch(self.named.iter().map(|&(_, key, _)| CacheKey::new(key)));
+            .prefetch(self.named.iter().map(|&(_, key, _)| key));
         for &(page, key, scope) in &self.named {
             if !self.pool.cache().is_cached(page) {
-                self.pool.register(page, CacheKey::new(key), scope);
+                self.pool.register(page, key, scope);
             }
         }
         self.named.clear();
@@ -355,10 +582,38 @@ impl Scheduler {
     /// Give back `pages` of a request of `tid`, with the tenant's usage.
     pub(super) fn drop_pages(&mut self, tid: TenantId, pages: &[u32]) {
         let shared = self.kv.drop_pages(tid, pages);
+        self.count_dropped(tid, pages.len(), shared);
+    }
+
+    /// The tenant's usage after `n` of its pages went back, `shared` of them
+    /// shared with another of its requests.
+    fn count_dropped(&mut self, tid: TenantId, n: usize, shared: usize) {
         if shared > 0 {
             self.tenants.share(tid, 0, shared);
         }
-        self.tenants.get_mut(tid).drop_pages(pages.len());
+        self.tenants.get_mut(tid).drop_pages(n);
+    }
+
+    /// Give back every page `slab` holds, in every group (group 0's, then
+    /// the others'); its computed KV goes with them. Returns whether it held
+    /// any.
+    pub(super) fn drop_all_pages(&mut self, slab: usize) -> bool {
+        let r = self.requests.get_mut(slab);
+        let tid = r.tenant;
+        let pages = std::mem::take(&mut r.pages);
+        let extra = r
+            .groups
+            .as_mut()
+            .map(|g| g.take_pages())
+            .unwrap_or_default();
+        if !pages.is_empty() {
+            self.drop_pages(tid, &pages);
+        }
+        if !extra.is_empty() {
+            let shared = self.kv.drop_pages_counting(tid, &extra, false);
+            self.count_dropped(tid, extra.len(), shared);
+        }
+        !(pages.is_empty() && extra.is_empty())
     }
 
     /// `slab` is about to enter the running set. Over-committed, it shares its
@@ -408,23 +663,29 @@ impl Scheduler {
 
     /// Undo `acquire_prefix` for a request that did not enter after all.
     fn release_prefix(&mut self, slab: usize) {
-        let r = self.requests.get_mut(slab);
-        if r.pages.is_empty() {
-            return;
+        if self.drop_all_pages(slab) {
+            self.requests.get_mut(slab).num_computed = 0;
         }
-        let pages = std::mem::take(&mut r.pages);
-        r.num_computed = 0;
-        let tid = r.tenant;
-        self.drop_pages(tid, &pages);
     }
 
-    /// Pages so that `slab` covers `len` tokens.
+    /// Pages so that `slab` covers `len` tokens, for a step whose first query
+    /// is at `start` (a hybrid model's window groups give back what no query
+    /// from there reads).
     #[inline]
-    pub(super) fn grow_pages(&mut self, slab: usize, len: usize) -> KvResult<()> {
+    pub(super) fn grow_pages(&mut self, slab: usize, start: usize, len: usize) -> KvResult<()> {
+        let r = self.requests.get_mut(slab);
+        let tid = r.tenant;
+        if self.kv.hybrid() && self.kv.blocks_for(len) > r.pages.len() {
+            let g = self.kv.grow_groups(r, start, len)?;
+            if g.released > 0 {
+                self.count_dropped(tid, g.released, g.shared);
+                self.trim_cache(tid);
+            }
+            self.tenants.get_mut(tid).hold_pages(g.added);
+        }
         let r = self.requests.get_mut(slab);
         let added = self.kv.grow(r, len)?;
         if added > 0 {
-            let tid = r.tenant;
             self.tenants.get_mut(tid).hold_pages(added);
         }
         Ok(())

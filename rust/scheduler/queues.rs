@@ -483,12 +483,12 @@ impl Scheduler {
         self.tenants.get_mut(tid).stop_running();
     }
 
-    /// Pages so that the running sequence at `pos` covers `len` tokens; its
-    /// hot record follows.
+    /// Pages so that the running sequence at `pos` covers `len` tokens, for
+    /// a step whose first query is at `start`; its hot record follows.
     #[inline]
-    pub(super) fn grow_running(&mut self, pos: usize, len: usize) -> KvResult<()> {
+    pub(super) fn grow_running(&mut self, pos: usize, start: usize, len: usize) -> KvResult<()> {
         let slab = self.running.at(pos);
-        self.grow_pages(slab, len)?;
+        self.grow_pages(slab, start, len)?;
         let pages = &self.requests.get(slab).pages;
         let h = self.running.hot_mut(pos);
         h.num_pages = pages.len();

@@ -141,6 +141,71 @@ pub struct Request {
     /// The max_tokens its caller asked for (more than `max_tokens` when the
     /// ladder capped it at admission).
     pub asked_max_tokens: usize,
+    /// The page tables of the KV-cache groups after group 0 (whose table is
+    /// `pages`); None for a model with one group.
+    pub groups: Option<Box<GroupPages>>,
+}
+
+/// A request's page tables for the KV-cache groups after group 0 (see
+/// crate::groups). Each table covers the same blocks as `Request::pages`
+/// (the same length); a window group's blocks before `live_from` fell behind
+/// the window and went back: they hold the null page.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GroupPages {
+    /// One table per extra group, in group order.
+    pub tables: Vec<Vec<u32>>,
+    /// Per extra group: the first block it still holds.
+    pub live_from: Vec<usize>,
+    /// The most tokens one step runs of it, as its reservation assumed (the
+    /// long_prefill_chunk it was admitted with: a larger one set live later
+    /// must not make it hold more than it reserved).
+    pub chunk: usize,
+}
+
+impl GroupPages {
+    /// Empty tables for `groups` extra groups.
+    pub(super) fn new(groups: usize, chunk: usize) -> Self {
+        GroupPages {
+            tables: vec![Vec::new(); groups],
+            live_from: vec![0; groups],
+            chunk,
+        }
+    }
+
+    /// Pages it holds over the extra groups (null pages not counted).
+    pub fn held(&self) -> usize {
+        self.tables
+            .iter()
+            .zip(&self.live_from)
+            .map(|(t, &from)| t.len().saturating_sub(from))
+            .sum()
+    }
+
+    /// Every page it holds, group by group, each table in block order.
+    pub fn live_pages(&self) -> impl Iterator<Item = u32> + '_ {
+        self.tables
+            .iter()
+            .zip(&self.live_from)
+            .flat_map(|(t, &from)| t.get(from..).unwrap_or(&[]).iter().copied())
+    }
+
+    /// Take every page it holds out (the tables left empty), group by group.
+    pub(super) fn take_pages(&mut self) -> Vec<u32> {
+        let pages = self.live_pages().collect();
+        for (t, from) in self.tables.iter_mut().zip(&mut self.live_from) {
+            t.clear();
+            *from = 0;
+        }
+        pages
+    }
+}
+
+impl Request {
+    /// Pages it holds over every group.
+    #[inline]
+    pub fn held_pages(&self) -> usize {
+        self.pages.len() + self.groups.as_ref().map_or(0, |g| g.held())
+    }
 }
 
 impl Request {

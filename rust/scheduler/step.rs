@@ -161,8 +161,8 @@ impl Scheduler {
                 }
                 break;
             }
-            let len = self.requests.get(slab).num_computed + chunk;
-            self.grow_running(pos, len)?;
+            let start = self.requests.get(slab).num_computed;
+            self.grow_running(pos, start, start + chunk)?;
             batch.chunks.push(chunk);
             batch.scheduled += chunk;
             pos += 1;
@@ -198,8 +198,8 @@ impl Scheduler {
             batch.budget = entry_budget;
             self.pop_waiting(slab, from);
             let pos = self.enter_running(slab, now);
-            let len = self.requests.get(slab).num_computed + chunk;
-            self.grow_running(pos, len)?;
+            let start = self.requests.get(slab).num_computed;
+            self.grow_running(pos, start, start + chunk)?;
             batch.chunks.push(chunk);
             batch.scheduled += chunk;
         }
@@ -282,9 +282,14 @@ impl Scheduler {
             )
         };
         let checked = written.and_then(|written| {
+            if self.kv.hybrid() {
+                self.write_groups(bufs, num_decode, chunks, parity, &written)?;
+            }
             if cfg!(debug_assertions) || self.config.full_validation {
                 self.check_plan_rows(bufs, n, parity)?;
                 planner::validate(&self.shape, bufs, &written, self.kv.pool())?;
+                let extra = self.kv.groups().extra();
+                planner::validate_groups(&self.shape, bufs, &written, self.kv.pool(), extra)?;
             }
             Ok(written)
         });
@@ -345,6 +350,50 @@ impl Scheduler {
         })
     }
 
+    /// Hybrid: the plan's page tables and slots of the KV-cache groups after
+    /// group 0 (see `planner::write_groups`), for the first `num_decode +
+    /// chunks.len()` running sequences as `write_plan` planned them.
+    fn write_groups(
+        &mut self,
+        bufs: &mut PlanBuffers<'_>,
+        num_decode: usize,
+        chunks: &[usize],
+        parity: usize,
+        written: &planner::WrittenPlan,
+    ) -> KvResult<()> {
+        let (requests, running) = (&self.requests, &self.running);
+        let seqs: Vec<GroupSeq<'_>> = (0..num_decode + chunks.len())
+            .map(|pos| {
+                let r = requests.get(running.at(pos));
+                let g = r
+                    .groups
+                    .as_deref()
+                    .expect("a hybrid model's request has group tables");
+                let hot = &running.hot()[pos];
+                let (start, q_len) = match pos.checked_sub(num_decode) {
+                    None => (hot.pos, 1),
+                    Some(c) => (r.num_computed, chunks[c]),
+                };
+                GroupSeq {
+                    row_key: hot.row_key,
+                    start,
+                    q_len,
+                    tables: &g.tables,
+                    live_from: &g.live_from,
+                }
+            })
+            .collect();
+        planner::write_groups(
+            &self.shape,
+            bufs,
+            &mut self.group_rows[parity],
+            self.kv.pool(),
+            self.kv.groups().extra(),
+            &seqs,
+            written,
+        )
+    }
+
     /// Priority preemption: the best waiting request, if of a higher tier than
     /// some running sequence, takes its slot (or, over-committed, its pages).
     pub(super) fn preempt_for_higher_tiers(&mut self, preempted: &mut Vec<u64>) {
@@ -362,7 +411,7 @@ impl Scheduler {
                     .get(slab)
                     .need()
                     .min(self.config.long_prefill_chunk);
-                self.kv.blocks_for(first) > self.kv.available()
+                self.kv.blocks_for(first) * self.kv.groups().len() > self.kv.available()
             };
             if !(no_slot || no_room) {
                 return;
@@ -379,11 +428,15 @@ impl Scheduler {
     pub(super) fn decode_pages(&mut self, preempted: &mut Vec<u64>) -> KvResult<()> {
         // Reserve mode needs no count: every page is within a reservation.
         if self.config.admission.preempts_for_pages() {
+            // A decode that opens a block opens it in every group (a window
+            // group gives back pages at the same time, not counted here).
+            let groups = self.kv.groups().len();
             loop {
                 let need = self.running.hot()[..self.running.num_decode()]
                     .iter()
                     .filter(|h| self.kv.blocks_for(h.pos + 1) > h.num_pages)
-                    .count();
+                    .count()
+                    * groups;
                 if need <= self.kv.available() {
                     break;
                 }
@@ -401,8 +454,8 @@ impl Scheduler {
             .position(|h| h.pos >= h.num_pages * bs)
         {
             pos += k;
-            let len = self.running.hot()[pos].pos + 1;
-            self.grow_running(pos, len)?;
+            let at = self.running.hot()[pos].pos;
+            self.grow_running(pos, at, at + 1)?;
             pos += 1;
         }
         Ok(())
@@ -417,11 +470,8 @@ impl Scheduler {
         let slab = self.running.at(pos);
         self.remove_running(pos);
         if self.config.admission.preempts_for_pages() {
-            let r = self.requests.get_mut(slab);
-            let pages = std::mem::take(&mut r.pages);
-            r.num_computed = 0;
-            let tid = r.tenant;
-            self.drop_pages(tid, &pages);
+            self.drop_all_pages(slab);
+            self.requests.get_mut(slab).num_computed = 0;
         }
         let now = self.last_step_at;
         let r = self.requests.get_mut(slab);
@@ -451,9 +501,19 @@ impl Scheduler {
     /// (over-committed) the pages it holds plus the free ones.
     fn prefill_chunk(&self, slab: usize, room: usize) -> usize {
         let r = self.requests.get(slab);
+        // Every group opens the same blocks (window groups give back pages
+        // as they go, not counted here).
+        let groups = self.kv.groups().len();
         let coverable = self.config.admission.preempts_for_pages().then(|| {
-            (r.pages.len() + self.kv.available()) * self.config.block_size - r.num_computed
+            (r.pages.len() + self.kv.available() / groups) * self.config.block_size - r.num_computed
         });
-        planner::prefill_chunk(r.need(), self.config.long_prefill_chunk, room, coverable)
+        // A reservation assumed steps of at most the chunk it was admitted with.
+        let cap = r
+            .groups
+            .as_ref()
+            .map_or(self.config.long_prefill_chunk, |g| {
+                g.chunk.min(self.config.long_prefill_chunk)
+            });
+        planner::prefill_chunk(r.need(), cap, room, coverable)
     }
 }

@@ -65,15 +65,20 @@ pub(super) struct PrefixHits {
     pub(super) pages: Vec<u32>,
     pub(super) chain: BlockChain,
     pub(super) newly_shared: usize,
+    /// The other KV-cache groups' tables (hybrid models; None otherwise):
+    /// their hits, and the request's tables once admitted.
+    pub(super) groups: GroupHits,
 }
 
 impl PrefixHits {
-    /// No hits yet, the stream at `chain` (a namespace's root).
-    fn at(chain: BlockChain) -> Self {
+    /// No hits yet, the stream at `chain` (a namespace's root), `groups` the
+    /// empty tables of a hybrid model's request.
+    fn at(chain: BlockChain, groups: GroupHits) -> Self {
         PrefixHits {
             pages: Vec::new(),
             chain,
             newly_shared: 0,
+            groups,
         }
     }
 
@@ -83,6 +88,14 @@ impl PrefixHits {
         self.pages.clear();
         self.chain = chain;
         self.newly_shared = 0;
+        if let Some(g) = &mut self.groups {
+            g.take_pages();
+        }
+    }
+
+    /// Pages the hits hold over every group.
+    fn held(&self) -> usize {
+        self.pages.len() + self.groups.as_ref().map_or(0, |g| g.held())
     }
 }
 
@@ -147,7 +160,8 @@ impl Scheduler {
         let namespace = self
             .kv
             .namespace(tid, self.tenants.get(tid), opts.cache_salt);
-        let mut hits = PrefixHits::at(self.kv.chain(namespace.root));
+        let groups = self.kv.new_group_pages(self.config.long_prefill_chunk);
+        let mut hits = PrefixHits::at(self.kv.chain(namespace.root), groups);
         let admit =
             self.admit_or_displace(&sub, &capacity, namespace.root, from.displace, &mut hits)?;
         self.charge_admitted(&sub, &admit, &hits)?;
@@ -244,7 +258,13 @@ impl Scheduler {
         };
         // The lowest tier, never the only one.
         let shed_tier = (effects.shed_lowest_tier && top < lowest).then_some(lowest);
+        // What the request reserves over the KV-cache groups (one group:
+        // ceil(len / block_size)), at its final length and at its prompt's.
+        let chunk = self.config.long_prefill_chunk;
+        let final_len = prompt.len() + max_tokens;
         let capacity = Capacity {
+            final_blocks: self.kv.reserve_for(final_len, chunk),
+            prompt_blocks: self.kv.reserve_for(prompt.len(), chunk),
             shed_tier,
             reject_fast_would_wait: effects.reject_fast && !spared && self.would_wait(tid),
             shed_retry_after: self.ladder.config().retry_after_s,
@@ -293,6 +313,7 @@ impl Scheduler {
             pages,
             chain,
             newly_shared,
+            groups,
         } = hits;
         admission::decide(
             self.tenants.get(tid),
@@ -303,7 +324,7 @@ impl Scheduler {
             || {
                 // Over-committed, waiting requests must not pin pages (nothing
                 // could preempt them): the lookup waits for entry.
-                *newly_shared = kv.lookup_at_submit(tid, prompt, pages, chain);
+                *newly_shared = kv.lookup_at_submit(tid, prompt, pages, chain, groups);
                 *newly_shared
             },
             |r| {
@@ -345,8 +366,8 @@ impl Scheduler {
             t.count_prefix_lookup(sub.prompt.len(), cached_tokens, self.config.block_size);
         }
         if !hits.pages.is_empty() {
-            t.hold_pages(hits.pages.len());
-            self.kv.share_hits(&hits.pages)?;
+            t.hold_pages(hits.held());
+            self.kv.share_hits(&hits.pages, &hits.groups)?;
             self.tenants.share(tid, hits.newly_shared, 0);
         }
         // Its new reservation comes out of the unused floor its cached
@@ -404,6 +425,7 @@ impl Scheduler {
             cache_salt: opts.cache_salt.map(<[u8]>::to_vec),
             waiting_since: now,
             asked_max_tokens: asked,
+            groups: hits.groups,
         };
         let slab = self.requests.insert(req);
         self.tenants.get_mut(tid).waiting.push_back(slab);

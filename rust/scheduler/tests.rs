@@ -131,21 +131,43 @@ impl Harness {
             let ran = self.ran.entry(id).or_default();
             ran.extend((lo..hi).map(|t| (b.positions[t], b.token_ids[t])));
         }
+        // The other KV-cache groups write their own pages (all from the one
+        // pool: a page two groups or two requests both wrote would read back
+        // the wrong token below).
+        let shape = *self.s.plan_shape();
+        let kinds = self.s.config().kv_cache_groups.clone();
+        for g in 1..kinds.len() {
+            let slots = b.group_slots(&shape, g);
+            for i in 0..out.num_seqs {
+                let (lo, hi) = (b.cu_q_lens[i] as usize, b.cu_q_lens[i + 1] as usize);
+                for (&slot, &token) in slots[lo..hi].iter().zip(&b.token_ids[lo..hi]) {
+                    self.kv[slot as usize] = token;
+                    wrote(out.request_ids[i], slot as usize);
+                }
+            }
+        }
         let mut sampled = Vec::with_capacity(out.num_seqs);
         for i in 0..out.num_seqs {
             let kv_len = b.kv_lens[i] as usize;
-            let row = &b.page_indices[i * pps..(i + 1) * pps];
-            let read: Vec<i32> = (0..kv_len)
-                .map(|p| self.kv[row[p / bs] as usize * bs + p % bs])
-                .collect();
+            let q_len = (b.cu_q_lens[i + 1] - b.cu_q_lens[i]) as usize;
             let id = out.request_ids[i];
             let truth = &self.s.request(id).map_err(|e| e.to_string())?.tokens[..kv_len];
-            if read != truth {
-                return Err(format!(
-                    "request {id} attends to the wrong KV: read {read:?}, not {truth:?}"
-                ));
+            // Each group reads what its first query attends to, through its row.
+            for (g, kind) in kinds.kinds().iter().enumerate() {
+                let row = &b.group_rows(&shape, g)[i * pps..(i + 1) * pps];
+                let from = kind.visible_from(kv_len - q_len);
+                let read: Vec<i32> = (from..kv_len)
+                    .map(|p| self.kv[row[p / bs] as usize * bs + p % bs])
+                    .collect();
+                if read != truth[from..] {
+                    return Err(format!(
+                        "request {id} attends to the wrong KV in group {g}: read {read:?}, \
+                         not {:?}",
+                        &truth[from..]
+                    ));
+                }
             }
-            sampled.push(sample_of(&read));
+            sampled.push(sample_of(truth));
         }
         Ok(sampled)
     }
@@ -207,12 +229,32 @@ fn prompt(n: usize, seed: i32) -> Vec<i32> {
     (0..n as i32).map(|i| (i * 7 + seed * 131) % 1000).collect()
 }
 
+/// KV-cache groups for the random suites: one full-attention group (as
+/// every suite had before groups existed), or a full group and one to three
+/// more, sliding-window, chunked-local or full, of small sizes so that
+/// windows move within the suites' short sequences.
+fn kv_groups() -> impl Strategy<Value = KvGroups> {
+    let kind = prop_oneof![
+        (1usize..24).prop_map(AttentionKind::SlidingWindow),
+        (1usize..24).prop_map(AttentionKind::ChunkedLocal),
+        Just(AttentionKind::Full),
+    ];
+    prop_oneof![
+        1 => Just(KvGroups::single()),
+        2 => prop::collection::vec(kind, 1..4).prop_map(|extra| {
+            let kinds = std::iter::once(AttentionKind::Full).chain(extra).collect();
+            KvGroups::new(kinds).expect("group 0 is full")
+        }),
+    ]
+}
+
 /// Tenant names of the random suites; "ghost" is never added.
 const NAMES: [&str; 4] = ["t0", "t1", "t2", "ghost"];
 
 mod admission;
 mod extreme_knobs;
 mod fairness;
+mod groups;
 mod lifecycle;
 mod lifecycle_fuzz;
 mod overload;

@@ -56,12 +56,12 @@ const NAMES: [&str; 3] = ["t0", "t1", "t2"];
 proptest! {
     #![proptest_config(ProptestConfig { cases: 150, ..ProptestConfig::default() })]
     #[test]
-    fn every_admitted_request_ends_exactly_once_under_random_operations(ops in ops(&LIFECYCLE_MIX, 1..200), over in any::<bool>(), pc in any::<bool>(), part in any::<bool>()) {
+    fn every_admitted_request_ends_exactly_once_under_random_operations(ops in ops(&LIFECYCLE_MIX, 1..200), over in any::<bool>(), pc in any::<bool>(), part in any::<bool>(), groups in kv_groups()) {
         let base = SchedulerConfig {
             num_blocks: 61, block_size: 8, max_num_seqs: 6, max_batched_tokens: 48,
             max_seq_len: 128, overhead_reserve: 0.0, max_waiting: 6, long_prefill_chunk: 16,
             admission: if over { AdmissionMode::Overcommit { watermark_blocks: 1 } } else { AdmissionMode::Reserve },
-            preempt_lower_tiers: pc, ladder: lad(),
+            preempt_lower_tiers: pc, ladder: lad(), kv_cache_groups: groups,
             // A cache partitioned by tenant needs reserve admission.
             prefix_cache_partition: if part && !over { CachePartition::Tenant } else { CachePartition::Shared },
             ..SchedulerConfig::default()

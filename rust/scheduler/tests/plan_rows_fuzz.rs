@@ -52,6 +52,7 @@ fn check_rows(s: &Scheduler, b: &OwnedPlanBuffers, out: &StepOutcome) -> Result<
     Ok(())
 }
 
+#[allow(clippy::too_many_arguments)]
 fn run(
     ops: Vec<Op>,
     over: bool,
@@ -60,8 +61,10 @@ fn run(
     pages: usize,
     seqs: usize,
     chunk: usize,
+    groups: KvGroups,
 ) -> Result<(), TestCaseError> {
     let c = SchedulerConfig {
+        kv_cache_groups: groups,
         num_blocks: pages + 1,
         block_size: bs,
         max_num_seqs: seqs,
@@ -159,13 +162,13 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
     #[test]
     fn every_plan_row_and_kv_read_matches_the_page_lists_in_reserve_mode(ops in ops(&ROWS_MIX, 1..200), preempt in any::<bool>(),
-                    bs in prop::sample::select(vec![1usize, 2, 4, 8]), seqs in 1usize..6, chunk in 1usize..30) {
-        run(ops, false, preempt, bs, 200, seqs, chunk)?;
+                    bs in prop::sample::select(vec![1usize, 2, 4, 8]), seqs in 1usize..6, chunk in 1usize..30, groups in kv_groups()) {
+        run(ops, false, preempt, bs, 200, seqs, chunk, groups)?;
     }
     #[test]
     fn every_plan_row_and_kv_read_matches_the_page_lists_over_committed(ops in ops(&ROWS_MIX, 1..200), preempt in any::<bool>(),
-                    bs in prop::sample::select(vec![1usize, 2, 4, 8]), seqs in 1usize..6, chunk in 1usize..30, pages in 8usize..40) {
-        run(ops, true, preempt, bs, pages, seqs, chunk)?;
+                    bs in prop::sample::select(vec![1usize, 2, 4, 8]), seqs in 1usize..6, chunk in 1usize..30, pages in 8usize..40, groups in kv_groups()) {
+        run(ops, true, preempt, bs, pages, seqs, chunk, groups)?;
     }
 }
 
@@ -191,5 +194,5 @@ fn rows_stay_right_in_a_case_the_over_committed_fuzzer_once_found() {
     ops.extend(std::iter::repeat_with(step).take(3));
     ops.push(submit(1, 1));
     ops.extend(std::iter::repeat_with(step).take(5));
-    run(ops, true, false, 1, 28, 2, 15).unwrap();
+    run(ops, true, false, 1, 28, 2, 15, KvGroups::single()).unwrap();
 }

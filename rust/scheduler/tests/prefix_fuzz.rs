@@ -145,8 +145,10 @@ fn run(
     ns0: [u8; 4],
     partition: CachePartition,
     floor0: usize,
+    groups: KvGroups,
 ) -> Result<(), TestCaseError> {
     let c = SchedulerConfig {
+        kv_cache_groups: groups,
         num_blocks: pages + 1,
         block_size: bs,
         max_num_seqs: seqs,
@@ -317,14 +319,14 @@ proptest! {
     #[test]
     fn a_request_reads_only_kv_of_its_namespace_and_salt_in_reserve_mode(ops in ops(&PREFIX_MIX, 1..200), preempt in any::<bool>(),
                      bs in 1usize..9, seqs in 1usize..6, chunk in 1usize..30, pages in 10usize..60,
-                     tiers in prop::array::uniform4(0u32..3), ns0 in prop::array::uniform4(0u8..3), ovh in prop::sample::select(vec![0.0, 0.1, 0.3]), mbt in prop::sample::select(vec![4usize, 8, 24, 64]), one_fam in any::<bool>()) {
-        run(ops, one_fam, false, 0, ovh, mbt, preempt, bs, pages, seqs, chunk, tiers, ns0, CachePartition::Shared, 0)?;
+                     tiers in prop::array::uniform4(0u32..3), ns0 in prop::array::uniform4(0u8..3), ovh in prop::sample::select(vec![0.0, 0.1, 0.3]), mbt in prop::sample::select(vec![4usize, 8, 24, 64]), one_fam in any::<bool>(), groups in kv_groups()) {
+        run(ops, one_fam, false, 0, ovh, mbt, preempt, bs, pages, seqs, chunk, tiers, ns0, CachePartition::Shared, 0, groups)?;
     }
     #[test]
     fn a_request_reads_only_kv_of_its_namespace_and_salt_over_committed(ops in ops(&PREFIX_MIX, 1..200), preempt in any::<bool>(),
                   bs in 1usize..9, seqs in 1usize..6, chunk in 1usize..30, pages in 8usize..40,
-                  tiers in prop::array::uniform4(0u32..3), ns0 in prop::array::uniform4(0u8..3), wm in 0usize..3, ovh in prop::sample::select(vec![0.0, 0.1, 0.3]), mbt in prop::sample::select(vec![4usize, 8, 24, 64]), one_fam in any::<bool>()) {
-        run(ops, one_fam, true, wm, ovh, mbt, preempt, bs, pages, seqs, chunk, tiers, ns0, CachePartition::Shared, 0)?;
+                  tiers in prop::array::uniform4(0u32..3), ns0 in prop::array::uniform4(0u8..3), wm in 0usize..3, ovh in prop::sample::select(vec![0.0, 0.1, 0.3]), mbt in prop::sample::select(vec![4usize, 8, 24, 64]), one_fam in any::<bool>(), groups in kv_groups()) {
+        run(ops, one_fam, true, wm, ovh, mbt, preempt, bs, pages, seqs, chunk, tiers, ns0, CachePartition::Shared, 0, groups)?;
     }
 }
 
@@ -333,8 +335,8 @@ proptest! {
     #[test]
     fn a_request_reads_only_kv_of_its_namespace_and_salt_in_a_tiny_pool(ops in ops(&PREFIX_MIX, 1..250), preempt in any::<bool>(), over in any::<bool>(),
                      bs in 1usize..5, seqs in 1usize..8, chunk in 1usize..30, pages in 4usize..16,
-                     tiers in prop::array::uniform4(0u32..3), ns0 in prop::array::uniform4(0u8..2), wm in 0usize..3, mbt in prop::sample::select(vec![8usize, 24, 64])) {
-        run(ops, true, over, wm, 0.0, mbt, preempt, bs, pages, seqs, chunk, tiers, ns0, CachePartition::Shared, 0)?;
+                     tiers in prop::array::uniform4(0u32..3), ns0 in prop::array::uniform4(0u8..2), wm in 0usize..3, mbt in prop::sample::select(vec![8usize, 24, 64]), groups in kv_groups()) {
+        run(ops, true, over, wm, 0.0, mbt, preempt, bs, pages, seqs, chunk, tiers, ns0, CachePartition::Shared, 0, groups)?;
     }
 }
 
@@ -346,13 +348,13 @@ proptest! {
     #[test]
     fn a_request_reads_only_kv_of_its_namespace_and_salt_partitioned(ops in ops(&PREFIX_MIX, 1..200), preempt in any::<bool>(),
                      bs in 1usize..9, seqs in 1usize..6, chunk in 1usize..30, pages in 10usize..60,
-                     tiers in prop::array::uniform4(0u32..3), ns0 in prop::array::uniform4(0u8..3), ovh in prop::sample::select(vec![0.0, 0.1, 0.3]), mbt in prop::sample::select(vec![4usize, 8, 24, 64]), one_fam in any::<bool>(), floor0 in 0usize..3) {
-        run(ops, one_fam, false, 0, ovh, mbt, preempt, bs, pages, seqs, chunk, tiers, ns0, CachePartition::Tenant, floor0)?;
+                     tiers in prop::array::uniform4(0u32..3), ns0 in prop::array::uniform4(0u8..3), ovh in prop::sample::select(vec![0.0, 0.1, 0.3]), mbt in prop::sample::select(vec![4usize, 8, 24, 64]), one_fam in any::<bool>(), floor0 in 0usize..3, groups in kv_groups()) {
+        run(ops, one_fam, false, 0, ovh, mbt, preempt, bs, pages, seqs, chunk, tiers, ns0, CachePartition::Tenant, floor0, groups)?;
     }
     #[test]
     fn a_request_reads_only_kv_of_its_namespace_and_salt_partitioned_in_a_tiny_pool(ops in ops(&PREFIX_MIX, 1..250), preempt in any::<bool>(),
                      bs in 1usize..5, seqs in 1usize..8, chunk in 1usize..30, pages in 4usize..16,
-                     tiers in prop::array::uniform4(0u32..3), ns0 in prop::array::uniform4(0u8..2), mbt in prop::sample::select(vec![8usize, 24, 64]), floor0 in 0usize..2) {
-        run(ops, true, false, 0, 0.0, mbt, preempt, bs, pages, seqs, chunk, tiers, ns0, CachePartition::Tenant, floor0)?;
+                     tiers in prop::array::uniform4(0u32..3), ns0 in prop::array::uniform4(0u8..2), mbt in prop::sample::select(vec![8usize, 24, 64]), floor0 in 0usize..2, groups in kv_groups()) {
+        run(ops, true, false, 0, 0.0, mbt, preempt, bs, pages, seqs, chunk, tiers, ns0, CachePartition::Tenant, floor0, groups)?;
     }
 }
