@@ -2,7 +2,9 @@
 
 The model is the admission rule written out plainly: final-length reservations,
 caps, floors that are never lent, concurrency limits and a token bucket per
-tenant. After every step the scheduler's stats() must equal the model's.
+tenant. After every step the scheduler's stats() must equal the model's. The
+machine runs a model of one KV-cache group or a hybrid one (window and chunked
+groups reserve what their span and the chunk can touch at once).
 """
 
 from __future__ import annotations
@@ -33,6 +35,24 @@ MAX_SEQ_LEN = 200
 MAX_LIVE = 6 + 3  # max_num_seqs + max_waiting
 NAMES = ["a", "b", "c"]
 EPS = 1e-9
+CHUNK = 16  # long_prefill_chunk: what a window group's reservation assumes
+GROUP_SETS = [
+    ["full"],
+    ["full", "sliding_window:24"],
+    ["full", "sliding_window:8", "chunked_local:40", "full"],
+]
+
+
+def reserved_blocks(groups: list[str], n: int, max_tokens: int) -> int:
+    """Pages a request of n + max_tokens tokens reserves: every token in a full
+    group; in a window (or chunk) of W, at most the pages W - 1 positions before
+    a chunk of CHUNK and the chunk itself touch, ceil((W + CHUNK - 2) / B) + 1."""
+    full = -(-(n + max_tokens) // BLOCK)
+    pages = 0
+    for g in groups:
+        span = None if g == "full" else int(g.split(":")[1])
+        pages += full if span is None else min(full, -(-(span + CHUNK - 2) // BLOCK) + 1)
+    return pages
 
 
 @dataclass
@@ -76,8 +96,9 @@ class ModelTenant:
 class AdmissionMachine(RuleBasedStateMachine):
     requests = Bundle("requests")
 
-    @initialize()
-    def setup(self):
+    @initialize(groups=st.sampled_from(GROUP_SETS))
+    def setup(self, groups):
+        self.groups = groups
         self.sched = kvsched.Scheduler(
             kvsched.SchedulerConfig(
                 num_blocks=NUM_BLOCKS,
@@ -86,6 +107,8 @@ class AdmissionMachine(RuleBasedStateMachine):
                 max_waiting=3,
                 max_seq_len=MAX_SEQ_LEN,
                 overhead_reserve=RESERVE,
+                long_prefill_chunk=CHUNK,
+                kv_cache_groups=groups,
             )
         )
         self.now = 0.0
@@ -112,7 +135,7 @@ class AdmissionMachine(RuleBasedStateMachine):
             return "invalid"
         if n + max_tokens > MAX_SEQ_LEN:
             return "too_long"
-        blocks = -(-(n + max_tokens) // BLOCK)
+        blocks = reserved_blocks(self.groups, n, max_tokens)
         # A cap counts every reservation; without one only the pool bounds the
         # tenant (the pool counts pages its requests share once), and no single
         # request may exceed it.
@@ -207,7 +230,7 @@ class AdmissionMachine(RuleBasedStateMachine):
             return -1
         assert want is None, f"admitted, model says {want}"
         t = self.tenants[name]
-        blocks = -(-(n + max_tokens) // BLOCK)
+        blocks = reserved_blocks(self.groups, n, max_tokens)
         t.reserved += blocks
         t.live += 1
         t.admitted += 1
