@@ -5,6 +5,7 @@ virtualenv's included, as a newcomer runs it) and leave the plugin nowhere."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import site
 import subprocess
@@ -13,8 +14,6 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-
-pytestmark = pytest.mark.subprocess
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,6 +33,7 @@ def run_ci(
                           capture_output=True, text=True, timeout=60)  # fmt: skip
 
 
+@pytest.mark.subprocess
 def test_ci_run_without_rust_names_it_and_how_to_get_it_before_anything_runs(tmp_path):
     done = run_ci(tmp_path, {})
     assert done.returncode == 2, done.stdout + done.stderr
@@ -42,6 +42,7 @@ def test_ci_run_without_rust_names_it_and_how_to_get_it_before_anything_runs(tmp
     assert "==>" not in done.stdout, "a step ran before the tools were checked"
 
 
+@pytest.mark.subprocess
 def test_ci_run_names_a_missing_clippy_and_rustfmt(tmp_path):
     # A cargo that has neither component (rustup's minimal profile).
     done = run_ci(tmp_path, {"cargo": '[ "$1" = "--version" ] && exit 0; exit 1'})
@@ -51,6 +52,7 @@ def test_ci_run_names_a_missing_clippy_and_rustfmt(tmp_path):
     assert "Rust toolchain" not in done.stderr
 
 
+@pytest.mark.subprocess
 def test_ci_run_refuses_a_python_older_than_3_10(tmp_path):
     old = tmp_path / "python-old"
     old.write_text(f"#!{shutil.which('bash')}\n[ \"$1\" = -V ] && echo 'Python 3.8.10'; exit 1\n")
@@ -58,6 +60,27 @@ def test_ci_run_refuses_a_python_older_than_3_10(tmp_path):
     done = run_ci(tmp_path, {"cargo": "exit 0"}, python=str(old))
     assert done.returncode == 2
     assert "Python 3.10 or newer" in done.stderr and "Python 3.8.10" in done.stderr
+
+
+def ci_commands() -> list[str]:
+    """.ci/run's commands: comments dropped, continued lines joined."""
+    text = (ROOT / ".ci" / "run").read_text().replace("\\\n", " ")
+    lines = [re.sub(r"(^|\s)#.*", "", line).strip() for line in text.splitlines()]
+    return [" ".join(line.split()) for line in lines if line]
+
+
+def test_the_cuda_lowering_step_runs_through_the_venv_safe_helper():
+    """The step that lowers the GPU kernel for cuda runs pytest through
+    .ci/with_cuda_plugin.py with the interpreter .ci/run was given (the same
+    environment, a virtualenv's included); nothing in .ci/run makes a venv (a
+    throwaway `venv --system-site-packages` made from a virtualenv sees the base
+    interpreter's packages, not the venv's: pytest there lacks them)."""
+    commands = ci_commands()
+    (lowering,) = [c for c in commands if "lowers_to_triton_for_cuda" in c]
+    assert lowering.startswith('"$PY" .ci/with_cuda_plugin.py -m pytest '), lowering
+    assert "tests/test_engine_attention.py" in lowering
+    made = [c for c in commands if "venv" in c or "--system-site-packages" in c]
+    assert not made, made
 
 
 def venv_seeing_this_environment(where: Path) -> Path:
@@ -80,6 +103,7 @@ def venv_seeing_this_environment(where: Path) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_the_cuda_lowering_step_sees_the_venv_it_runs_from(tmp_path):
     """From a venv whose packages live in the venv alone, the step's child sees
     them and the plugin; the plugin is gone afterwards. (The step used a throwaway
