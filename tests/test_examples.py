@@ -29,6 +29,30 @@ def test_quickstart_accounts_for_every_request(capsys):
     assert "TTFT p50/p99" in capsys.readouterr().out
 
 
+def test_quickstart_says_which_rungs_of_the_ladder_engaged_and_if_they_were_released(capsys):
+    """The ladder line names each rung that engaged (a rung of the default
+    ladder) and how often, and whether all were released by the end; a load that
+    never needs the ladder says so."""
+    import re
+
+    import kvsched
+
+    config = kvsched.SchedulerConfig(num_blocks=129, block_size=16, ladder="default")
+    rungs = {r["action"] for r in kvsched.Scheduler(config).stats()["ladder"]["rungs"]}
+    quickstart = load("quickstart")
+    quickstart.main(seed=1, n_requests=200)  # an overload: the ladder climbs
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if "ladder" in x]
+    shown = re.fullmatch(r"degradation ladder: (.+); (all released by the end|"
+                         r"still \d+ rung\(s\) up at the end)", line)  # fmt: skip
+    assert shown, line
+    for part in shown[1].split(", "):
+        engaged = re.fullmatch(r"(\w+) engaged (\d+) time\(s\)", part)
+        assert engaged and engaged[1] in rungs and int(engaged[2]) >= 1, part
+    quickstart.main(seed=1, n_requests=10)  # a light load
+    lines = capsys.readouterr().out.splitlines()
+    assert [x for x in lines if "ladder" in x] == ["degradation ladder: never engaged"]
+
+
 @pytest.mark.slow
 def test_the_example_engine_accounts_for_every_request_and_never_recompiles():
     import pytest
