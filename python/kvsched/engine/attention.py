@@ -7,6 +7,18 @@ softmax(q_t . K_s^T * scale, causal) . V_s over the first kv_lens[s] positions
 of s's pages, with grouped-query attention (query head h reads KV head
 h // (Hq / Hkv)). Rows past the plan's tokens are padding: their output is 0.
 
+Per layer (static, so each distinct value is its own trace): a sliding window
+W (`sliding_window`; None or 0: full), under which a token at position p
+attends [max(0, p - W + 1), p] and every backend reads a sequence's pages only
+from the one holding its first row's window start (a window group's page table
+holds the null page 0, garbage, before that); a logit soft cap (`soft_cap`:
+logits = c * tanh(logits / c) before masking); and attention sinks (`sinks`,
+an [Hq] array: a learned logit per query head that joins the softmax
+denominator only, gpt-oss). Every backend takes the window and the soft cap;
+sinks are taken by the reference and kvsched's kernels, not by JAX's (which has
+none: backend `jax` refuses them, and `pallas` on a TPU runs kvsched's kernel
+for a call with sinks).
+
 Backends: `reference` (pure jnp, static shapes; kernels/reference.py), `pallas`
 (kvsched's kernel for TPU, kernels/tpu.py, run in Pallas' TPU interpreter off
 TPU; on an NVIDIA GPU it picks the Triton kernel), `pallas_gpu` (kvsched's
@@ -50,9 +62,10 @@ from jax.sharding import PartitionSpec as P
 
 import kvsched
 from kvsched.engine.inputs import AttentionInputs
+from kvsched.engine.kernels.common import check_soft_cap, check_window
 from kvsched.engine.kernels.reference import reference_attention
 from kvsched.engine.kv_cache import QuantizedKV, UnsupportedKVDtype, is_quantized
-from kvsched.engine.mesh import CACHE_SPEC, HEADS_SPEC, STACKED_CACHE_SPEC
+from kvsched.engine.mesh import AXIS, CACHE_SPEC, HEADS_SPEC, STACKED_CACHE_SPEC
 
 __all__ = [
     "BACKENDS",
@@ -89,7 +102,8 @@ def tpu_attention() -> str:
     return value
 
 
-def resolve_backend(backend: str, platform: str | None = None, head_dim: int | None = None) -> str:
+def resolve_backend(backend: str, platform: str | None = None, head_dim: int | None = None,
+                    sinks: bool = False) -> str:  # fmt: skip
     """The kernel `backend` runs on `platform` (default: JAX's default
     backend) for heads of `head_dim`: "reference", "pallas" (kvsched's TPU
     kernel; the TPU interpreter off TPU), "pallas_gpu" (kvsched's Triton kernel;
@@ -97,14 +111,21 @@ def resolve_backend(backend: str, platform: str | None = None, head_dim: int | N
     "jax_reference" (JAX's jnp reference). JAX's kernel needs head_dim to be a
     multiple of 128 (its softmax state is 128 lanes wide; head_dim 64 fails in
     its lowering), so on TPU `pallas` keeps kvsched's kernel for other head
-    dims, and `jax` refuses them. An unknown name, an unsupported head_dim or a
-    bad KVSCHED_TPU_ATTENTION is kvsched.InvalidConfig."""
+    dims, and `jax` refuses them. With `sinks` (the layer has attention sinks,
+    which JAX's kernel lacks) `pallas` keeps kvsched's kernel on TPU and `jax`
+    refuses them everywhere. An unknown name, an unsupported head_dim, sinks
+    for `jax` or a bad KVSCHED_TPU_ATTENTION is kvsched.InvalidConfig."""
     if backend not in BACKENDS:
         raise kvsched.InvalidConfig(
             f"unknown attention backend {backend!r} ({', '.join(BACKENDS)})"
         )
     platform = platform or jax.default_backend()
-    jax_fits = head_dim is None or head_dim % JAX_KERNEL_HEAD_DIM == 0
+    if backend == "jax" and sinks:
+        raise kvsched.InvalidConfig(
+            "attention backend 'jax': JAX's ragged_paged_attention has no attention sinks "
+            "(backend 'pallas' runs kvsched's kernels, which do, and 'reference')"
+        )
+    jax_fits = (head_dim is None or head_dim % JAX_KERNEL_HEAD_DIM == 0) and not sinks
     if backend == "pallas" and platform == "tpu" and tpu_attention() == "jax" and jax_fits:
         backend = "jax"
     if backend == "pallas" and platform == "gpu":
@@ -131,6 +152,9 @@ def paged_attention(
     backend: str = "reference",
     mesh: Mesh | None = None,
     layer: jax.Array | int | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
     **kw: Any,
 ) -> jax.Array:
     """Attention for a plan with the named backend (one of BACKENDS). With
@@ -139,9 +163,16 @@ def paged_attention(
     their own KV heads (shard_map); the reference is left to XLA's partitioner.
     An int8 `QuantizedKV` cache is read by the reference only. On a TPU,
     `pallas` runs kvsched's kernel or JAX's (`tpu_attention()`); `**kw` goes to
-    the kernel that runs."""
+    the kernel that runs. `sliding_window` (a static int; None or 0: full),
+    `soft_cap` (a static float or None) and `sinks` ([Hq] or None): see the
+    module doc; `inputs.page_indices` is the page table of the layer's KV
+    group. A bad window or cap is a ValueError, sinks of the wrong shape too."""
+    window, cap = check_window(sliding_window), check_soft_cap(soft_cap)
+    if sinks is not None and sinks.shape != (q.shape[1],):
+        raise ValueError(f"sinks must be [Hq] = [{q.shape[1]}], got {sinks.shape}")
+    opts: dict[str, Any] = {"sliding_window": window, "soft_cap": cap, "sinks": sinks}
     if backend == "reference":
-        return reference_attention(q, cache, inputs, scale=scale, layer=layer)
+        return reference_attention(q, cache, inputs, scale=scale, layer=layer, **opts)
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r} ({', '.join(BACKENDS)})")
     if is_quantized(cache):
@@ -151,9 +182,10 @@ def paged_attention(
             "JAX's) read float caches (use backend='reference' or a float32/bfloat16 "
             "kv_dtype)"
         )
-    kernel = resolve_backend(backend, head_dim=q.shape[-1])
+    kernel = resolve_backend(backend, head_dim=q.shape[-1], sinks=sinks is not None)
     if kernel.startswith("jax_"):
-        return _jax_attention(q, cache, inputs, scale=scale, mesh=mesh, layer=layer, **kw)
+        return _jax_attention(q, cache, inputs, scale=scale, mesh=mesh, layer=layer,
+                              sliding_window=window, soft_cap=cap, **kw)  # fmt: skip
     if kernel == "pallas" and mesh is None and jax.default_backend() == "tpu":
         from kvsched.engine.kernels.tpu import ragged_paged_attention
 
@@ -161,37 +193,43 @@ def paged_attention(
         # out. (The CPU interpreter copies a kernel's whole operands per call, so
         # there one layer's slice is much cheaper.)
         assert not is_quantized(cache)  # refused above
-        return ragged_paged_attention(q, cache, inputs, scale=scale, layer=layer, **kw)
+        return ragged_paged_attention(q, cache, inputs, scale=scale, layer=layer, **opts, **kw)
     if layer is not None:
         # The GPU kernel and the sharded path take one layer's cache.
         cache = jax.lax.dynamic_index_in_dim(cache, layer, axis=0, keepdims=False)
     if backend == "pallas" and mesh is not None:
+        # Sinks are per query head: each device takes its heads' (zeros when
+        # there are none, dropped again below: one traced function either way).
+        has_sinks = sinks is not None
+        sink_arr = sinks if sinks is not None else jnp.zeros((q.shape[1],), jnp.float32)
 
-        def local(q_: jax.Array, cache_: jax.Array, *plan: jax.Array) -> jax.Array:
+        def local(q_: jax.Array, cache_: jax.Array, sinks_: jax.Array, *plan: jax.Array
+                  ) -> jax.Array:  # fmt: skip
             return paged_attention(q_, cache_, AttentionInputs(*plan), scale=scale,
-                                   backend="pallas", **kw)  # fmt: skip
+                                   backend="pallas", sliding_window=window, soft_cap=cap,
+                                   sinks=sinks_ if has_sinks else None, **kw)  # fmt: skip
 
         plan = inputs.arrays()
         assert not is_quantized(cache)  # refused above
         return jax.shard_map(
             local,
             mesh=mesh,
-            in_specs=(HEADS_SPEC, CACHE_SPEC) + (P(),) * len(plan),
+            in_specs=(HEADS_SPEC, CACHE_SPEC, P(AXIS)) + (P(),) * len(plan),
             out_specs=HEADS_SPEC,
             check_vma=False,
-        )(q, cache, *plan)
+        )(q, cache, sink_arr, *plan)
     if backend == "pallas" and jax.default_backend() == "gpu":
         backend = "pallas_gpu"
     if backend == "pallas":
         from kvsched.engine.kernels.tpu import ragged_paged_attention
 
         assert not is_quantized(cache)  # refused above
-        return ragged_paged_attention(q, cache, inputs, scale=scale, **kw)
+        return ragged_paged_attention(q, cache, inputs, scale=scale, **opts, **kw)
     if backend == "pallas_gpu":
         from kvsched.engine.kernels.gpu import ragged_paged_attention_gpu
 
         assert not is_quantized(cache)  # refused above
-        return ragged_paged_attention_gpu(q, cache, inputs, scale=scale, **kw)
+        return ragged_paged_attention_gpu(q, cache, inputs, scale=scale, **opts, **kw)
     raise AssertionError(f"backend {backend!r} resolved to {kernel!r}: not dispatched")
 
 

@@ -165,14 +165,18 @@ LLAMA3_8B = Shapes(q_heads=32, kv_heads=8, head_dim=128, page_size=16)
 @dataclass(frozen=True)
 class Plan:
     """The plan arrays a kernel's cost depends on: each sequence's query rows
-    and KV length (rows are laid out in sequence order), and the padded token
-    count the kernel is called with."""
+    and KV length (rows are laid out in sequence order), the padded token
+    count the kernel is called with, and the layer's sliding window (None:
+    full attention; a row at position p attends [max(0, p - W + 1), p])."""
 
     q_lens: tuple[int, ...]
     kv_lens: tuple[int, ...]
     tokens: int | None = None  # padded rows (the bucket); default: sum(q_lens)
+    window: int | None = None
 
     def __post_init__(self) -> None:
+        if self.window is not None and self.window < 1:
+            raise ValueError("window must be >= 1 (None: full attention)")
         if len(self.q_lens) != len(self.kv_lens):
             raise ValueError("q_lens and kv_lens need one entry per sequence")
         if any(q < 0 or q > k for q, k in zip(self.q_lens, self.kv_lens, strict=True)):
@@ -185,21 +189,31 @@ class Plan:
         return sum(self.q_lens) if self.tokens is None else self.tokens
 
     @classmethod
-    def decode(cls, seqs: int, context: int) -> Plan:
-        return cls((1,) * seqs, (context,) * seqs)
+    def decode(cls, seqs: int, context: int, window: int | None = None) -> Plan:
+        return cls((1,) * seqs, (context,) * seqs, window=window)
 
     @classmethod
-    def prefill_chunk(cls, chunk: int, context: int) -> Plan:
+    def prefill_chunk(cls, chunk: int, context: int, window: int | None = None) -> Plan:
         """One sequence's chunk of `chunk` tokens ending at `context`."""
-        return cls((chunk,), (context,))
+        return cls((chunk,), (context,), window=window)
 
     @classmethod
     def from_arrays(cls, cu_q_lens: Sequence[int], kv_lens: Sequence[int], num_seqs: int,
-                    tokens: int | None = None) -> Plan:  # fmt: skip
+                    tokens: int | None = None, window: int | None = None) -> Plan:  # fmt: skip
         """From a step plan's arrays (kvsched.StepPlan / AttentionInputs)."""
         cu = [int(x) for x in cu_q_lens[: num_seqs + 1]]
         q = tuple(b - a for a, b in zip(cu, cu[1:], strict=False))
-        return cls(q, tuple(int(x) for x in kv_lens[:num_seqs]), tokens)
+        return cls(q, tuple(int(x) for x in kv_lens[:num_seqs]), tokens, window)
+
+    def first_key(self, pos: int) -> int:
+        """The first key position a row at `pos` attends."""
+        return 0 if self.window is None else max(0, pos - self.window + 1)
+
+    def keys(self, s: int) -> int:
+        """The KV positions sequence s's rows attend, together: from its first
+        row's window start to its kv_len (kv_len for full attention)."""
+        q, kv = self.q_lens[s], self.kv_lens[s]
+        return kv - self.first_key(kv - q)
 
 
 # -- kernels -------------------------------------------------------------------
@@ -233,6 +247,11 @@ class KernelDesc:
     # The prefetch chain crosses sequences within a grid step but restarts at
     # each grid step that reads KV: one chain per such step.
     chain_per_step: bool = False
+    # Where a sliding-window layer's read of a sequence starts: "block" at the
+    # page of the window start of the sequence's first row in the query block,
+    # "seq" at that of its first row in the plan (kvsched feeds JAX's kernel
+    # each sequence's page row from there), "none" at page 0 (masked).
+    window_start: Literal["block", "seq", "none"] = "none"
 
     @property
     def pv(self) -> str:
@@ -291,7 +310,7 @@ def ours_gpu_v2(block_q: int = 4, num_stages: int = 3, kv_splits: int = 1,
         "gpu", block_q=block_q, pages_per_block=tile_pages, prefetch_depth=num_stages - 1,
         prefetch_across=False, causal_bound=True, fixed_blocks=True, scan_all_seqs=False,
         rows="block", operands="bf16", wait_per_page=False, kv_heads_per_program=1,
-        seq_aligned=True, kv_splits=kv_splits,
+        seq_aligned=True, kv_splits=kv_splits, window_start="block",
     )  # fmt: skip
 
 
@@ -362,7 +381,7 @@ def jax_tpu(
         block_q=block_q, pages_per_block=pages_per_block, prefetch_depth=1,
         prefetch_across=True, causal_bound=False, fixed_blocks=True, scan_all_seqs=False,
         rows="block", operands="bf16", wait_per_page=True, pv_operands="f32",
-        kv_heads_per_program=kv_heads_per_block,
+        kv_heads_per_program=kv_heads_per_block, window_start="seq",
     )  # fmt: skip
 
 
@@ -388,7 +407,7 @@ def ours_tpu_v2(block_q: int = 2, pages_per_block: int = 32, depth: int = 2,
         block_q=block_q, pages_per_block=pages_per_block, prefetch_depth=depth,
         prefetch_across=across_steps, causal_bound=True, fixed_blocks=True,
         scan_all_seqs=False, rows="block", operands="bf16", wait_per_page=False,
-        chain_per_step=not across_steps,
+        chain_per_step=not across_steps, window_start="block",
     )  # fmt: skip
 
 
@@ -403,7 +422,7 @@ def target_tpu(pages_per_block: int = 32, block_q: int = 128, depth: int = 2) ->
         f"target design (not built), {pages_per_block} pages x {block_q} queries", "tpu",
         block_q=block_q, pages_per_block=pages_per_block, prefetch_depth=depth,
         prefetch_across=True, causal_bound=True, fixed_blocks=False, scan_all_seqs=False,
-        rows="seq", operands="bf16", wait_per_page=False,
+        rows="seq", operands="bf16", wait_per_page=False, window_start="block",
     )  # fmt: skip
 
 
@@ -424,7 +443,7 @@ class Counts:
     chains: int  # prefetch chains (each starts with an exposed fetch)
     kv_bytes_moved: int  # K/V bytes read from HBM
     qo_bytes: int  # q read and output written (and split-KV partials out and back)
-    kv_bytes_needed: int  # each sequence's kv_len tokens once: the floor
+    kv_bytes_needed: int  # each sequence's attended tokens once (Plan.keys): the floor
     mxu_flops: int  # matmul FLOPs as issued (the kernel's own shapes)
     mxu_flops_padded: int  # padded to the device's tiles (with a device)
     mxu_f32_flops_padded: int  # the part with f32 operands
@@ -434,6 +453,10 @@ class Counts:
     # Programs that read KV (one per pair and split for sequence-aligned kernels;
     # else the grid): the GPU model's programs that can run at once.
     busy_programs: int = 0
+    # Pages (every KV head's K and V) the kernel reads, summed over its (query
+    # block, sequence) pairs: what its spans cover, without the padding pages of
+    # fixed-size blocks (kv_bytes_moved counts those).
+    pages_read: int = 0
 
     @property
     def bytes_moved(self) -> int:
@@ -495,9 +518,17 @@ def count(plan: Plan, shapes: Shapes, kernel: KernelDesc, device: Device | None 
     chains = busy = 0
     steps_reading: set[int] = set()
     sizes: list[int] = []
+    pages_read = 0
     for _b, _s, rows, last in pairs:
         span = last if kernel.causal_bound else plan.kv_lens[_s]
-        pages = -(-span // ps)
+        if kernel.window_start == "block":  # the pair's first row: position last - rows
+            first = plan.first_key(last - rows) // ps
+        elif kernel.window_start == "seq":
+            first = plan.first_key(plan.kv_lens[_s] - plan.q_lens[_s]) // ps
+        else:
+            first = 0
+        pages = -(-span // ps) - first
+        pages_read += pages
         nblk = -(-pages // kernel.pages_per_block)
         for i in range(nblk):
             n = (
@@ -538,8 +569,14 @@ def count(plan: Plan, shapes: Shapes, kernel: KernelDesc, device: Device | None 
         chains = len(steps_reading) * head_programs
     if kernel.prefetch_across and kv_blocks:
         chains = 1
-    needed = sum(kv * 2 * hkv * d * shapes.kv_bytes for kv in plan.kv_lens)
-    useful = sum(4 * q * g * kv * d * hkv for q, kv in zip(plan.q_lens, plan.kv_lens, strict=True))
+    needed = sum(plan.keys(s) * 2 * hkv * d * shapes.kv_bytes for s in range(len(plan.kv_lens)))
+    if plan.window is None:
+        useful = sum(4 * q * g * kv * d * hkv
+                     for q, kv in zip(plan.q_lens, plan.kv_lens, strict=True))  # fmt: skip
+    else:  # each row's own keys: min(position + 1, W)
+        useful = sum(4 * g * min(p + 1, plan.window) * d * hkv
+                     for q, kv in zip(plan.q_lens, plan.kv_lens, strict=True)
+                     for p in range(kv - q, kv))  # fmt: skip
     grid_steps = nblocks * head_programs * kernel.kv_splits
     seq_visits = (nblocks * head_programs * len(plan.q_lens) if kernel.scan_all_seqs
                   else len(pairs) * head_programs)  # fmt: skip
@@ -553,6 +590,7 @@ def count(plan: Plan, shapes: Shapes, kernel: KernelDesc, device: Device | None 
         mxu_flops=flops, mxu_flops_padded=padded, mxu_f32_flops_padded=padded_f32,
         useful_flops=useful, page_bytes=page_bytes,
         block_sizes=tuple(sizes), busy_programs=busy if kernel.seq_aligned else grid_steps,
+        pages_read=pages_read,
     )  # fmt: skip
 
 
@@ -626,19 +664,22 @@ def kernels_for(plan: Plan, shapes: Shapes, device: str) -> list[KernelDesc]:
     kernel the code runs (version 2, at the block sizes kernels.tiling picks),
     JAX's (TPU) with the block sizes it picks there, and the target design
     (TPU)."""
+    w, ps = plan.window, shapes.page_size
     if DEVICES[device].platform == "gpu":
         bq = tiling.gpu_block_q(plan.padded_tokens, len(plan.q_lens), shapes.group)
-        pps = max(-(-kv // shapes.page_size) for kv in plan.kv_lens)
+        pps = max(-(-kv // ps) for kv in plan.kv_lens)
         splits = tiling.gpu_kv_splits(plan.padded_tokens, len(plan.q_lens), shapes.kv_heads,
-                                      pps, DEVICES[device].units)  # fmt: skip
-        tiles = tiling.gpu_tile_pages(shapes.page_size, pps)
+                                      pps, DEVICES[device].units, w, ps)  # fmt: skip
+        tiles = tiling.gpu_tile_pages(ps, pps)
         return [ours_gpu_v1(), ours_gpu_v2(bq, kv_splits=splits, tile_pages=tiles)]
-    pps = max(-(-kv // shapes.page_size) for kv in plan.kv_lens)
+    pps = max(-(-kv // ps) for kv in plan.kv_lens)
     bkv, bq = jax_rpa_block_sizes(shapes, plan.padded_tokens, pps, device)
+    if w is not None:  # kernels.jax_rpa.window_block_sizes
+        bkv = min(bkv, tiling.window_pages(w, ps))
     kvh = jax_rpa_kv_heads_per_block(shapes)
     bq2 = tiling.tpu_block_q(plan.padded_tokens, len(plan.q_lens), shapes.group)
     decode = tiling.tpu_decode_path(bq2, shapes.group)
-    v2 = ours_tpu_v2(bq2, tiling.tpu_pages_per_block(shapes.page_size, pps, decode))
+    v2 = ours_tpu_v2(bq2, tiling.tpu_pages_per_block(ps, pps, decode, w, bq2))
     return [ours_tpu_v1(), v2, jax_tpu(bkv, bq, None if kvh == shapes.kv_heads else kvh),
             target_tpu()]  # fmt: skip
 

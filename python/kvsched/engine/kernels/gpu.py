@@ -38,7 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kvsched.engine.inputs import AttentionInputs
-from kvsched.engine.kernels.common import MASK
+from kvsched.engine.kernels.common import MASK, check_soft_cap, check_window
 from kvsched.engine.kernels.reference import token_seq
 from kvsched.engine.kernels.tiling import H200_SMS, gpu_block_q, gpu_kv_splits, gpu_tile_pages
 
@@ -78,8 +78,9 @@ def program_table(cu_q_lens: jax.Array, num_seqs: jax.Array, tokens: int, block_
 
 def _kernel(seq_ref: jax.Ref, row0_ref: jax.Ref, rows_ref: jax.Ref, kv_lens_ref: jax.Ref,
             pages_ref: jax.Ref, cu_ref: jax.Ref, q_ref: jax.Ref, cache_ref: jax.Ref,
-            o_ref: jax.Ref, *stat_refs: jax.Ref, group: int, pages_per_seq: int, scale: float,
-            dtype: jnp.dtype, splits: int, tile_pages: int) -> None:  # fmt: skip
+            *refs: jax.Ref, group: int, pages_per_seq: int, scale: float,
+            dtype: jnp.dtype, splits: int, tile_pages: int, window: int | None = None,
+            soft_cap: float | None = None, has_sinks: bool = False) -> None:  # fmt: skip
     # One program per (query block, KV head). The block's rows of one sequence
     # and the group's query heads form one [block_q * group, D] operand, laid
     # out so on the host: row r is token r // group, query head r % group of
@@ -89,6 +90,11 @@ def _kernel(seq_ref: jax.Ref, row0_ref: jax.Ref, rows_ref: jax.Ref, kv_lens_ref:
     # With `splits` > 1 (split-KV), program (.., .., i) reads the i-th share of
     # the pages and writes its unnormalised accumulator, running max and
     # denominator (stat_refs) for the reduce after the kernel.
+    # refs: [sinks_ref ([bm, 1] f32: each row's query head's sink logit; with
+    # has_sinks, and only without splits: the reduce adds it otherwise)], o_ref,
+    # *stat_refs.
+    sinks_ref = refs[0] if has_sinks else None
+    o_ref, *stat_refs = refs[1:] if has_sinks else refs
     bs = cache_ref.shape[1]
     bm = q_ref.shape[0]
     kh = pl.program_id(1)
@@ -101,8 +107,18 @@ def _kernel(seq_ref: jax.Ref, row0_ref: jax.Ref, rows_ref: jax.Ref, kv_lens_ref:
     # Causal bound: the block's last row sees positions < last; nothing past it
     # is read (a prefill chunk's early blocks stop early).
     last = kv_len - (q_hi - (row0 + nrows))
+    n_pages = lax.div(last + bs - 1, bs)
     kt = tile_pages * bs  # keys per tile
-    n_tiles = jnp.where(nrows > 0, lax.div(last + kt - 1, kt), 0)
+    if window is None:
+        first = jnp.int32(0)
+        n_tiles = jnp.where(nrows > 0, lax.div(last + kt - 1, kt), 0)
+    else:
+        # Sliding window: pages from the one holding the first row's window
+        # start; those before it (the null page in a window group's table) are
+        # never loaded.
+        first_pos = kv_len - (q_hi - row0)
+        first = lax.div(jnp.maximum(first_pos - (window - 1), 0), bs)
+        n_tiles = jnp.where(nrows > 0, lax.div(n_pages - first + tile_pages - 1, tile_pages), 0)
     if splits > 1:
         share = lax.div(n_tiles + splits - 1, splits)
         lo = pl.program_id(2) * share
@@ -116,27 +132,35 @@ def _kernel(seq_ref: jax.Ref, row0_ref: jax.Ref, rows_ref: jax.Ref, kv_lens_ref:
         jnp.zeros((bm, 1), jnp.float32),
         jnp.zeros((bm, q_ref.shape[1]), jnp.float32),
     )
+    if sinks_ref is not None:
+        # As if one key with the sink's logit and a zero value had been read.
+        carry0 = (sinks_ref[...], jnp.ones((bm, 1), jnp.float32), carry0[2])
 
     def page_body(p: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]
                   ) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
         m, denom, acc = carry
         if tile_pages == 1:
-            page = pages_ref[j * pages_per_seq + p]
+            page = pages_ref[j * pages_per_seq + first + p]
             k, v = cache_ref[page, :, 2 * kh, :], cache_ref[page, :, 2 * kh + 1, :]
         else:
             i = lax.broadcasted_iota(jnp.int32, (kt,), 0)
-            # Pages past the row's end (a tile overhanging the table) read its
-            # last entry again: their keys are >= kv_len, masked below.
-            idx = jnp.minimum(p * tile_pages + lax.div(i, bs), pages_per_seq - 1)
+            # Pages past the block's causal span (a tile overhanging it) read its
+            # last page again: their keys are past the bound, masked below.
+            idx = jnp.minimum(first + p * tile_pages + lax.div(i, bs), n_pages - 1)
             page, slot = pages_ref[j * pages_per_seq + idx], lax.rem(i, bs)
             k, v = cache_ref[page, slot, 2 * kh, :], cache_ref[page, slot, 2 * kh + 1, :]
-        key = p * kt + lax.broadcasted_iota(jnp.int32, (1, kt), 1)
+        key0 = p * kt if window is None else first * bs + p * kt
+        key = key0 + lax.broadcasted_iota(jnp.int32, (1, kt), 1)
         ok = real & (key <= pos) & (key < kv_len)
+        if window is not None:
+            ok = ok & (key > pos - window)
         live = jnp.transpose(key < kv_len)  # [kt, 1]: stale slots past kv_len
         k = k.astype(dtype)
         v = jnp.where(live, v.astype(dtype), 0)
         # Operands in `dtype`, accumulation in f32 (pl.dot's result type).
         s = pltriton.dot(q, k, trans_b=True, precision=precision) * scale
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
         s = jnp.where(ok, s, MASK)
         m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
         alpha = jnp.exp(m - m_new)
@@ -156,10 +180,11 @@ def _kernel(seq_ref: jax.Ref, row0_ref: jax.Ref, rows_ref: jax.Ref, kv_lens_ref:
     o_ref[...] = out.astype(o_ref.dtype)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("scale", "block_q", "interpret", "num_stages", "kv_splits", "tile_pages"),
-)
+_STATIC = ("scale", "block_q", "interpret", "num_stages", "kv_splits", "tile_pages", "window",
+           "soft_cap")  # fmt: skip
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def _call(
     q: jax.Array,
     cache: jax.Array,
@@ -174,6 +199,9 @@ def _call(
     num_stages: int = 3,
     kv_splits: int = 1,
     tile_pages: int | None = None,
+    window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     t, hq, d = q.shape
     hkv = cache.shape[2] // 2
@@ -195,8 +223,9 @@ def _call(
         qb = jnp.pad(qb, ((0, 0), (0, 0), (0, bm - block_q * group), (0, 0)))
     kernel = functools.partial(_kernel, group=group, pages_per_seq=pps, scale=scale,
                                dtype=dot_dtype(cache.dtype), splits=kv_splits,
-                               tile_pages=tile_pages or gpu_tile_pages(cache.shape[1], pps)
-                               )  # fmt: skip
+                               tile_pages=tile_pages or gpu_tile_pages(cache.shape[1], pps),
+                               window=window, soft_cap=soft_cap,
+                               has_sinks=sinks is not None and kv_splits == 1)  # fmt: skip
 
     def full(shape: tuple[int, ...]) -> pl.BlockSpec:
         return pl.BlockSpec(shape, lambda b, h, i: (0,) * len(shape))
@@ -213,11 +242,21 @@ def _call(
         ]
     else:
         out_specs, out_shape = blocks, jax.ShapeDtypeStruct((progs, hkv, bm, d), q.dtype)
+    in_specs = [full((progs,))] * 3 + [full((s,)), full((s * pps,)), full((s + 1,)), blocks,
+                                       full(cache.shape)]  # fmt: skip
+    operands = [seq, row0, rows, kv_lens, page_indices.reshape(s * pps), cu_q_lens, qb, cache]
+    if sinks is not None:
+        # Row r of KV head h's block is query head h * group + r % group.
+        sink = sinks.astype(jnp.float32).reshape(hkv, 1, group)
+        sink = jnp.broadcast_to(sink, (hkv, block_q, group)).reshape(hkv, block_q * group)
+        sink = jnp.pad(sink, ((0, 0), (0, bm - block_q * group)))[:, :, None]  # [Hkv, bm, 1]
+    if sinks is not None and kv_splits == 1:
+        operands.append(sink)
+        in_specs.append(pl.BlockSpec((None, bm, 1), lambda b, h, i: (h, 0, 0)))
     res = pl.pallas_call(
         kernel,
         grid=(progs, hkv, kv_splits),
-        in_specs=[full((progs,))] * 3
-        + [full((s,)), full((s * pps,)), full((s + 1,)), blocks, full(cache.shape)],  # fmt: skip
+        in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
         interpret=interpret,
@@ -227,15 +266,19 @@ def _call(
         # shared memory per stage at D=128, bf16, pages of 16).
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=num_stages),
         name="kvsched_ragged_paged_attention_gpu",
-    )(seq, row0, rows, kv_lens, page_indices.reshape(s * pps), cu_q_lens, qb, cache)
+    )(*operands)
     if kv_splits > 1:
         # The reduce (flash-decoding): rescale each split's accumulator and
         # denominator to the common max, sum, normalise. A split that read no
         # page holds (MASK, 0, 0) and adds nothing.
         acc, m, denom = res
         m_all = jnp.max(m, axis=2, keepdims=True)
+        if sinks is not None:  # the sink: one more partial, (s_h, 1, 0)
+            m_all = jnp.maximum(m_all, sink[None, :, None])
         w = jnp.exp(m - m_all)
         denom = jnp.sum(w * denom, axis=2)
+        if sinks is not None:
+            denom = denom + jnp.exp(sink[None] - m_all[:, :, 0])
         acc = jnp.sum(w * acc, axis=2)
         ob = jnp.where(denom == 0, 0.0, acc / jnp.where(denom == 0, 1.0, denom)).astype(q.dtype)
     else:
@@ -250,13 +293,14 @@ def _call(
     return jnp.where(valid[:, None, None], out.reshape(t, hq, d), 0).astype(q.dtype)
 
 
-def default_kv_splits(tokens: int, seqs: int, kv_heads: int, pages_per_seq: int) -> int:
+def default_kv_splits(tokens: int, seqs: int, kv_heads: int, pages_per_seq: int,
+                      window: int | None = None, page_size: int = 16) -> int:  # fmt: skip
     """Split-KV from the plan's shape (static): `tiling.gpu_kv_splits` with the
     device's SM count where jax reports it, else an H200's 132."""
     units = H200_SMS
     if jax.default_backend() == "gpu":
         units = int(getattr(jax.devices()[0], "core_count", units) or units)
-    return gpu_kv_splits(tokens, seqs, kv_heads, pages_per_seq, units)
+    return gpu_kv_splits(tokens, seqs, kv_heads, pages_per_seq, units, window, page_size)
 
 
 def ragged_paged_attention_gpu(
@@ -269,13 +313,23 @@ def ragged_paged_attention_gpu(
     interpret: bool | None = None,
     kv_splits: int | None = None,
     kv_tile_pages: int | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """As kernels.tpu.ragged_paged_attention, for NVIDIA GPUs (Triton): q
     [T, Hq, D], cache [P, bs, 2*Hkv, D] -> [T, Hq, D], padding rows 0.
     `block_q` defaults to `tiling.gpu_block_q`, `kv_splits` (split-KV) to
     `default_kv_splits`, `kv_tile_pages` (pages per KV tile) to
     `tiling.gpu_tile_pages`; values below 1 are a ValueError naming the knob.
-    `interpret` defaults to True off GPU (Pallas' interpreter)."""
+    `interpret` defaults to True off GPU (Pallas' interpreter).
+    `sliding_window` W (None or 0: full): a query block loads its sequence's
+    pages from the one holding its first row's window start; `soft_cap`:
+    logits c * tanh(logits / c); `sinks` [Hq]: a per-head logit in the
+    softmax denominator."""
+    window, soft_cap = check_window(sliding_window), check_soft_cap(soft_cap)
+    if sinks is not None and sinks.shape != (q.shape[1],):
+        raise ValueError(f"sinks must be [Hq] = [{q.shape[1]}], got {sinks.shape}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     hkv = cache.shape[-2] // 2
@@ -285,7 +339,7 @@ def ragged_paged_attention_gpu(
         block_q = gpu_block_q(q.shape[0], inputs.kv_lens.shape[0], q.shape[1] // hkv)
     if kv_splits is None:
         s, pps = inputs.page_indices.shape
-        kv_splits = default_kv_splits(q.shape[0], s, hkv, pps)
+        kv_splits = default_kv_splits(q.shape[0], s, hkv, pps, window, cache.shape[1])
     knobs = {"block_q": block_q, "kv_splits": kv_splits, "kv_tile_pages": kv_tile_pages}
     for name, value in knobs.items():
         if value is not None and value < 1:
@@ -293,5 +347,6 @@ def ragged_paged_attention_gpu(
     out: jax.Array = _call(q, cache, inputs.kv_lens, inputs.page_indices, inputs.cu_q_lens,
                            inputs.num_seqs, scale=scale, block_q=block_q,
                            interpret=bool(interpret), kv_splits=kv_splits,
-                           tile_pages=kv_tile_pages)  # fmt: skip
+                           tile_pages=kv_tile_pages, window=window, soft_cap=soft_cap,
+                           sinks=sinks)  # fmt: skip
     return out

@@ -83,7 +83,9 @@ from jax import lax
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as _jax_rpa
 
 from kvsched.engine.inputs import AttentionInputs
+from kvsched.engine.kernels.common import check_soft_cap, check_window
 from kvsched.engine.kernels.layout import cache_mode
+from kvsched.engine.kernels.tiling import window_pages
 
 # JAX's functions are unannotated (mypy --strict would flag each call): typed here.
 jax_kernel: Callable[..., jax.Array] = _jax_rpa.ragged_paged_attention
@@ -120,7 +122,49 @@ def mask_padding_rows(out: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array)
     return jnp.where(real[:, None, None], out, jnp.zeros((), out.dtype))
 
 
-def _reference_on_host(*arrays: np.ndarray, scale: float) -> np.ndarray:
+def window_view(kv_lens: jax.Array, page_indices: jax.Array, cu_q_lens: jax.Array,
+                num_seqs: jax.Array, window: int, page_size: int
+                ) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    """The plan as a sliding-window layer's kernel should read it: each
+    sequence's page row starts at the page holding its first row's window
+    start, floor(max(0, kv_len - q_len - W + 1) / page_size) = f, and its
+    kv_len drops by f * page_size. Attention only sees position differences
+    (RoPE is applied before K is written; the causal and window masks compare
+    positions), so the output is unchanged, and the kernel never reads the
+    pages before the window: JAX's kernel walks a sequence's pages from its
+    first, and pads a KV block with the row's first page, which in a window
+    group's table is the null page (garbage, NaN after a reuse) until shifted.
+    Entries past the row's end repeat its last (never read: past kv_len)."""
+    s, pps = page_indices.shape
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    live = jnp.arange(s) < num_seqs[0]
+    first = jnp.where(live, jnp.maximum(kv_lens - q_lens - (window - 1), 0) // page_size, 0)
+    cols = jnp.minimum(first[:, None] + jnp.arange(pps, dtype=jnp.int32)[None, :], pps - 1)
+    shifted = jnp.take_along_axis(page_indices, cols, axis=1)
+    return kv_lens - first * page_size, shifted
+
+
+def window_block_sizes(
+    q: jax.Array, kv_pages: jax.Array, pages_per_seq: int, window: int
+) -> tuple[int, int]:
+    """JAX's own tuned (pages per KV block, queries per block) for this call (its
+    get_tuned_block_sizes: needs a TPU, or its version faked), with the KV
+    block capped at the pages one row's window spans (`tiling.window_pages`):
+    JAX's kernel moves whole blocks, so a 128-page block for a 33-page window
+    would be three quarters padding."""
+    hq_blk, kvh2_blk = _jax_rpa.get_min_heads_per_blk(
+        q.shape[1], kv_pages.shape[2], q.dtype, kv_pages.dtype
+    )
+    bkv, bq = _jax_rpa.get_tuned_block_sizes(
+        q.dtype, kv_pages.dtype, hq_blk, kvh2_blk // 2, q.shape[2], kv_pages.shape[1],
+        q.shape[0], pages_per_seq,
+    )  # fmt: skip
+    return min(bkv, window_pages(window, kv_pages.shape[1])), bq
+
+
+def _reference_on_host(
+    *arrays: np.ndarray, scale: float, window: int | None = None, soft_cap: float | None = None
+) -> np.ndarray:
     """JAX's reference, eagerly, on the host arrays of one call: [T, Hq, D]
     with its rows (one per real token) at the top, zeros below."""
     q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs = arrays
@@ -132,7 +176,7 @@ def _reference_on_host(*arrays: np.ndarray, scale: float) -> np.ndarray:
         with jax.default_device(jax.devices("cpu")[0]):
             real = np.asarray(
                 jax_reference(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                              sm_scale=scale)
+                              sm_scale=scale, sliding_window=window, soft_cap=soft_cap)
             )  # fmt: skip
         out[: real.shape[0]] = real
     return out
@@ -149,12 +193,28 @@ def jax_ragged_paged_attention(
     num_kv_pages_per_block: int | None = None,
     num_queries_per_block: int | None = None,
     vmem_limit_bytes: int | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """q [T, Hq, D], cache [P, bs, 2*Hkv, D] (or packed [P, bs, Hkv, 2*D]; with
     `layer`, the stacked [L, P, ...] cache read at layer `layer`) -> [T, Hq, D],
     padding rows 0. impl: "kernel" (JAX's Pallas TPU kernel; block sizes from its
     tuned table unless both are given), "reference" (JAX's jnp reference through
-    a host callback), or None: the kernel on TPU, the reference elsewhere."""
+    a host callback), or None: the kernel on TPU, the reference elsewhere.
+
+    `sliding_window` W and `soft_cap` go to JAX's (its `sliding_window`,
+    `soft_cap`), on the plan seen through `window_view` (each sequence's pages
+    from its window's first: none before it is read); with W and no block
+    sizes given, the KV block is capped at the window's pages
+    (`window_block_sizes`). `sinks`: JAX's kernel has none, a ValueError
+    (attention.resolve_backend keeps kvsched's kernels for them)."""
+    if sinks is not None:
+        raise ValueError(
+            "JAX's ragged_paged_attention has no attention sinks: use backend 'pallas' "
+            "(kvsched's kernels) or 'reference'"
+        )
+    window, soft_cap = check_window(sliding_window), check_soft_cap(soft_cap)
     t, hq, d = q.shape
     kv_pages, offset = kernel_layout(cache, d, layer)
     hkv = kv_pages.shape[2] // 2
@@ -164,14 +224,21 @@ def jax_ragged_paged_attention(
         impl = "kernel" if jax.default_backend() == "tpu" else "reference"
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS} or None, not {impl!r}")
-    page_indices = inputs.page_indices + offset
-    args = (q, kv_pages, inputs.kv_lens, page_indices, inputs.cu_q_lens, inputs.num_seqs)
+    kv_lens, page_indices = inputs.kv_lens, inputs.page_indices
+    if window is not None:
+        kv_lens, page_indices = window_view(kv_lens, page_indices, inputs.cu_q_lens,
+                                            inputs.num_seqs, window, kv_pages.shape[1])  # fmt: skip
+    page_indices = page_indices + offset
+    args = (q, kv_pages, kv_lens, page_indices, inputs.cu_q_lens, inputs.num_seqs)
     if impl == "kernel":
+        bkv, bq = num_kv_pages_per_block, num_queries_per_block
+        if window is not None and (bkv is None or bq is None):
+            bkv, bq = window_block_sizes(q, kv_pages, page_indices.shape[1], window)
 
         def run(args: tuple[jax.Array, ...]) -> jax.Array:
             return jax_kernel(
-                *args, sm_scale=scale, num_kv_pages_per_block=num_kv_pages_per_block,
-                num_queries_per_block=num_queries_per_block, vmem_limit_bytes=vmem_limit_bytes,
+                *args, sm_scale=scale, num_kv_pages_per_block=bkv, num_queries_per_block=bq,
+                vmem_limit_bytes=vmem_limit_bytes, sliding_window=window, soft_cap=soft_cap,
             )  # fmt: skip
 
         def nothing(args: tuple[jax.Array, ...]) -> jax.Array:
@@ -181,7 +248,7 @@ def jax_ragged_paged_attention(
     else:
 
         def host(*arrays: np.ndarray) -> np.ndarray:
-            return _reference_on_host(*arrays, scale=scale)
+            return _reference_on_host(*arrays, scale=scale, window=window, soft_cap=soft_cap)
 
         out = jax.pure_callback(host, jax.ShapeDtypeStruct(q.shape, q.dtype), *args)
     return mask_padding_rows(out, inputs.cu_q_lens, inputs.num_seqs)

@@ -92,7 +92,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kvsched.engine.inputs import AttentionInputs
-from kvsched.engine.kernels.common import MASK, run_padded
+from kvsched.engine.kernels.common import MASK, check_soft_cap, check_window, run_padded
 from kvsched.engine.kernels.layout import cache_mode, checked_cache_mode, on_tpu
 from kvsched.engine.kernels.tiling import tpu_block_q, tpu_decode_path, tpu_pages_per_block
 
@@ -128,14 +128,7 @@ def _kernel(
     layer_ref: jax.Ref,
     q_ref: jax.Ref,  # [Hkv, block_q * group, QW]
     cache_hbm: jax.Ref,  # [L, P, bs, X, W], in HBM
-    o_ref: jax.Ref,
-    kv_buf: jax.Ref,  # [depth + 1, ppb, bs, X, W] VMEM: block slots
-    sem: jax.Ref,  # one DMA semaphore per slot
-    m_ref: jax.Ref,  # [Hkv, rows, 1] f32 VMEM: running max per row
-    l_ref: jax.Ref,  # [Hkv, rows, 1] f32 VMEM: running denominator
-    acc_ref: jax.Ref,  # [Hkv, rows, QW] f32 VMEM: running numerator
-    base_ref: jax.Ref,  # [1] i32 SMEM: the slot of this grid step's first block
-    *,
+    *refs: jax.Ref,
     block_q: int,
     kv_heads: int,
     group: int,
@@ -145,7 +138,18 @@ def _kernel(
     scale: float,
     mode: str,
     head_dim: int,
+    window: int | None = None,
+    soft_cap: float | None = None,
+    has_sinks: bool = False,
 ) -> None:
+    # refs: [sinks_ref: [Hkv, rows, 1] f32, each row's head's sink logit (with
+    # has_sinks)], o_ref, kv_buf: [depth + 1, ppb, bs, X, W] VMEM block slots,
+    # sem: one DMA semaphore per slot, m_ref / l_ref: [Hkv, rows, 1] f32 VMEM
+    # running max and denominator per row, acc_ref: [Hkv, rows, QW] f32 VMEM
+    # running numerator, base_ref: [1] i32 SMEM, the slot of this grid step's
+    # first block.
+    sinks_ref = refs[0] if has_sinks else None
+    o_ref, kv_buf, sem, m_ref, l_ref, acc_ref, base_ref = refs[1:] if has_sinks else refs
     ppb, bs = kv_buf.shape[1], kv_buf.shape[2]
     span_keys = ppb * bs
     rows = block_q * group
@@ -175,11 +179,12 @@ def _kernel(
 
     class Step:
         """The (sequence, KV block) pairs of the query block of rows [r0, r_end):
-        the sequences that meet it (binary search), the pages each one reads (up
-        to its last row in the block: the causal bound), and their count."""
+        the sequences that meet it (binary search), the pages each one reads
+        (from its first row's window start, with a sliding window, up to its
+        last row in the block: the causal bound), and their count."""
 
         def __init__(self, r0: jax.Array, r_end: jax.Array) -> None:
-            self.r_end = r_end
+            self.r0, self.r_end = r0, r_end
             self.j_lo = search(1, r0 + 1)  # first sequence ending after r0
             self.j_hi = search(0, r_end)  # first sequence starting at or after r_end
             self.total = lax.fori_loop(
@@ -197,8 +202,23 @@ def _kernel(
             span = jnp.where((q_hi > q_lo) & (j < max_seqs), last, 0)
             return lax.div(span + bs - 1, bs)
 
+        def first(self, j: jax.Array) -> jax.Array:
+            """The first page of sequence j this block reads: 0, or with a
+            sliding window the page holding the window start of j's first row
+            in the block (the pages before it, the null page 0 in a window
+            group's table, are never read)."""
+            if window is None:
+                return jnp.int32(0)
+            jc = jnp.minimum(j, max_seqs - 1)
+            q_hi = cu_ref[jc + 1]
+            pos = kv_lens_ref[jc] - (q_hi - jnp.maximum(cu_ref[jc], self.r0))
+            return lax.div(jnp.maximum(pos - (window - 1), 0), bs)
+
         def blocks(self, j: jax.Array) -> jax.Array:
-            return lax.div(self.pages(j) + ppb - 1, ppb)
+            if window is None:
+                return lax.div(self.pages(j) + ppb - 1, ppb)
+            n = jnp.maximum(self.pages(j) - self.first(j), 0)
+            return lax.div(n + ppb - 1, ppb)
 
         def skip_empty(self, j: jax.Array) -> jax.Array:
             return lax.while_loop(
@@ -231,19 +251,26 @@ def _kernel(
         desc.wait()
 
     def fetch(st: Step, j: jax.Array, i: jax.Array, slot: jax.Array) -> None:
-        n_pages = st.pages(j)
+        n_pages, first = st.pages(j), st.first(j)
         for p in range(ppb):
-            page_no = i * ppb + p
-            # Past the span: the sequence's first page again (valid; masked).
-            idx = jnp.where(page_no < n_pages, page_no, 0)
+            page_no = first + i * ppb + p
+            # Past the span: the first page read again (valid, inside the window;
+            # masked).
+            idx = jnp.where(page_no < n_pages, page_no, first)
             page = pages_ref[j * pages_per_seq + idx]
             pltpu.make_async_copy(
                 cache_hbm.at[layer, page], kv_buf.at[slot, p], sem.at[slot]
             ).start()
 
     # The online softmax's state lives in VMEM scratch, reset per grid step.
-    m_ref[...] = jnp.full(m_ref.shape, MASK, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    # Sinks: the state starts as if one key with the sink's logit and a zero
+    # value had been read (max s_h, denominator exp(s_h - s_h) = 1).
+    if sinks_ref is None:
+        m_ref[...] = jnp.full(m_ref.shape, MASK, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    else:
+        m_ref[...] = sinks_ref[...]
+        l_ref[...] = jnp.ones(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
     slots = depth + 1
 
@@ -318,12 +345,14 @@ def _kernel(
         kv_len = kv_lens_ref[j]
         in_seq = jnp.logical_and(token >= q_lo, token < q_hi)
         pos = kv_len - (q_hi - token)
-        key0 = i * span_keys
+        key0 = i * span_keys if window is None else (cur.first(j) * bs + i * span_keys)
         key = key0 + lax.broadcasted_iota(jnp.int32, (1, span_keys), 1)
         # Keys past the block's causal span are masked by pos and kv_len (the
         # re-read first page sits past them).
         limit = jnp.minimum(kv_len, cur.pages(j) * bs)
         ok = in_seq & (key <= pos) & (key < limit)
+        if window is not None:
+            ok = ok & (key > pos - window)
         live = key0 + lax.broadcasted_iota(jnp.int32, (span_keys, 1), 0) < limit
         for h in range(kv_heads):
             k, v = _kv_block(kv_buf, slot, h, mode, head_dim)
@@ -332,6 +361,8 @@ def _kernel(
             s = lax.dot_general(
                 qs[h], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
             )
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
             s = jnp.where(ok, s, MASK)
             m_prev = m_ref[h]
             m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
@@ -354,10 +385,11 @@ def _kernel(
         o_ref[h] = out[h].astype(o_ref.dtype)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("scale", "block_q", "pages_per_block", "prefetch_depth", "interpret"),
-)
+_STATIC = ("scale", "block_q", "pages_per_block", "prefetch_depth", "interpret", "window",
+           "soft_cap")  # fmt: skip
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def _call(
     q: jax.Array,
     cache: jax.Array,
@@ -372,9 +404,13 @@ def _call(
     pages_per_block: int | None = None,
     prefetch_depth: int = 2,
     layer: jax.Array | int | None = None,
+    window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """q [T, Hq, D] (T a multiple of block_q), cache [P, bs, X, W] or, with
-    `layer`, [L, P, bs, X, W] -> [T, Hq, D]."""
+    `layer`, [L, P, bs, X, W] -> [T, Hq, D]. `window`, `soft_cap`, `sinks`: as
+    ragged_paged_attention's sliding_window, soft_cap, sinks."""
     t, hq, d = q.shape
     if layer is None:
         cache, layer = cache[None], 0
@@ -384,7 +420,10 @@ def _call(
     qw = 2 * d if mode == "row" else d
     s, pps = page_indices.shape
     decode = tpu_decode_path(block_q, g)
-    ppb = tpu_pages_per_block(bs, pps, decode) if pages_per_block is None else pages_per_block
+    if pages_per_block is None:
+        ppb = tpu_pages_per_block(bs, pps, decode, window=window, block_q=block_q)
+    else:
+        ppb = pages_per_block
     ppb = min(ppb, pps)
     rows = block_q * g
     q3 = q.reshape(t, hkv, g, d).transpose(1, 0, 2, 3).reshape(hkv, t * g, d)
@@ -392,15 +431,23 @@ def _call(
         q3 = jnp.pad(q3, ((0, 0), (0, 0), (0, qw - d)))
     kernel = functools.partial(
         _kernel, block_q=block_q, kv_heads=hkv, group=g, pages_per_seq=pps, max_seqs=s,
-        depth=prefetch_depth, scale=scale, mode=mode, head_dim=d,
+        depth=prefetch_depth, scale=scale, mode=mode, head_dim=d, window=window,
+        soft_cap=soft_cap, has_sinks=sinks is not None,
     )  # fmt: skip
+    in_specs = [
+        pl.BlockSpec((hkv, rows, qw), lambda b, *_: (0, b, 0)),
+        pl.BlockSpec(memory_space=pl.ANY),
+    ]
+    operands = [q3, cache]
+    if sinks is not None:
+        # Row r * group + g of KV head h is query head h * group + g: its sink.
+        sink_rows = jnp.tile(sinks.astype(jnp.float32).reshape(hkv, g), (1, block_q))
+        operands.append(sink_rows.reshape(hkv, rows, 1))
+        in_specs.append(pl.BlockSpec((hkv, rows, 1), lambda b, *_: (0, 0, 0)))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
         grid=(t // block_q,),
-        in_specs=[
-            pl.BlockSpec((hkv, rows, qw), lambda b, *_: (0, b, 0)),
-            pl.BlockSpec(memory_space=pl.ANY),
-        ],
+        in_specs=in_specs,
         out_specs=pl.BlockSpec((hkv, rows, qw), lambda b, *_: (0, b, 0)),
         scratch_shapes=[
             pltpu.VMEM((prefetch_depth + 1, ppb, bs, x, w), cache.dtype),
@@ -421,7 +468,7 @@ def _call(
         name="kvsched_ragged_paged_attention",
     )(
         kv_lens, page_indices.reshape(s * pps), cu_q_lens, num_seqs,
-        jnp.asarray(layer, jnp.int32).reshape(1), q3, cache,
+        jnp.asarray(layer, jnp.int32).reshape(1), *operands,
     )  # fmt: skip
     out = out[..., qw - d :]
     return out.reshape(hkv, t, g, d).transpose(1, 0, 2, 3).reshape(t, hq, d)
@@ -438,6 +485,9 @@ def ragged_paged_attention(
     prefetch_depth: int = 2,
     interpret: bool | None = None,
     layer: jax.Array | int | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """q [T, Hq, D], cache [P, bs, 2*Hkv, D] or packed [P, bs, Hkv, 2*D] ->
     [T, Hq, D]. With `layer` (a scalar, may be traced), cache is the stacked
@@ -448,7 +498,11 @@ def ragged_paged_attention(
     shape, `pages_per_block` to `tiling.tpu_pages_per_block`; `prefetch_depth`
     blocks are in flight while one is computed (depth + 1 VMEM slots). Values
     below 1 are a ValueError naming the knob. `interpret` defaults to True off
-    TPU (the TPU interpreter)."""
+    TPU (the TPU interpreter). `sliding_window` W (None or 0: full attention):
+    each sequence's pages are read from the one holding its window's start
+    (no DMA before it), blocks sized by `tiling.tpu_pages_per_block`'s window
+    rule; `soft_cap`: logits c * tanh(logits / c); `sinks` [Hq]: a per-head
+    logit in the softmax denominator."""
     if interpret is None:
         interpret = not on_tpu()
     knobs = (("block_q", block_q), ("pages_per_block", pages_per_block),
@@ -461,8 +515,11 @@ def ragged_paged_attention(
         raise ValueError(f"{q.shape[1]} query heads do not group over {hkv} KV heads")
     if block_q is None:
         block_q = tpu_block_q(q.shape[0], inputs.page_indices.shape[0], q.shape[1] // hkv)
+    if sinks is not None and sinks.shape != (q.shape[1],):
+        raise ValueError(f"sinks must be [Hq] = [{q.shape[1]}], got {sinks.shape}")
     call = functools.partial(_call, pages_per_block=pages_per_block,
-                             prefetch_depth=prefetch_depth)  # fmt: skip
+                             prefetch_depth=prefetch_depth, window=check_window(sliding_window),
+                             soft_cap=check_soft_cap(soft_cap), sinks=sinks)  # fmt: skip
     if layer is not None:
         call = functools.partial(call, layer=layer)
     return run_padded(call, q, cache, inputs, scale=scale, block_q=block_q, interpret=interpret,
