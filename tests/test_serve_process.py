@@ -131,7 +131,9 @@ def test_it_says_what_it_is_doing_and_logs_no_probe_nor_jax_info(tmp_path, tenan
     """/ready answers "loading" while the model loads and the warmup's progress
     while it compiles; the log shows each warmup part; the serving line comes
     only once the socket serves; /health, /ready and /metrics polls are not
-    access-logged (a /v1 request is); no JAX INFO line (libtpu on CPU)."""
+    access-logged (a /v1 request is); no JAX INFO line. (The server runs with
+    JAX_PLATFORMS=cpu here, so JAX never looks for libtpu: the line it logs
+    without that is test_the_servers_logging_hides_jaxs_search_for_a_tpu_....)"""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
@@ -174,6 +176,31 @@ def test_it_says_what_it_is_doing_and_logs_no_probe_nor_jax_info(tmp_path, tenan
     for probe in ("/health", "/ready", "/metrics"):
         assert f'"GET {probe} HTTP' not in out, f"{probe} was access-logged"
     assert "libtpu" not in out and "jax._src" not in out, out
+
+
+def jax_devices_logged(setup: str) -> str:
+    """What a fresh interpreter prints when it runs `setup` and then asks JAX
+    for its devices, with JAX free to look for every platform (JAX_PLATFORMS
+    unset, as a user's shell has it)."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    env["PYTHONPATH"] = str(ROOT / "python")
+    done = subprocess.run([sys.executable, "-c", f"{setup}\nimport jax\njax.devices()"],
+                          capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout + done.stderr
+
+
+@pytest.mark.slow
+def test_the_servers_logging_hides_jaxs_search_for_a_tpu_unless_at_debug():
+    """With the log at INFO, JAX says it could not open libtpu.so on a machine
+    without a TPU; the server's logging (as `kvsched serve` sets it before the
+    model loads) keeps JAX's INFO lines out, except at --log-level debug."""
+    bare = jax_devices_logged("import logging\nlogging.basicConfig(level='INFO')")
+    if "libtpu" not in bare:
+        pytest.skip("JAX logs no libtpu line at INFO here (a TPU machine?): nothing to hide")
+    served = "from kvsched.serve.process import configure_logging\nconfigure_logging('{}')"
+    assert "libtpu" not in jax_devices_logged(served.format("info"))
+    assert "libtpu" in jax_devices_logged(served.format("debug"))
 
 
 SEQUENCES = {
