@@ -3,7 +3,10 @@ config maps onto them.
 
 `LlamaConfig` is what the model code reads; `from_hf` reads a Hugging Face
 config.json (as a dict). RoPE frequencies come from `rope_inv_freq`, so a
-checkpoint's rotary variant is decided here, once.
+checkpoint's rotary variant is decided here, once. `Gemma3Config` is Gemma 3's
+text decoder: a LlamaConfig (so everything that sizes a pool or a mesh from one
+reads it unchanged) with the settings Gemma adds, among them each layer's
+attention kind (`layer_kinds`: five sliding-window layers to one global).
 
 Strict: a config.json setting that changes what the model computes and that
 this model does not implement is refused with `UnsupportedConfig`, naming the
@@ -13,7 +16,7 @@ key; it is never read past.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax.numpy as jnp
@@ -163,6 +166,90 @@ class LlamaConfig:
     def scale(self) -> float:
         scale: float = float(self.head_dim) ** -0.5  # (typeshed: float ** float is Any)
         return scale
+
+    @property
+    def layer_windows(self) -> tuple[int, ...]:
+        """Each layer's sliding window in tokens, 0 for full attention (every
+        layer of a Llama model)."""
+        return (0,) * self.n_layers
+
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Each layer's attention kind as kvsched.shapes spells it ("full",
+        "sliding_window:W"): what `kvsched.shapes.group_layers` cuts into
+        KV-cache groups."""
+        return tuple("full" if w == 0 else f"sliding_window:{w}" for w in self.layer_windows)
+
+    @property
+    def windows(self) -> tuple[int, ...]:
+        """The distinct windows of the layers, ascending (0: full attention)."""
+        return tuple(sorted(set(self.layer_windows)))
+
+    def layer_inv_freqs(self) -> np.ndarray:
+        """Each layer's rotary inverse frequencies [n_layers, head_dim / 2]
+        (float32): `rope_inv_freq` for every layer of a Llama model."""
+        return np.tile(rope_inv_freq(self), (self.n_layers, 1))
+
+
+@dataclass(frozen=True)
+class Gemma3Config(LlamaConfig):
+    """Gemma 3's text decoder (what llama.cpp calls `gemma3`, transformers
+    `gemma3_text`). Besides a Llama decoder's shapes it computes:
+
+    - RMSNorm as x / rms(x) * (1 + weight), and norms of q and k per head;
+    - the token embedding times sqrt(dim), rounded to the model's dtype first;
+    - attention scale `query_pre_attn_scalar ** -0.5` (None: head_dim);
+    - a GELU (tanh approximation) gated MLP;
+    - norms after attention and after the MLP, before each residual add;
+    - layer i global (full attention) iff (i + 1) % `global_every` == 0, the
+      others attending their last `sliding_window` positions; global layers
+      rotate with `rope_theta` (and `rope_type`'s scaling), local ones with
+      `rope_local_theta`, unscaled;
+    - logits from the embedding (tied), soft-capped as
+      c * tanh(logits / c) when `final_logit_softcap` is c.
+
+    The defaults are a tiny model for tests (one global layer in six).
+    """
+
+    n_layers: int = 6
+    norm_eps: float = 1e-6
+    name: str = "tiny-gemma3"
+    sliding_window: int = 16
+    global_every: int = 6
+    rope_local_theta: float = 10000.0
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcap: float | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.sliding_window < 1 or self.global_every < 1:
+            raise ValueError(
+                f"sliding_window={self.sliding_window} and global_every={self.global_every} "
+                "must be >= 1"
+            )
+        for key in ("rope_local_theta", "query_pre_attn_scalar", "final_logit_softcap"):
+            v = getattr(self, key)
+            if v is not None and not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{key}={v!r} must be positive")
+
+    @property
+    def scale(self) -> float:
+        scalar = self.query_pre_attn_scalar or self.head_dim
+        scale: float = float(scalar) ** -0.5
+        return scale
+
+    @property
+    def layer_windows(self) -> tuple[int, ...]:
+        return tuple(0 if (i + 1) % self.global_every == 0 else self.sliding_window
+                     for i in range(self.n_layers))  # fmt: skip
+
+    def layer_inv_freqs(self) -> np.ndarray:
+        """Global layers: `rope_inv_freq` (rope_theta, rope_type's scaling);
+        local layers: the default rotation at rope_local_theta."""
+        local = rope_inv_freq(replace(self, rope_theta=self.rope_local_theta,
+                                      rope_type="default", rope_scaling=()))  # fmt: skip
+        full = rope_inv_freq(self)
+        return np.stack([full if w == 0 else local for w in self.layer_windows])
 
 
 def _refuse_unimplemented(cfg: dict[str, Any]) -> None:

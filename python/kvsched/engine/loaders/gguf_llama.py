@@ -1,4 +1,5 @@
-"""A Llama-architecture GGUF file: config, weights, tokenizer and chat template.
+"""A Llama-architecture GGUF file: config, weights, tokenizer and chat template
+(`load_gguf` hands a Gemma 3 file to kvsched.engine.loaders.gguf_gemma3).
 
 Weights are read and dequantized by the `gguf` package (its reader and its
 numpy dequantization of Q4_0/Q4_1/Q8_0/... blocks), into f32 or bf16 params.
@@ -71,6 +72,14 @@ class GGUFModel:
     eos_token_id: int | None
     special_tokens: dict[str, int] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
+    add_bos: bool = False  # a prompt starts with BOS (tokenizer.ggml.add_bos_token)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a completion prompt as the model reads it: the text
+        (control tokens in it are control tokens), after BOS if the file says
+        add_bos_token."""
+        ids = encode_text(self.tokenizer, text)
+        return [self.bos_token_id, *ids] if self.add_bos and self.bos_token_id is not None else ids
 
     def apply_chat_template(
         self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True
@@ -403,10 +412,15 @@ def render_chat_template(
 
 
 def load_gguf(path: str | Path, *, dtype: str = "float32", name: str | None = None) -> GGUFModel:
-    """Config, params, tokenizer and chat template from one GGUF file."""
+    """Config, params, tokenizer and chat template from one GGUF file: a Llama
+    one, or a Gemma 3 one (kvsched.engine.loaders.gguf_gemma3)."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(model_file(path, "GGUF", magic=b"GGUF")))
+    if _field(reader, "general.architecture") == "gemma3":
+        from kvsched.engine.loaders.gguf_gemma3 import load_gguf_gemma3
+
+        return load_gguf_gemma3(path, dtype=dtype, name=name, reader=reader)
     config = config_from_gguf(reader, dtype=dtype, name=name)
     params = load_gguf_params(reader, config)
     tokenizer, special = load_gguf_tokenizer(reader)
