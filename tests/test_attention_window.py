@@ -444,3 +444,26 @@ def test_the_sharded_pallas_path_takes_windows_and_sinks():
     got = paged_attention(case.q, case.cache, case.inputs, scale=0.25, backend="pallas",
                           mesh=mesh, sliding_window=9, sinks=SINKS, block_q=8)  # fmt: skip
     check(got, case.reference(sinks=SINKS), case, 2e-5)
+
+
+# -- Gemma 3 270M's attention: 4 query heads, 1 KV head of 256, W = 512 ------------
+
+
+@pytest.mark.parametrize(
+    "backend", ["oracle", pytest.param("pallas", marks=pytest.mark.slow), "pallas_gpu"]
+)
+def test_gemma3_window_of_512_at_its_shapes(backend):
+    """Gemma 3 270M's sliding layers at pages of 16: decodes at 2,000 and 700
+    tokens (the first 93 and 11 pages null), a 256-token chunk straddling the
+    window at 1,200, a decode shorter than the window, and a first chunk. The
+    reference against the oracle; kvsched's kernels (defaults: a 33-page block
+    on the TPU decode path) against the reference."""
+    case = Case(512, q_lens=(1, 256, 1, 1, 40), kv_lens=(2000, 1200, 700, 300, 40), bs=16,
+                hq=4, hkv=1, d=256)  # fmt: skip
+    want = case.reference()
+    if backend == "oracle":
+        check(want, case.oracle(), case, 2e-5)
+        return
+    got = paged_attention(case.q, case.cache, case.inputs, scale=0.25, backend=backend,
+                          sliding_window=512)  # fmt: skip
+    check(got, want, case, 2e-5)

@@ -342,13 +342,17 @@ def test_tpu_v2_picks_the_decode_path_from_the_shape():
     assert tpu_pages_per_block(128, 16) == 2 and tpu_pages_per_block(128, 1) == 1
 
 
-@pytest.mark.parametrize(("d", "packed", "bs", "ppb"),
-                         [(128, False, 16, 4), (64, True, 16, 4), (128, False, 64, None),
-                          (128, False, 128, None), (64, True, 128, None)])  # fmt: skip
-def test_tpu_v2_lowers_to_mosaic_for_tpu(d, packed, bs, ppb):
+@pytest.mark.parametrize(("d", "packed", "bs", "ppb", "window"),
+                         [(128, False, 16, 4, None), (64, True, 16, 4, None),
+                          (128, False, 64, None, None), (128, False, 128, None, None),
+                          (64, True, 128, None, None), (128, False, 16, None, 48),
+                          (64, True, 16, 4, 100), (256, False, 64, None, 512)])  # fmt: skip
+def test_tpu_v2_lowers_to_mosaic_for_tpu(d, packed, bs, ppb, window):
     """Lowering only (the Mosaic compiler runs on a TPU host): bf16, split at
     head_dim 128 and packed at 64; pages of 16, 64 and 128 tokens (the last two
-    with the default pages per block)."""
+    with the default pages per block). Windowed layers (with a logit soft cap
+    and sinks, at their default or given pages per block; head_dim 256 and
+    W = 512 are Gemma 3's) lower too."""
     import functools
 
     import jax
@@ -362,8 +366,12 @@ def test_tpu_v2_lowers_to_mosaic_for_tpu(d, packed, bs, ppb):
     shapes = [((t, hq, d), jnp.bfloat16), (cache, jnp.bfloat16), ((s,), jnp.int32),
               ((s, pps), jnp.int32), ((s + 1,), jnp.int32), ((1,), jnp.int32)]  # fmt: skip
     args = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in shapes]
+    kw = {} if window is None else {"window": window, "soft_cap": 50.0}
     f = jax.jit(functools.partial(_call, scale=0.1, block_q=16, pages_per_block=ppb,
-                                  interpret=False))  # fmt: skip
+                                  interpret=False, **kw))  # fmt: skip
+    if window is not None:  # sinks: an [Hq] array operand
+        args.append(jax.ShapeDtypeStruct((hq,), jnp.float32))
+        f = jax.jit(lambda *a, f=f: f(*a[:-1], sinks=a[-1]))
     text = export.export(f, platforms=["tpu"])(*args).mlir_module()
     assert "tpu_custom_call" in text and "kvsched_ragged_paged_attention" in text
 
@@ -555,9 +563,11 @@ def test_the_gpu_kernel_matches_jaxs_gpu_paged_attention_on_decode():
     assert not got[seqs:].any()
 
 
-def test_the_gpu_variant_lowers_to_triton_for_cuda():
+@pytest.mark.parametrize(("window", "kv_splits"), [(None, 1), (48, 1), (48, 4)])
+def test_the_gpu_variant_lowers_to_triton_for_cuda(window, kv_splits):
     """Ops Triton lacks (value slices, stacks) fail here, not on the GPU. Needs
-    the jax CUDA plugin's Python side (.ci/run installs it without CUDA)."""
+    the jax CUDA plugin's Python side (.ci/run installs it without CUDA). A
+    windowed layer (with a soft cap and sinks; split-KV too) lowers as well."""
     pytest.importorskip("jax_cuda12_plugin")
     import functools
 
@@ -570,24 +580,31 @@ def test_the_gpu_variant_lowers_to_triton_for_cuda():
     shapes = [((t, hq, d), jnp.bfloat16), ((p, bs, 2 * hkv, d), jnp.bfloat16), ((s,), jnp.int32),
               ((s, pps), jnp.int32), ((s + 1,), jnp.int32), ((1,), jnp.int32)]  # fmt: skip
     args = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in shapes]
-    f = jax.jit(functools.partial(_call, scale=0.1, block_q=16, interpret=False))
+    kw = {} if window is None else {"window": window, "soft_cap": 50.0}
+    f = jax.jit(functools.partial(_call, scale=0.1, block_q=16, interpret=False,
+                                  kv_splits=kv_splits, **kw))  # fmt: skip
+    if window is not None:  # sinks: an [Hq] array operand
+        args.append(jax.ShapeDtypeStruct((hq,), jnp.float32))
+        f = jax.jit(lambda *a, f=f: f(*a[:-1], sinks=a[-1]))
     safety = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     text = export.export(f, platforms=["cuda"], disabled_checks=safety)(*args).mlir_module()
     assert "__gpu$xla.gpu.triton" in text and "kvsched_ragged_paged_attention_gpu" in text
 
 
 @pytest.mark.parametrize(
-    ("dtype", "operand", "kv_splits"),
-    [(jnp.bfloat16, "bf16", 1), (jnp.float32, "f32", 1), (jnp.bfloat16, "bf16", 4)],
-)
+    ("dtype", "operand", "kv_splits", "window"),
+    [(jnp.bfloat16, "bf16", 1, None), (jnp.float32, "f32", 1, None),
+     (jnp.bfloat16, "bf16", 4, None), (jnp.bfloat16, "bf16", 1, 100), (jnp.float32, "f32", 4, 100)],
+)  # fmt: skip
 def test_the_gpu_kernel_lowers_to_triton_for_cuda_as_one_kv_loop_of_group_dots(
-    monkeypatch, dtype, operand, kv_splits
+    monkeypatch, dtype, operand, kv_splits, window
 ):
     """The Triton program itself (read from Pallas' lowering, needs the jax
     CUDA plugin like the test above): one loop (over the sequence's KV tiles of
     4 pages; no scan over sequences), two dots in it with M = block_q x group rows, bf16
     operands for a bf16 cache (tensor cores) and f32 (IEEE) for an f32 one, each
-    accumulating in f32; num_stages 3; with split-KV, three f32 partials out."""
+    accumulating in f32; num_stages 3; with split-KV, three f32 partials out. A
+    sliding window changes the loop's bounds, not its body."""
     pytest.importorskip("jax_cuda12_plugin")
     import functools
     import re
@@ -613,7 +630,7 @@ def test_the_gpu_kernel_lowers_to_triton_for_cuda_as_one_kv_loop_of_group_dots(
               ((s, pps), jnp.int32), ((s + 1,), jnp.int32), ((1,), jnp.int32)]  # fmt: skip
     args = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in shapes]
     f = jax.jit(functools.partial(_call, scale=0.1, block_q=block_q, interpret=False,
-                                  kv_splits=kv_splits))  # fmt: skip
+                                  kv_splits=kv_splits, window=window))  # fmt: skip
     safety = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     text = export.export(f, platforms=["cuda"], disabled_checks=safety)(*args).mlir_module()
     assert "num_stages = 3" in text

@@ -241,7 +241,7 @@ def test_jax_reference_is_what_the_backend_runs_off_tpu():
     np.testing.assert_array_equal(got[: plan.num_tokens], direct)
 
 
-def _export_kernel(t, hq, d, p, bs, hkv, s, pps, dtype, layers=None):
+def _export_kernel(t, hq, d, p, bs, hkv, s, pps, dtype, layers=None, window=None, soft_cap=None):
     from jax import export
 
     cache_shape = (p, bs, 2 * hkv, d) if layers is None else (layers, p, bs, 2 * hkv, d)
@@ -253,7 +253,8 @@ def _export_kernel(t, hq, d, p, bs, hkv, s, pps, dtype, layers=None):
         layer = None if layers is None else jnp.int32(1)
         return jax_ragged_paged_attention(
             q, cache, AttentionInputs(*plan), scale=0.1, layer=layer, impl="kernel",
-            num_kv_pages_per_block=4, num_queries_per_block=16,
+            num_kv_pages_per_block=4, num_queries_per_block=16, sliding_window=window,
+            soft_cap=soft_cap,
         )  # fmt: skip
 
     # JAX's kernel floor-divides, and Mosaic lowers that per TPU generation: it
@@ -264,13 +265,15 @@ def _export_kernel(t, hq, d, p, bs, hkv, s, pps, dtype, layers=None):
         return export.export(jax.jit(f), platforms=["tpu"])(*args).mlir_module()
 
 
-@pytest.mark.parametrize("layers", [None, 4])
-def test_the_jax_kernel_path_lowers_for_tpu(layers):
+@pytest.mark.parametrize(("layers", "window"), [(None, None), (4, None), (None, 48), (4, 100)])
+def test_the_jax_kernel_path_lowers_for_tpu(layers, window):
     """The TPU path as the engine calls it (layer view, page offset, the empty-plan
-    guard, the padding mask) lowers to JAX's Mosaic kernel. Block sizes are given:
-    the tuned table needs a TPU to say which generation it is. (Lowering only:
-    Mosaic compiles on a TPU host.)"""
-    text = _export_kernel(64, 8, 128, 64, 16, 2, 8, 16, jnp.bfloat16, layers)
+    guard, the padding mask; with a window, the window view of the page table and
+    JAX's sliding_window and soft_cap) lowers to JAX's Mosaic kernel. Block sizes
+    are given: the tuned table needs a TPU to say which generation it is.
+    (Lowering only: Mosaic compiles on a TPU host.)"""
+    cap = None if window is None else 30.0
+    text = _export_kernel(64, 8, 128, 64, 16, 2, 8, 16, jnp.bfloat16, layers, window, cap)
     assert "tpu_custom_call" in text and "ragged_paged_attention_kernel" in text
 
 

@@ -363,6 +363,85 @@ def test_prefill_chunk_rereads_per_query_block():
     assert j.kv_bytes_moved == 16 * 128 * 65536
 
 
+def test_windowed_counts_by_hand():
+    """A window of 3 on a decode (kv 13: position 12 attends 10..12) and a
+    3-token chunk ending at 15 (positions 12..14), pages of 4: every kernel
+    starts a sequence's read at the page of its window, page 2, not page 0.
+    kvsched's TPU kernel, block_q 2, one page per block: block 0 reads pages 2-3
+    of the decode and of the chunk's first row, block 1 (positions 13, 14)
+    pages 2-3: 6 pages where full attention reads 12. JAX's kernel (the page
+    row shifted to the sequence's window, no causal bound): 2 + 2 pages of 8.
+    The GPU kernel, sequence-aligned blocks of 2: 2 + 2 + 1 (the chunk's last
+    row, position 14, starts at page 3). The KV needed: 3 + 5 tokens."""
+    full = C.Plan((1, 3), (13, 15))
+    win = C.Plan((1, 3), (13, 15), window=3)
+    tpu = C.ours_tpu_v2(block_q=2, pages_per_block=1)
+    c, f = C.count(win, SMALL, tpu), C.count(full, SMALL, tpu)
+    assert (c.pages_read, c.kv_blocks, c.kv_bytes_moved) == (6, 6, 6 * 128)
+    assert (f.pages_read, f.kv_blocks, f.kv_bytes_moved) == (12, 12, 12 * 128)
+    assert c.kv_bytes_needed == (3 + 5) * 2 * 8 * 2 and f.kv_bytes_needed == (13 + 15) * 32
+    assert c.useful_flops == 4 * 2 * (3 + 3 * 3) * 8  # each row attends 3 keys
+    j = C.count(win, SMALL, C.jax_tpu(pages_per_block=2, block_q=4))
+    assert (j.pages_read, j.kv_blocks, j.kv_bytes_moved) == (4, 2, 4 * 128)
+    assert C.count(full, SMALL, C.jax_tpu(pages_per_block=2, block_q=4)).kv_bytes_moved == 8 * 128
+    g = C.count(win, SMALL, C.ours_gpu_v2(block_q=2, tile_pages=1))
+    assert (g.pages_read, g.kv_bytes_moved) == (5, 5 * 128)
+    # Version 1 (removed) never skipped anything: a window changes only the need.
+    assert C.count(win, SMALL, C.ours_tpu_v1(2)).kv_bytes_moved == C.count(
+        full, SMALL, C.ours_tpu_v1(2)).kv_bytes_moved  # fmt: skip
+    with pytest.raises(ValueError, match="window"):
+        C.Plan((1,), (4,), window=0)
+
+
+def test_a_windowed_decode_at_8k_reads_a_sixteenth_of_the_pages():
+    """The issue's figure: 256 decodes at 8k context under a 512-token window,
+    pages of 16 (Llama-3-8B heads), at the block sizes each kernel picks for
+    the windowed layer. Each reads 32 of a sequence's 512 pages, 1/16 of what
+    the full layer reads; kvsched's TPU kernel and JAX's move one block of 33
+    pages per decode (window_pages: a window not aligned to pages spans 33; the
+    33rd DMA of an aligned one re-reads the first), 33/512 of the full layer's
+    bytes; the GPU kernel's 4-page tiles load exactly 32. The predicted step
+    drops with the bytes: the decode stays bandwidth bound on kvsched's
+    kernels."""
+    full, win = C.Plan.decode(256, 8192), C.Plan.decode(256, 8192, window=512)
+    pages = 256 * 8192 // 16
+    assert win.keys(0) == 512
+    for dev in ("tpu-v5e", "tpu-v6e", "h200"):
+        for k_full, k_win in zip(C.kernels_for(full, C.LLAMA3_8B, dev),
+                                 C.kernels_for(win, C.LLAMA3_8B, dev), strict=True):  # fmt: skip
+            if "removed" in k_win.name:  # version 1 reads everything, masked
+                continue
+            f = C.count(full, C.LLAMA3_8B, k_full)
+            w = C.count(win, C.LLAMA3_8B, k_win)
+            assert f.pages_read == pages and w.pages_read * 16 == pages, k_win.name
+            assert w.kv_bytes_needed * 16 == f.kv_bytes_needed == f.kv_bytes_moved
+            assert w.kv_bytes_moved * 512 <= f.kv_bytes_moved * 33, k_win.name
+            pf, pw = C.predict(full, C.LLAMA3_8B, k_full, dev), C.predict(win, C.LLAMA3_8B, k_win,
+                                                                          dev)  # fmt: skip
+            assert pw.step_s * 8 < pf.step_s, k_win.name
+    v2 = C.kernels_for(win, C.LLAMA3_8B, "tpu-v5e")[1]
+    assert v2.pages_per_block == 33 and v2.window_start == "block"
+    c = C.count(win, C.LLAMA3_8B, v2)
+    assert (c.kv_blocks, c.dma_starts) == (256, 256 * 33)
+    p = C.predict(win, C.LLAMA3_8B, v2, "tpu-v5e")
+    assert p.bound == "hbm" and p.hbm_fraction > 0.85
+    gpu = C.count(win, C.LLAMA3_8B, C.kernels_for(win, C.LLAMA3_8B, "h200")[1])
+    assert gpu.kv_bytes_moved * 16 == C.count(full, C.LLAMA3_8B, C.ours_gpu_v2()).kv_bytes_moved
+
+
+def test_windowed_tpu_blocks_fit_the_window():
+    """tpu_pages_per_block with a window: a block holds the pages one query
+    block's windows span when that is within 1/8 of the default size (33 pages
+    of 16 for a decode at W = 512), else the span in even blocks (a 128-row
+    prefill block at W = 512: 41 pages, 3 blocks of 14); a small window one
+    small block (W = 128: 9 pages); a window past the default size keeps it."""
+    assert tiling.tpu_pages_per_block(16, 512, decode=True, window=512, block_q=2) == 33
+    assert tiling.tpu_pages_per_block(16, 512, window=512, block_q=128) == 14
+    assert tiling.tpu_pages_per_block(16, 512, decode=True, window=128, block_q=2) == 9
+    assert tiling.tpu_pages_per_block(16, 512, window=4096, block_q=128) == 16
+    assert tiling.tpu_pages_per_block(16, 4, decode=True, window=512, block_q=2) == 4
+
+
 def test_plans_from_arrays_and_bad_plans():
     p = C.Plan.from_arrays([0, 1, 4, 4], [5, 7, 0], num_seqs=2, tokens=8)
     assert (p.q_lens, p.kv_lens, p.padded_tokens) == ((1, 3), (5, 7), 8)
@@ -424,7 +503,8 @@ def _export(f):
         pytest.skip(str(e))
 
 
-def test_tpu_v2_description_matches_its_mosaic_program():
+@pytest.mark.parametrize("window", [None, 48])
+def test_tpu_v2_description_matches_its_mosaic_program(window):
     """The TPU kernel lowered for TPU: in each loop that waits, one wait for a
     whole block of pages_per_block pages and two exclusive sites of pages_per_block
     page DMAs each (the block `prefetch_depth` ahead in this grid step, or past
@@ -432,13 +512,14 @@ def test_tpu_v2_description_matches_its_mosaic_program():
     how many run is the interpreter test's count); bf16 QK and PV with M =
     block_q x group and N (QK) = the block's keys; outside the loops, the first
     `prefetch_depth` blocks of the chain (this step's own on step 0, else the
-    next step's when this one has fewer), the same two sites per block."""
+    next step's when this one has fewer), the same two sites per block. A
+    sliding window moves where each sequence's blocks start, nothing else."""
     pytest.importorskip("jax")
     from kvsched.engine.kernels.tpu import _call
 
     block_q, ppb = 16, 4
     m = _export(functools.partial(_call, scale=0.1, block_q=block_q, pages_per_block=ppb,
-                                  interpret=False))  # fmt: skip
+                                  interpret=False, window=window))  # fmt: skip
     desc = C.ours_tpu_v2(block_q, ppb)
     shapes = C.Shapes(HQ, HKV, D, BS)
     plan = C.Plan((1,) * S, (PPS * BS,) * S, T)
