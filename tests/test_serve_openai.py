@@ -346,6 +346,66 @@ def test_a_huge_header_is_a_431_not_a_reset(guarded):
     assert got.startswith(b"HTTP/1.1 431"), got[:80]
 
 
+def test_a_client_that_half_closes_after_its_request_is_taken_as_gone(tiny):
+    """As documented: a client that shuts its write side (shutdown(SHUT_WR))
+    after a whole request cannot be told from one that left, so its running
+    request is cancelled at once, its pages freed, and no answer is sent."""
+    sched = tiny.server.scheduler
+    before = settled(sched)
+    body = json.dumps({"model": "tiny-llama", "prompt": PROMPT, "max_tokens": LONG}).encode()
+    with socket.create_connection(("127.0.0.1", tiny.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                     + KEY.encode() + b"\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+        deadline = time.monotonic() + 10
+        while sched.stats()["live_requests"] == 0:
+            assert time.monotonic() < deadline, "the request was not admitted"
+            time.sleep(0.01)
+        sock.shutdown(socket.SHUT_WR)
+        got, took = read_all(sock)
+    assert got == b"" and took < 5, got[:200]
+    after = settled(sched, timeout=5.0)
+    gold = after["tenants"]["gold"]
+    assert gold["cancelled"] == before["tenants"]["gold"]["cancelled"] + 1
+    assert gold["tokens_out"] - before["tenants"]["gold"]["tokens_out"] < LONG
+    assert after["pool"]["used"] == before["pool"]["used"]
+
+
+def open_connections(running: Running, n: int, timeout: float = 5.0) -> None:
+    """Wait until the server holds `n` connections."""
+    deadline = time.monotonic() + timeout
+    while len(running.uv.server_state.connections) != n:
+        assert time.monotonic() < deadline, len(running.uv.server_state.connections)
+        time.sleep(0.01)
+
+
+@pytest.mark.slow
+def test_max_connections_are_served_and_a_request_on_one_more_is_a_503():
+    """With max_connections 2, a request is served beside one other open
+    connection; beside two it gets uvicorn's plain-text 503 (no Retry-After)
+    and its connection is closed; once one closes, requests are served again."""
+    running = tiny_server(max_connections=2)
+    held: list[socket.socket] = []
+    try:
+        url = f"{running.url}/health"
+        assert httpx.get(url).status_code == 200
+        held.append(socket.create_connection(("127.0.0.1", running.port)))
+        open_connections(running, 1)
+        assert httpx.get(url).status_code == 200, "two connections: both served"
+        held.append(socket.create_connection(("127.0.0.1", running.port)))
+        open_connections(running, 2)
+        refused = httpx.get(url)
+        assert refused.status_code == 503 and refused.text == "Service Unavailable"
+        assert refused.headers["connection"] == "close" and "retry-after" not in refused.headers
+        held.pop().close()
+        open_connections(running, 1)
+        assert httpx.get(url).status_code == 200
+    finally:
+        for sock in held:
+            sock.close()
+        running.stop()
+
+
 def test_completion_logprobs(tiny):
     r = tiny.client().completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=3,
                                          logprobs=2, temperature=0)  # fmt: skip
@@ -501,6 +561,47 @@ def test_a_reload_applied_in_part_is_a_warning_naming_what_was_not(tiny, tmp_pat
         assert srv.scheduler.tenant("gold").kv_floor_blocks == 2
         assert srv.scheduler.tenant("solo").kv_floor_blocks == 0, "solo kept its settings"
     finally:
+        srv.tenants.apply(srv.scheduler, parse_tenants(TENANTS))
+        srv.tenants.path = old_path
+
+
+def test_a_removal_that_waited_for_a_running_request_is_logged_when_it_completes(
+    tiny, tmp_path, caplog
+):
+    """A tenant removed by a reload while its request runs is removed once that
+    request ends, and the log says so."""
+    import logging
+
+    srv = tiny.server
+    srv.tenants.apply(srv.scheduler, parse_tenants({"tenant": [
+        *TENANTS["tenant"], {"name": "leaving", "api_key": "sk-leaving", "tier": 1}]}))  # fmt: skip
+    path = tmp_path / "tenants.toml"
+    path.write_text(f'[[tenant]]\nname = "gold"\napi_key = "{KEY}"\ntier = 0\n')
+    old_path, srv.tenants.path = srv.tenants.path, path
+    caplog.set_level(logging.INFO, logger="kvsched.serve")
+    body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": LONG, "stream": True}
+    try:
+        with httpx.stream("POST", f"{tiny.url}/v1/completions", json=body,
+                          headers={"Authorization": "Bearer sk-leaving"}) as r:  # fmt: skip
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: {")  # running
+            assert "removal pending leaving" in srv.reload()
+            time.sleep(0.6)  # housekeeping tries again every 0.25 s: still running
+            assert "leaving" in srv.scheduler.stats()["tenants"]
+        # The client left: the request is cancelled, and the removal completes.
+        deadline = time.monotonic() + 5
+        while "leaving" in srv.scheduler.stats()["tenants"]:
+            assert time.monotonic() < deadline, "the removal did not complete"
+            time.sleep(0.05)
+        deadline = time.monotonic() + 2
+        while not [r for r in caplog.records if "removed once" in r.getMessage()]:
+            assert time.monotonic() < deadline, caplog.text
+            time.sleep(0.05)
+        (record,) = [r for r in caplog.records if "removed once" in r.getMessage()]
+        assert record.levelno == logging.INFO
+        assert record.getMessage() == "tenants removed once their last request ended: leaving"
+    finally:
+        settled(srv.scheduler)
         srv.tenants.apply(srv.scheduler, parse_tenants(TENANTS))
         srv.tenants.path = old_path
 

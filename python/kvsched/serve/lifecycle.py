@@ -222,7 +222,10 @@ class ServerLifecycle:
         config.setdefault("http", guarded_h11(self.read_timeout_s, self.max_head_bytes))
         # h11 must not give up on a head before the guard does (it would answer 400).
         config.setdefault("h11_max_incomplete_event_size", 2 * self.max_head_bytes)
-        config.setdefault("limit_concurrency", self.max_connections)
+        # uvicorn answers 503 once `limit_concurrency` connections are open, the
+        # requesting one among them: one more, so that max_connections are served.
+        limit = None if self.max_connections is None else self.max_connections + 1
+        config.setdefault("limit_concurrency", limit)
         cfg = uvicorn.Config(self.app, host=host, port=port, lifespan="on", **config)
         self._uvicorn = DrainingUvicorn(cfg, self)
         return self._uvicorn

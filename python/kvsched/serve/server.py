@@ -12,12 +12,14 @@ Endpoints
                                       and kvsched_http_request_duration_seconds by route,
                                       method and status
 
-Connections: a request's head and body must arrive within `read_timeout_s` of
-its first byte (else 408 and the connection closes: a silent or trickling
-client holds nothing for long), a head over 64 KiB is a 431, at most
-`max_connections` connections are served at once (503 past them)
-(kvsched.serve.asgi.guarded_h11). The end of a client's input ends its request
-(a half-close cannot be told from a client gone).
+Connections (kvsched.serve.asgi.guarded_h11): a request's head and body must
+arrive within `read_timeout_s` of its first byte (else 408 and the connection
+closes: a silent or trickling client holds nothing for long), and a head over
+64 KiB is a 431. At most `max_connections` connections are open and served at
+once: a request on one more gets uvicorn's plain-text 503 "Service
+Unavailable", without Retry-After, and its connection is closed. The end of a
+client's input ends its request (a half-close cannot be told from a client
+gone).
 
 Every /v1 request names its tenant by `Authorization: Bearer <api key>` (see
 `kvsched.serve.tenants`); a missing or unknown key is a 401. Streams are
