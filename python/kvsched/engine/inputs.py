@@ -75,33 +75,41 @@ class StepInputs(Generic[A]):
 
     token_ids: A  # [T]
     positions: A  # [T]
-    slot_mapping: A  # [T]: page * block_size + offset; padding points past the end
+    # [T]: page * block_size + offset; padding points past the end. A model of
+    # several KV-cache groups: [G, T], a row per group.
+    slot_mapping: A
     cu_q_lens: A  # [S + 1]
     kv_lens: A  # [S]
-    page_indices: A  # [S, PPS]
+    page_indices: A  # [S, PPS]; several KV-cache groups: [G, S, PPS]
     num_seqs: A  # [1]
     logits_indices: A  # [S]: the token row whose logits each sequence samples from
 
     @classmethod
     def from_plan(cls, plan: StepPlan) -> StepInputs[HostArray]:
-        """The plan's arrays as they are (no copy: jit converts them)."""
+        """The plan's arrays as they are (no copy: jit converts them); a plan of
+        several KV-cache groups gives every group's slots and page tables."""
         arrays: dict[str, HostArray] = {f.name: getattr(plan, f.name) for f in fields(cls)}
+        if plan.group_page_indices.shape[0] > 1:
+            arrays["slot_mapping"] = plan.group_slot_mapping
+            arrays["page_indices"] = plan.group_page_indices
         return StepInputs(**arrays)
 
     @classmethod
     def padding(
-        cls, tokens: int, max_seqs: int, pages_per_seq: int, pad_slot: int
+        cls, tokens: int, max_seqs: int, pages_per_seq: int, pad_slot: int, groups: int = 1
     ) -> StepInputs[HostArray]:
         """An all-padding plan of `tokens` rows (a token bucket): no sequence, so
         nothing attends and every K/V write drops (all slots are `pad_slot`).
-        Running it compiles the bucket's program without touching the cache."""
+        Running it compiles the bucket's program without touching the cache.
+        `groups` > 1: shaped as a plan of that many KV-cache groups."""
+        lead = () if groups == 1 else (groups,)
         return StepInputs(
             token_ids=np.zeros(tokens, np.int32),
             positions=np.zeros(tokens, np.int32),
-            slot_mapping=np.full(tokens, pad_slot, np.int32),
+            slot_mapping=np.full((*lead, tokens), pad_slot, np.int32),
             cu_q_lens=np.zeros(max_seqs + 1, np.int32),
             kv_lens=np.zeros(max_seqs, np.int32),
-            page_indices=np.zeros((max_seqs, pages_per_seq), np.int32),
+            page_indices=np.zeros((*lead, max_seqs, pages_per_seq), np.int32),
             num_seqs=np.zeros(1, np.int32),
             logits_indices=np.zeros(max_seqs, np.int32),
         )

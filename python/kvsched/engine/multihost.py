@@ -56,7 +56,8 @@ _OP = struct.Struct("<BII")  # kind, JSON length, int32 count
 # What each step's digest covers, in the order a difference is reported.
 PLAN_FIELDS = (
     "request_ids", "token_ids", "positions", "slot_mapping", "cu_q_lens", "kv_lens",
-    "page_indices", "num_seqs", "logits_indices", "samples",
+    "page_indices", "num_seqs", "logits_indices", "samples", "group_page_indices",
+    "group_slot_mapping",
 )  # fmt: skip
 DIGEST_FIELDS = ("inputs", *PLAN_FIELDS, "sampled")
 

@@ -20,10 +20,14 @@ from kvsched.engine.kv_cache import kv_bytes_per_token
 from kvsched.engine.model_config import LlamaConfig
 
 
-def kv_bytes_per_block(model: LlamaConfig, block_size: int, kv_dtype: str) -> int:
-    """All layers' K and V for one page (int8: with its per-token-per-head scales)."""
-    return kv_bytes_per_token(model.n_layers, model.n_kv_heads, model.head_dim, kv_dtype,
-                              tokens=block_size)  # fmt: skip
+def kv_bytes_per_block(
+    model: LlamaConfig, block_size: int, kv_dtype: str, *, layers: int | None = None
+) -> int:
+    """K and V of `layers` layers (default: all of them) for one page (int8: with
+    its per-token-per-head scales). A model cut into KV-cache groups holds one
+    group's layers in a page (kvsched.shapes.KVGroupLayout.layers_per_group)."""
+    n = model.n_layers if layers is None else layers
+    return kv_bytes_per_token(n, model.n_kv_heads, model.head_dim, kv_dtype, tokens=block_size)
 
 
 def measured_free_bytes(device: jax.Device) -> int | None:
@@ -51,12 +55,15 @@ def size_pool(
     *,
     shards: int = 1,
     devices: list[jax.Device] | None = None,
+    layers_per_block: int | None = None,
 ) -> PoolSizing:
     """Size the KV pool from free device memory less the overhead reserve; where
     the backend gives no figure (CPU), keep the configured size. With tensor
     parallelism each of `shards` devices holds 1/shards of every block, so the
-    device with the least free memory decides."""
-    per_block = kv_bytes_per_block(model, sched_config.block_size, kv_dtype)
+    device with the least free memory decides. `layers_per_block`: the layers a
+    page holds (a KV-cache group's; default every layer)."""
+    per_block = kv_bytes_per_block(model, sched_config.block_size, kv_dtype,
+                                   layers=layers_per_block)  # fmt: skip
     # On several processes (kvsched.engine.multihost) a process can read only its
     # own devices; every process must size the same pool, so the least free
     # memory of any process decides (a collective: every process sizes together).

@@ -51,6 +51,7 @@ from kvsched.engine.pool_sizing import (
     size_pool,
 )
 from kvsched.engine.sampling import MAX_LOGPROBS, SamplingBatch, SamplingParams, mix_seed, sample
+from kvsched.shapes import KVGroupLayout, group_layers
 
 # Named here too: they were defined in this module before it was split.
 __all__ = [
@@ -124,7 +125,12 @@ class Engine:
     (static; 0 = none). `kv_layout`: "split" ([.., 2*kv_heads, head_dim]),
     "packed" ([.., kv_heads, 2*head_dim]: the TPU kernel's layout for heads
     narrower than 128 lanes) or "auto" (packed for kvsched's Pallas kernel on TPU
-    when head_dim is not a multiple of 128; split for JAX's kernel)."""
+    when head_dim is not a multiple of 128; split for JAX's kernel).
+    `kv_groups`: "hybrid" (a model that mixes sliding-window and full-attention
+    layers keeps each kind in its own KV-cache groups, a window group holding
+    only what its window reads; kvsched.shapes.group_layers) or "uniform"
+    (every layer's KV kept in full, one group: the baseline). The scheduler's
+    kv_cache_groups must be the layout's (Engine.create sets them)."""
 
     def __init__(
         self,
@@ -145,6 +151,7 @@ class Engine:
         kv_layout: str = "auto",
         kv_min_agreement: float = kv_gate.MIN_AGREEMENT,
         kv_max_logprob_diff: float = kv_gate.MAX_MEAN_ABS_LOGPROB_DIFF,
+        kv_groups: str = "hybrid",
     ) -> None:
         self.model, self.scheduler = model, scheduler
         self.backend, self.kv_dtype = backend, kv_dtype
@@ -152,6 +159,14 @@ class Engine:
         self.tokenizer, self.eos_token_ids = tokenizer, eos_token_ids
         self.max_logprobs, self.kv_layout = max_logprobs, kv_layout
         _check_vocab(scheduler.config, model)
+        self.kv_groups = kv_groups
+        self.group_layout = kv_group_layout(model, kv_groups)
+        if list(scheduler.config.kv_cache_groups) != list(self.group_layout.groups):
+            raise kvsched.InvalidConfig(
+                f"the scheduler's kv_cache_groups {scheduler.config.kv_cache_groups} are not "
+                f"the model's {list(self.group_layout.groups)} (kv_groups={kv_groups!r}; "
+                "Engine.create sets them)"
+            )
         if kv_layout not in ("auto", "split", "packed"):
             raise ValueError(f"kv_layout must be auto, split or packed, not {kv_layout!r}")
         if not 0 <= max_logprobs <= MAX_LOGPROBS:
@@ -174,7 +189,8 @@ class Engine:
         self.kv_eval = kv_eval
         if self.spec.quantized:
             self.kv_eval = _gate_quantized(self, kv_eval, kv_min_agreement, kv_max_logprob_diff)
-        self.caches: KVCache = init_caches(self.spec, model.n_layers)
+        # A page holds one KV-cache group's layers: a slot per layer of a group.
+        self.caches: KVCache = init_caches(self.spec, self.group_layout.layers_per_group)
         jit_kw: dict[str, Any] = {}
         if mesh is not None:
             self.params = sharding.shard_params(self.params, mesh)
@@ -184,8 +200,8 @@ class Engine:
             jit_kw["out_shardings"] = (rep, cs)
         self.outputs = OutputProcessor(tokenizer)
         self._default = SamplingParams(temperature=temperature)
-        self._step = jax.jit(_step_function(program_model, backend, mesh, max_logprobs),
-                             donate_argnums=(1,), **jit_kw)  # fmt: skip
+        step = _step_function(program_model, backend, mesh, max_logprobs, self.group_layout)
+        self._step = jax.jit(step, donate_argnums=(1,), **jit_kw)
 
     @classmethod
     def create(
@@ -214,7 +230,9 @@ class Engine:
         # Each device holds its share of the KV heads, copies included (kv_replicas).
         replicas = 1 if mesh is None else sharding.check_divisible(model, mesh)
         stored = sharding.widened(model, replicas)
-        sizing = size_pool(stored, sched_config, kv_dtype, device, shards=shards, devices=devices)
+        layout = kv_group_layout(model, kw.get("kv_groups", "hybrid"))
+        sizing = size_pool(stored, sched_config, kv_dtype, device, shards=shards, devices=devices,
+                           layers_per_block=layout.layers_per_group)  # fmt: skip
         if pool == "configured" and sizing.source == "measured":
             if sched_config.num_blocks > sizing.num_blocks:
                 free = sizing.measured_free_bytes or 0
@@ -225,7 +243,8 @@ class Engine:
                 )
             sizing = dataclasses.replace(sizing, num_blocks=sched_config.num_blocks,
                                          source="configured")  # fmt: skip
-        changes: dict[str, Any] = {"num_blocks": sizing.num_blocks, "require_warmup": True}
+        changes: dict[str, Any] = {"num_blocks": sizing.num_blocks, "require_warmup": True,
+                                   "kv_cache_groups": list(layout.groups)}  # fmt: skip
         if sched_config.vocab_size is None:
             # The core refuses ids outside the vocabulary too, whoever submits.
             changes["vocab_size"] = model.vocab_size
@@ -425,10 +444,11 @@ class Engine:
         s, pps = shape["max_seqs"], shape["pages_per_seq"]
         pad_slot = shape["pad_slot"]
         bar = _progress(progress, len(buckets) + 1)
+        groups = self.group_layout.num_groups
         for t in buckets:
             # An all-padding plan of bucket t: nothing attends, every write drops.
             self._run(
-                StepInputs.padding(t, s, pps, pad_slot),
+                StepInputs.padding(t, s, pps, pad_slot, groups),
                 SamplingBatch.build([], np.zeros(0, np.int32), s, []),
             )
             bar(f"compiled the {t}-token program")
@@ -532,8 +552,27 @@ def _gate_quantized(engine: Engine, kv_eval: Any, min_agreement: float,
                               max_mean_abs_logprob_diff=max_logprob_diff)  # fmt: skip
 
 
+def kv_group_layout(model: LlamaConfig, kv_groups: str) -> KVGroupLayout:
+    """The model's layers cut into KV-cache groups (kvsched.shapes.group_layers):
+    `kv_groups` "hybrid" (a group per attention kind) or "uniform" (one full
+    group, the baseline). A model of windowed layers only runs uniform."""
+    if kv_groups not in ("hybrid", "uniform"):
+        raise kvsched.InvalidConfig(f"kv_groups: 'hybrid' or 'uniform', not {kv_groups!r}")
+    kinds = model.layer_kinds
+    if kv_groups == "hybrid" and "full" not in kinds:
+        raise kvsched.InvalidConfig(
+            f"{model.name}: no full-attention layer, so no KV-cache group 0; "
+            "run it with kv_groups='uniform'"
+        )
+    return group_layers(kinds, uniform=kv_groups == "uniform")
+
+
 def _step_function(
-    model: LlamaConfig, backend: str, mesh: Mesh | None, num_logprobs: int
+    model: LlamaConfig,
+    backend: str,
+    mesh: Mesh | None,
+    num_logprobs: int,
+    layout: KVGroupLayout | None = None,
 ) -> Callable[..., tuple[tuple[jax.Array, ...], KVCache]]:
     """The step the engine jits: the model on a plan's arrays, then sampling.
     Flat at the jit boundary (StepInputs' arrays in field order, then the
@@ -548,6 +587,7 @@ def _step_function(
         logits, caches = forward_paged(
             params, caches, model, inputs.token_ids, inputs.positions, inputs.slot_mapping,
             inputs.attention, inputs.logits_indices, backend=backend, mesh=mesh,
+            kv_layout=layout,
         )  # fmt: skip
         out = sample(logits, *arrays[n_inputs:], num_logprobs=num_logprobs)
         # Per row: are its logits finite? A NaN or inf would be sampled as if it
