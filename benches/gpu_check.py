@@ -4,6 +4,7 @@ GPU, and decode attention timed against the HBM bandwidth limit.
     python benches/gpu_check.py                  # on a machine with an NVIDIA GPU
     python benches/gpu_check.py --small          # tiny shapes on CPU: checks the script
                                                  # (--interpret is the same)
+    python benches/gpu_check.py --window 512     # a sliding-window layer
 
 1. Correctness: mixed plans (prefill chunks and decodes) made by a real
    kvsched Scheduler, bf16 KV, Llama-3-8B-like heads (32 query, 8 KV, dim 128);
@@ -15,6 +16,11 @@ GPU, and decode attention timed against the HBM bandwidth limit.
    that as a share of the bandwidth (`--hbm-tbs`, default 4.8 TB/s: an H200's
    HBM3e), beside the reference, and the cost model's predicted time and share
    for the kernel (kvsched.engine.kernels.cost, device `--model-device`, h200).
+
+With --window W the kernel runs as a sliding-window layer: the checks pass the
+window, the decode's page table holds the null page 0 (filled with NaN) before
+each sequence's window page, the KV to read is each sequence's last W tokens,
+and a non-finite decode output (a page outside the window read) fails the run.
 """
 
 from __future__ import annotations
@@ -48,7 +54,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--hbm-tbs", type=float, default=4.8)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--model-device", default="h200", help="the cost model's device")
+    ap.add_argument("--window", type=int, default=None,
+                    help="sliding window W in tokens (default: full attention)")  # fmt: skip
     args = ap.parse_args(argv)
+    window = args.window or None
 
     import jax
     import jax.numpy as jnp
@@ -91,8 +100,10 @@ def main(argv: list[str] | None = None) -> dict:
         mixed |= 0 < plan.num_decode < len(plan)
         q = jnp.asarray(rng.standard_normal((plan.bucket, hq, d)), jnp.bfloat16)
         inputs = AttentionInputs.from_plan(plan)
-        want = reference_attention(q, cache, inputs, scale=d**-0.5).astype(jnp.float32)
-        got = ragged_paged_attention_gpu(q, cache, inputs, scale=d**-0.5, interpret=interpret)
+        want = reference_attention(q, cache, inputs, scale=d**-0.5, sliding_window=window)
+        want = want.astype(jnp.float32)
+        got = ragged_paged_attention_gpu(q, cache, inputs, scale=d**-0.5, interpret=interpret,
+                                         sliding_window=window)  # fmt: skip
         worst = max(worst, float(jnp.max(jnp.abs(got.astype(jnp.float32) - want))))
         sched.commit(plan, np.zeros(len(plan), np.int32), now=float(step))
     tolerance = 3e-2  # bf16 KV and queries
@@ -108,6 +119,9 @@ def main(argv: list[str] | None = None) -> dict:
     t = -(-seqs // 16) * 16
     page_indices = (1 + np.arange(seqs * per_seq, dtype=np.int32)).reshape(seqs, per_seq)
     rng.shuffle(page_indices.reshape(-1))
+    if window is not None:  # a window group's table: the null page (NaN) behind the window
+        page_indices[:, : max(0, ctx - window) // bs] = 0
+        cache = cache.at[0].set(jnp.nan)
     inputs = AttentionInputs(
         positions=jnp.asarray(np.full(t, ctx - 1, np.int32)),
         cu_q_lens=jnp.asarray(np.minimum(np.arange(seqs + 1), seqs).astype(np.int32)),
@@ -117,19 +131,25 @@ def main(argv: list[str] | None = None) -> dict:
     )
     q = jnp.asarray(rng.standard_normal((t, hq, d)), jnp.bfloat16)
     kernel = jax.jit(lambda q, c: ragged_paged_attention_gpu(
-        q, c, inputs, scale=d**-0.5, interpret=interpret))  # fmt: skip
+        q, c, inputs, scale=d**-0.5, interpret=interpret, sliding_window=window))  # fmt: skip
     t_kernel = median_time(kernel, q, cache, reps=reps)
-    ref = jax.jit(lambda q, c: reference_attention(q, c, inputs, scale=d**-0.5))
+    ref = jax.jit(lambda q, c: reference_attention(q, c, inputs, scale=d**-0.5,
+                                                   sliding_window=window))  # fmt: skip
     t_ref = median_time(ref, q, cache, reps=max(1, reps // 4))
-    kv_bytes = seqs * ctx * 2 * hkv * d * 2
+    model_plan = cost.Plan((1,) * seqs, (ctx,) * seqs, t, window)
+    kv_bytes = seqs * model_plan.keys(0) * 2 * hkv * d * 2
     limit = kv_bytes / (args.hbm_tbs * 1e12)
     # The kernel's description at the sizes it runs with here.
-    splits = default_kv_splits(t, seqs, hkv, per_seq)
+    splits = default_kv_splits(t, seqs, hkv, per_seq, window, bs)
     desc = cost.ours_gpu_v2(tiling.gpu_block_q(t, seqs, hq // hkv), kv_splits=splits,
                             tile_pages=tiling.gpu_tile_pages(bs, per_seq))  # fmt: skip
-    model_plan = cost.Plan((1,) * seqs, (ctx,) * seqs, t)
     model = cost.predict(model_plan, cost.Shapes(hq, hkv, d, bs), desc, args.model_device)
-    print(f"decode: {seqs} seqs x {ctx} tokens, {kv_bytes / 1e9:.2f} GB of KV to read")
+    for f in (kernel, ref):
+        if window is not None and not bool(jnp.isfinite(f(q, cache)[:seqs]).all()):
+            print("NaN in a decode output: a page outside the window was read")
+            ok = False
+    span = "" if window is None else f", a window of {window}"
+    print(f"decode: {seqs} seqs x {ctx} tokens{span}, {kv_bytes / 1e9:.2f} GB of KV to read")
     print(f"  {'kernel':<10} {'ms':>9} {'GB/s':>9} {'HBM':>7}   {'model ms':>9} {'model HBM':>9}"
           f"  model bound ({args.model_device})")  # fmt: skip
     print(f"  {'pallas_gpu':<10} {t_kernel * 1e3:9.3f} {kv_bytes / t_kernel / 1e9:9.1f} "

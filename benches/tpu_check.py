@@ -6,6 +6,7 @@ lent to the project.
     python benches/tpu_check.py            # on a TPU host (v5e, v6e)
     python benches/tpu_check.py --small    # tiny shapes, Pallas' interpreter on CPU
     python benches/tpu_check.py --page-size 128   # pages of 64 / 128 (default 16)
+    python benches/tpu_check.py --window 512      # a sliding-window layer (Gemma 3's W)
 
 1. Correctness: mixed plans (prefill chunks and decodes) from a real kvsched
    Scheduler, bf16 KV and queries, Llama-3-8B heads (32 query, 8 KV, dim 128);
@@ -16,6 +17,12 @@ lent to the project.
    share of HBM bandwidth is that over the device's (kvsched.capacity's preset).
    Beside each: the cost model's predicted time and share for that kernel on
    this device (kvsched.engine.kernels.cost), so one run checks the model too.
+
+With --window W every kernel runs as a sliding-window layer: the checks pass
+the window, the decode's page table holds the null page 0 (filled with NaN)
+before each sequence's window page, as a window group's does, the KV to read is
+each sequence's last W tokens, and a non-finite decode output (a page outside
+the window read) fails the run.
 
 Backend "jax" (JAX's ragged_paged_attention with its tuned block sizes on TPU)
 is timed when kvsched.engine.attention knows it; otherwise a note says so. On
@@ -72,7 +79,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--model-device", default=None,
                     help="cost-model device (tpu-v5e, tpu-v6e); default: the TPU found, "
                          "else tpu-v5e")  # fmt: skip
+    ap.add_argument("--window", type=int, default=None,
+                    help="sliding window W in tokens (default: full attention)")  # fmt: skip
     args = ap.parse_args(argv)
+    window = args.window or None
 
     import jax
     import jax.numpy as jnp
@@ -105,7 +115,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     def run_jax(q: jax.Array, cache: jax.Array, inputs: AttentionInputs) -> jax.Array | None:
         try:
-            out: jax.Array = paged_attention(q, cache, inputs, scale=scale, backend="jax")
+            out: jax.Array = paged_attention(q, cache, inputs, scale=scale, backend="jax",
+                                             sliding_window=window)  # fmt: skip
         except ValueError as e:
             if "unknown attention backend" in str(e):
                 return None
@@ -139,8 +150,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         n = plan.num_tokens
         q = jnp.asarray(rng.standard_normal((plan.bucket, hq, d)), jnp.bfloat16)
         inputs = AttentionInputs.from_plan(plan)
-        want = reference_attention(q, cache, inputs, scale=scale).astype(jnp.float32)[:n]
-        got = ragged_paged_attention(q, cache, inputs, scale=scale, block_q=args.block_q)
+        want = reference_attention(q, cache, inputs, scale=scale, sliding_window=window)
+        want = want.astype(jnp.float32)[:n]
+        got = ragged_paged_attention(q, cache, inputs, scale=scale, block_q=args.block_q,
+                                     sliding_window=window)  # fmt: skip
         err = float(jnp.max(jnp.abs(got.astype(jnp.float32)[:n] - want)))
         worst["pallas"] = max(worst["pallas"], err)
         if jax_known:
@@ -169,6 +182,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t = -(-seqs // (args.block_q or 8)) * (args.block_q or 8)  # whole query blocks
     page_indices = (1 + np.arange(seqs * per_seq, dtype=np.int32)).reshape(seqs, per_seq)
     rng.shuffle(page_indices.reshape(-1))
+    if window is not None:  # a window group's table: the null page (NaN) behind the window
+        page_indices[:, : max(0, ctx - window) // bs] = 0
+        cache = cache.at[0].set(jnp.nan)
     inputs = AttentionInputs(
         positions=jnp.asarray(np.full(t, ctx - 1, np.int32)),
         cu_q_lens=jnp.asarray(np.minimum(np.arange(seqs + 1), seqs).astype(np.int32)),
@@ -178,24 +194,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     q = jnp.asarray(rng.standard_normal((t, hq, d)), jnp.bfloat16)
     shapes = cost.Shapes(hq, hkv, d, bs)
-    plan_model = cost.Plan((1,) * seqs, (ctx,) * seqs, t)
-    bkv, bq = cost.jax_rpa_block_sizes(shapes, t, per_seq, dev_name)
+    plan_model = cost.Plan((1,) * seqs, (ctx,) * seqs, t, window)
+    bkv, bq_jax = cost.jax_rpa_block_sizes(shapes, t, per_seq, dev_name)
+    if window is not None:  # capped at the window's pages, as kernels.jax_rpa does
+        bkv = min(bkv, tiling.window_pages(window, bs))
     kvh = cost.jax_rpa_kv_heads_per_block(shapes)
     # The kernel's own sizes for this shape, unless --block-q names one.
     bq = args.block_q or tiling.tpu_block_q(t, seqs, hq // hkv)
-    ppb = tiling.tpu_pages_per_block(bs, per_seq, tiling.tpu_decode_path(bq, hq // hkv))
+    ppb = tiling.tpu_pages_per_block(bs, per_seq, tiling.tpu_decode_path(bq, hq // hkv), window,
+                                     bq)  # fmt: skip
     runs: list[tuple[str, Any, cost.KernelDesc | None]] = [
         ("pallas", jax.jit(lambda q, c: ragged_paged_attention(
-            q, c, inputs, scale=scale, block_q=args.block_q)), cost.ours_tpu_v2(bq, ppb)),
+            q, c, inputs, scale=scale, block_q=args.block_q, sliding_window=window)),
+         cost.ours_tpu_v2(bq, ppb)),
     ]  # fmt: skip
     if jax_known:
         runs.append(("jax", jax.jit(lambda q, c: paged_attention(
-            q, c, inputs, scale=scale, backend="jax")),
-            cost.jax_tpu(bkv, bq, None if kvh == hkv else kvh)))  # fmt: skip
-    ref = jax.jit(lambda q, c: reference_attention(q, c, inputs, scale=scale))
+            q, c, inputs, scale=scale, backend="jax", sliding_window=window)),
+            cost.jax_tpu(bkv, bq_jax, None if kvh == hkv else kvh)))  # fmt: skip
+    ref = jax.jit(lambda q, c: reference_attention(q, c, inputs, scale=scale,
+                                                   sliding_window=window))  # fmt: skip
     runs.append(("reference", ref, None))
-    kv_bytes = seqs * ctx * 2 * hkv * d * 2
-    print(f"decode: {seqs} seqs x {ctx} tokens, {kv_bytes / 1e9:.3f} GB of KV to read")
+    kv_bytes = seqs * plan_model.keys(0) * 2 * hkv * d * 2
+    span = "" if window is None else f", a window of {window}"
+    print(f"decode: {seqs} seqs x {ctx} tokens{span}, {kv_bytes / 1e9:.3f} GB of KV to read")
     print(f"  {'kernel':<10} {'ms':>9} {'GB/s':>9} {'HBM':>7}   {'model ms':>9} {'model HBM':>9}"
           "  model bound")  # fmt: skip
     rows: dict[str, dict[str, float | str]] = {}
@@ -213,6 +235,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             line += f"   {'-':>9} {'-':>9}  -"
         rows[name] = row
         print(line)
+        if window is not None and not bool(jnp.isfinite(f(q, cache)[:seqs]).all()):
+            print(f"  {name}: NaN in the output: a page outside the window was read")
+            ok = False
     return {"ran": True, "ok": ok, "max_error": worst, "mixed": mixed, "decode": rows,
             "jax_backend": jax_known, "model_device": dev_name}  # fmt: skip
 

@@ -467,3 +467,28 @@ def test_gemma3_window_of_512_at_its_shapes(backend):
     got = paged_attention(case.q, case.cache, case.inputs, scale=0.25, backend=backend,
                           sliding_window=512)  # fmt: skip
     check(got, want, case, 2e-5)
+
+
+# -- the device-check scripts' --window ------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tpu_check", "gpu_check"])
+def test_the_device_checks_run_a_windowed_layer_small(name, capsys):
+    """benches/tpu_check.py and gpu_check.py with --window, small, in the
+    interpreters: the checks pass, the decode reads each sequence's last W
+    tokens through a page table with the NaN null page behind the window, and
+    the cost model's row is the windowed plan's."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benches" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_window", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result = module.main(["--small", "--window", "40"])
+    out = capsys.readouterr().out
+    assert result["ran"] and result["ok"] and module.exit_code(result) == 0, out
+    assert "4 seqs x 64 tokens, a window of 40" in out
+    assert "NaN" not in out

@@ -482,6 +482,17 @@ def test_the_table_in_docs_kernels_md_is_the_models():
     assert C.format_table(C.table(plans)) in doc
 
 
+def test_the_window_table_in_docs_kernels_md_is_the_models():
+    """docs/kernels.md's sliding-window table, regenerated."""
+    from pathlib import Path
+
+    plans = {"decode 256x8k": C.Plan.decode(256, 8192),
+             "decode 256x8k W512": C.Plan.decode(256, 8192, window=512),
+             "prefill 512@8k W512": C.Plan.prefill_chunk(512, 8192, window=512)}  # fmt: skip
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "kernels.md").read_text()
+    assert C.format_table(C.table(plans)) in doc
+
+
 # -- the exported programs -------------------------------------------------------
 
 T, HQ, D, P, BS, HKV, S, PPS = 64, 8, 128, 64, 16, 2, 8, 16

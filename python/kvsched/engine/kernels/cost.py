@@ -26,6 +26,13 @@ matmul M dimension and the operand precision. `count` walks the plan as the
 kernel's grid does: for each query block, each sequence whose rows meet it,
 that sequence's KV span (kv_len, or the causal bound of the block's last row),
 split into blocks of `pages_per_block` pages. Nothing is sampled or fitted.
+A plan's `window` (a sliding-window layer) starts each span at the page of
+the window start of the pair's first row (`window_start="block"`: kvsched's
+kernels), of the sequence's first row ("seq": JAX's kernel, fed each page
+row from its window), or at page 0 ("none": the removed version 1 designs,
+which masked); the KV needed and the useful FLOPs count each row's window,
+and `Counts.pages_read` the pages the spans cover (a decode at 8k context
+under W = 512: 32 of 512).
 
 Timing (a model, with stated constants; see `DEVICES`):
 

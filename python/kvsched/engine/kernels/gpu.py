@@ -22,6 +22,13 @@ grid (query blocks, KV heads, splits), each split reads its share of the
 tiles and writes an f32 partial (accumulator, max, denominator); a reduce in
 XLA after the kernel combines them.
 
+Sliding window (`sliding_window` W): a program loads its sequence's pages only
+from the one holding its first row's window start (none before it: a window
+group's page table holds the null page there) up to its causal bound; a tile
+overhanging that span re-loads its last page. Logit soft cap: c * tanh(s / c)
+on the scaled logits. Sinks: each row's state starts at its head's sink,
+(m, l) = (s_h, 1); with split-KV the reduce adds it as one more partial.
+
 Triton tiles need powers of two: block_size and head_dim (the kernel pads its
 M = block_q * group rows to a power of two >= 16 itself). The cache is the
 split layout [P, bs, 2*Hkv, D] (kernels/layout.py).

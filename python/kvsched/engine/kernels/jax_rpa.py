@@ -27,6 +27,16 @@ as our plan and cache already are:
   kv_len - q_len + i (the last q_len of the sequence's kv_len), which is how
   the scheduler lays out every plan (the tests check it on real plans).
 
+A sliding-window layer (`sliding_window`, with `soft_cap` also passed through
+to JAX's) is fed `window_view` of the plan: each sequence's page row shifted
+to start at its window's first page and its kv_len shortened to match (an
+[S, PPS] gather per layer). Attention only sees position differences, so the
+output is the same, and JAX's kernel, which walks a sequence's pages from its
+first entry and pads a KV block with that entry, never touches a page behind
+the window (in a window group's table the null page 0, garbage); its KV block
+is capped at the window's pages (`window_block_sizes`). JAX's kernel has no
+attention sinks: a call with them is refused.
+
 Two details differ, both handled without copying the cache:
 
 - The engine stacks every layer's cache, [L, P, page, 2*Hkv, D], and reads

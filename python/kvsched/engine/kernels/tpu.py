@@ -45,6 +45,18 @@ How KV reaches the MXU:
   not by scanning every sequence.
 - Causal KV bound: a query block reads each sequence's pages only up to its
   last row's position in the block (a prefill chunk's early blocks read less).
+- Sliding window (`sliding_window` W, static): a query block reads each
+  sequence's pages only from the one holding its first row's window start,
+  max(0, pos - W + 1): no DMA for a page before it (in a window group's page
+  table those entries are the null page 0, garbage), and the padding pages of
+  a fixed-size block re-read that first window page. Blocks are sized to the
+  pages a query block's windows span (`tiling.tpu_pages_per_block`: one block
+  of 33 pages of 16 for a decode at W = 512). Keys before a row's own window
+  start are masked like the causal ones.
+- Logit soft cap (static c): s = c * tanh(s / c) on the scaled logits before
+  masking. Sinks ([Hq], traced): the online softmax starts each row at its
+  head's sink, (m, l) = (s_h, 1), as if a key with that logit and a zero
+  value had been read, so the sink joins the denominator only.
 - Query block size chosen from the static shape (`tiling.tpu_block_q`): a
   decode-heavy bucket (tokens <= 2 x sequence slots) gets block_q x group = 8
   rows (one sublane tile: the GQA group is the matmul's M), others 128 tokens.
