@@ -97,10 +97,10 @@ def test_message_round_trip_and_bounded_shapes():
 # -- one process: process 0's inputs, refused or applied ---------------------------------
 
 
-def one_process(**kw) -> mh.MultiHost:
+def one_process(groups: list[str] | None = None, **kw) -> mh.MultiHost:
     cfg = kvsched.SchedulerConfig(num_blocks=512, block_size=4, max_num_seqs=4,
                                   max_batched_tokens=32, max_seq_len=64, max_waiting=64,
-                                  overhead_reserve=0.0)  # fmt: skip
+                                  overhead_reserve=0.0, kv_cache_groups=groups)  # fmt: skip
     m = mh.MultiHost(mh.SchedulerRunner(kvsched.Scheduler(cfg)), **kw)
     m.add_tenant(kvsched.TenantConfig("t"))
     return m
@@ -169,13 +169,15 @@ def test_a_step_runs_every_logged_input_in_order_and_digests_each_step():
         m.step(1.0)
 
 
-def test_a_follower_replaying_every_kind_of_input_stays_in_step_with_process_0(tmp_path):
+@pytest.mark.parametrize("groups", [None, ["full", "sliding_window:6", "sliding_window:6"]])
+def test_a_follower_replaying_every_kind_of_input_stays_in_step_with_process_0(tmp_path, groups):
     """Tenant removal, reconfiguration, drain, updates and refusals as a second
     process sees them: decoded from process 0's broadcast and replayed on a
     scheduler built the same way. Every step's digest row (the replayed
-    outcomes, the plan, the tokens) equals process 0's, and so do the tenants,
-    the knobs and how the drain ends."""
-    m0 = one_process(digest_every=10**6)
+    outcomes, the plan with every KV-cache group's tables, the tokens) equals
+    process 0's, and so do the tenants, the knobs and how the drain ends; for a
+    hybrid model too."""
+    m0 = one_process(groups, digest_every=10**6)
     # The follower: the same scheduler, no input of its own (it replays process 0's
     # add_tenant("t") with the rest).
     m1 = mh.MultiHost(mh.SchedulerRunner(kvsched.Scheduler(m0.runner.scheduler.config)),

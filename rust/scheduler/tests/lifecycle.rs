@@ -141,6 +141,13 @@ fn lifecycle_refuses_before_ready_and_while_draining() {
 
 #[test]
 fn a_drain_deadline_hands_back_what_is_unfinished_and_a_restore_finishes_it_alike() {
+    drain_and_restore(KvGroups::single());
+    // A hybrid model alike: window pages given back before the deadline, the
+    // restored requests' window groups rebuilt from their tokens.
+    drain_and_restore(KvGroups::parse(&["full", "sliding_window:12", "chunked_local:20"]).unwrap());
+}
+
+fn drain_and_restore(groups: KvGroups) {
     let reqs: Vec<(i32, usize, usize)> = (0..10).map(|k| (k, 5 + 3 * k as usize, 20)).collect();
     let submit_all = |h: &mut Harness| -> Vec<u64> {
         reqs.iter()
@@ -150,7 +157,10 @@ fn a_drain_deadline_hands_back_what_is_unfinished_and_a_restore_finishes_it_alik
             .collect()
     };
     let new = || {
-        let mut h = Harness::new(config(200, 8));
+        let mut h = Harness::new(SchedulerConfig {
+            kv_cache_groups: groups.clone(),
+            ..config(400, 8)
+        });
         h.tenant(TenantConfig::new("a"));
         h.tenant(TenantConfig::new("b"));
         h
