@@ -222,7 +222,9 @@ def test_bash_blocks_are_covered_or_run(tmp_path):
             if cmd.startswith(COVERED):
                 continue
             args = shlex.split(cmd)
-            if args[0] == "python" and args[1].startswith("examples/"):
+            # Examples, and the benchmark scripts a page shows in a bash block
+            # (the device checks above are covered elsewhere).
+            if args[0] == "python" and args[1].startswith(("examples/", "benches/")):
                 argv, cwd = [sys.executable, *args[1:]], README.parent
             else:
                 assert args[0] == "kvsched", f"a README command no test runs: {cmd!r}"
