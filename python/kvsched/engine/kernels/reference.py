@@ -68,16 +68,17 @@ def reference_attention(
     pos = inputs.positions
     pps = inputs.page_indices.shape[1]
     if window is None:
-        first = jnp.zeros((t,), jnp.int32)
-        blocks = jnp.broadcast_to(jnp.arange(pps, dtype=jnp.int32), (t, pps))
+        pages = inputs.page_indices[seq]  # [T, PPS]
+        key_pos = jnp.arange(pps * bs, dtype=jnp.int32)[None, :]  # [1, L]
     else:
         # The row's window starts in page `first`; it spans at most n pages.
+        # Blocks past the page row (a window near its end) read its last entry
+        # again: their keys lie past kv_len and are masked.
         n = min(pps, window_pages(window, bs))
         first = window_start(pos, window) // bs
-        blocks = first[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
-    # Blocks past the page row (a window near its end) read its last entry
-    # again: their keys lie past kv_len and are masked.
-    pages = inputs.page_indices[seq[:, None], jnp.minimum(blocks, pps - 1)]  # [T, n]
+        blocks = jnp.minimum(first[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :], pps - 1)
+        pages = inputs.page_indices[seq[:, None], blocks]  # [T, n]
+        key_pos = first[:, None] * bs + jnp.arange(n * bs, dtype=jnp.int32)[None, :]  # [T, L]
 
     def gather(a: jax.Array) -> jax.Array:  # [T, n, bs, 2Hkv(, D)]
         return a[pages] if layer is None else a[layer, pages]
@@ -92,9 +93,9 @@ def reference_attention(
     s = jnp.einsum("thgd,tlhd->thgl", qg, k.astype(jnp.float32)) * scale
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
-    key_pos = first[:, None] * bs + jnp.arange(k.shape[1], dtype=jnp.int32)[None, :]  # [T, L]
     kv_len = inputs.kv_lens[seq]
-    allowed = (key_pos <= pos[:, None]) & (key_pos < kv_len[:, None]) & valid[:, None]
+    in_seq = key_pos < kv_len[:, None]  # [T, L]
+    allowed = (key_pos <= pos[:, None]) & in_seq & valid[:, None]
     if window is not None:
         allowed = allowed & (key_pos >= window_start(pos, window)[:, None])
     s = jnp.where(allowed[:, None, None, :], s, MASK)
@@ -107,10 +108,11 @@ def reference_attention(
     if sinks is not None:
         # The sink's weight joins the denominator only (no value row).
         denom = denom + jnp.exp(sink - m)
-    # V outside what a row attends (past kv_len: whatever a page's previous owner
-    # left, inf or NaN after an overflow, for int8 a garbage scale) gets weight
-    # 0, and 0 times it would still be NaN: zero those rows.
-    v = jnp.where(allowed[:, :, None, None], v.astype(jnp.float32), 0.0)
+    # V past kv_len is whatever a page's previous owner left (inf or NaN after an
+    # overflow; for int8, a garbage scale): a 0 weight times it would still be
+    # NaN, so zero those rows (the window's first page holds this sequence's
+    # own earlier tokens before the window start: finite).
+    v = jnp.where(in_seq[:, :, None, None], v.astype(jnp.float32), 0.0)
     o = jnp.einsum("thgl,tlhd->thgd", p, v)
     # Rows that attend to nothing (padding) are 0; a NaN denominator (NaN
     # weights or activations) stays NaN, so the engine sees it, not a 0.
