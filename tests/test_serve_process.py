@@ -226,13 +226,16 @@ SEQUENCES = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sequence", list(SEQUENCES))
-def test_signals_in_any_order_still_drain_every_stream_and_write_the_checkpoint(
+def test_signals_in_any_order_still_answer_every_request_and_write_the_checkpoint(
     tmp_path, tenants, sequence
 ):
     """The second SIGTERM / SIGINT ends a 60 s drain now; later signals, SIGHUP
     among them, change nothing: every stream ends with a final chunk and [DONE],
-    the checkpoint holds each one, the process exits 0 with no traceback and no
-    native abort. (A second SIGTERM aborted the process with exit 134.)"""
+    every request not streamed gets its 200 JSON answer ending the same way
+    (finish_reason "length", kvsched_finish_reason "drain_deadline"), the
+    checkpoint holds each one, the process exits 0 with no traceback and no
+    native abort. (A second SIGTERM aborted the process with exit 134: streams
+    cut, the answer not streamed a plain-text 500, no checkpoint.)"""
     ckpt = tmp_path / "ckpt.jsonl"
     proc, url = start_serve(
         ["--model", "tiny", "--tenants", str(tenants), "--drain-seconds", "60",
@@ -240,13 +243,18 @@ def test_signals_in_any_order_still_drain_every_stream_and_write_the_checkpoint(
          "--max-batched-tokens", "64", "--num-blocks", "1000"],
     )  # fmt: skip
     ends: dict[int, list[str]] = {}
+    answers: dict[int, httpx.Response] = {}
 
     def run(i: int) -> None:
-        body = {"model": "tiny-llama", "prompt": [5, 17, 99, 3 + i], "stream": True,
-                "max_tokens": 2000}  # fmt: skip
+        body = {"model": "tiny-llama", "prompt": [5, 17, 99, 3 + i], "max_tokens": 2000}
+        auth = {"Authorization": f"Bearer {KEY}"}
+        if i % 2:  # not streamed: one answer at the end
+            answers[i] = httpx.post(f"{url}/v1/completions", json=body, timeout=90,
+                                    headers=auth)  # fmt: skip
+            return
         events = []
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=90,
-                          headers={"Authorization": f"Bearer {KEY}"}) as r:  # fmt: skip
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True},
+                          timeout=90, headers=auth) as r:  # fmt: skip
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     events.append(line[6:])
@@ -271,12 +279,19 @@ def test_signals_in_any_order_still_drain_every_stream_and_write_the_checkpoint(
     finally:
         ended(proc)
     out = proc.stdout.read()
-    assert len(ends) == 6
+    assert (sorted(ends), sorted(answers)) == ([0, 2, 4], [1, 3, 5])
     for events in ends.values():
         assert events[-1] == "[DONE]"
         final = json.loads(events[0])["choices"][0]
         assert final["finish_reason"] == "length"
         assert final["kvsched_finish_reason"] == "drain_deadline"
+    for r in answers.values():
+        assert r.status_code == 200, r.text
+        assert r.headers["content-type"] == "application/json"
+        (choice,) = r.json()["choices"]
+        assert choice["finish_reason"] == "length"
+        assert choice["kvsched_finish_reason"] == "drain_deadline"
+        assert r.json()["usage"]["completion_tokens"] < 2000  # cut, or never run
     lines = ckpt.read_text().splitlines()
     assert len(lines) == 6 + 2, "header, the six handed back, trailer"
     assert "Traceback" not in out and "terminate called" not in out, out
