@@ -380,7 +380,13 @@ def test_kvsched_capacity_prints_the_layouts_side_by_side(capsys):
     assert "sequences of 8,192 1,737 473" in lines
     assert ("hybrid: a request of 8,192 tokens reserves 512 pages in each full group, 65 pages "
             "in each sliding_window:512 group (long-prefill chunk 512)") in lines  # fmt: skip
-    assert lines[-1].endswith("max_num_seqs=473, overhead_reserve=0.0) (pages of every layer)")
+    assert lines[-2].endswith("max_num_seqs=473, overhead_reserve=0.0) (pages of every layer)")
+    assert lines[-1] == (
+        "kvsched.SchedulerConfig(num_blocks=1453939, block_size=16, max_seq_len=8192, "
+        "max_num_seqs=1024, overhead_reserve=0.0, long_prefill_chunk=512, kv_cache_groups="
+        "['full', 'sliding_window:512', 'sliding_window:512', 'sliding_window:512', "
+        "'sliding_window:512', 'sliding_window:512']) (KV-cache groups)"
+    )
     # A model of full layers prints what it printed before.
     assert main(["capacity", "--model", "llama-3-8b"]) == 0
     out = capsys.readouterr().out
@@ -483,3 +489,39 @@ def test_calibration_counts_a_hybrid_engine_models_windowed_read():
     assert kv_tokens_read(shape, np.array([100]), np.array([1])) == 30
     llama = SimpleNamespace(**{k: v for k, v in vars(config).items() if k != "layer_kinds"})
     assert model_shape(llama, {}).layer_types == ("full",) * 6  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("model", ["gemma-3-270m", "gemma-3-27b", "gpt-oss-20b", "llama-3-8b"])
+def test_the_hybrid_scheduler_config_admits_the_sequences_the_capacity_model_counts(model):
+    """The scheduler built from `scheduler_config("hybrid")` admits exactly
+    `hybrid.seqs` requests of the context, one more is refused for the pool:
+    the capacity model and the scheduler's reservations agree."""
+    import numpy as np
+
+    import kvsched
+
+    c = capacity(model, "h100", context=8192)
+    cfg = c.scheduler_config("hybrid", max_waiting=1 << 20)
+    assert cfg.kv_cache_groups == list(c.hybrid.layout.groups)
+    s = kvsched.Scheduler(cfg)
+    s.add_tenant(kvsched.TenantConfig("t"))
+    prompt = np.ones(8192 - 100, np.int32)
+    for _ in range(c.hybrid.seqs):
+        s.submit("t", prompt, max_tokens=100, now=0.0)
+    with pytest.raises(kvsched.Rejected) as e:
+        s.submit("t", prompt, max_tokens=100, now=0.0)
+    assert e.value.reason == "pool_full"
+
+
+def test_the_simulator_runs_a_hybrid_model_in_kv_cache_groups():
+    import numpy as np
+
+    from kvsched.sim.setup import engine_for
+    from kvsched.sim.simulator import Arrival
+
+    arrivals = [Arrival(at=0.0, tenant="t", prompt=np.ones(4000, np.int32), max_tokens=50)]
+    hybrid = engine_for(arrivals, model="gemma-3-27b", context=8192)
+    uniform = engine_for(arrivals, model="gemma-3-27b", context=8192, kv_groups="uniform")
+    assert hybrid.config.kv_cache_groups == ["full"] + ["sliding_window:1024"] * 6
+    assert uniform.config.kv_cache_groups == ["full"]
+    assert hybrid.config.num_blocks > uniform.config.num_blocks

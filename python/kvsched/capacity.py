@@ -136,12 +136,37 @@ class Capacity:
         KV-cache groups."""
         return self.hybrid.seqs if self.hybrid is not None else self.full_context_seqs
 
-    def scheduler_config(self, **overrides: Any) -> kvsched.SchedulerConfig:
+    def scheduler_config(
+        self, layout: str = "uniform", **overrides: Any
+    ) -> kvsched.SchedulerConfig:
         """The kvsched.SchedulerConfig this capacity calls for (the overhead
-        reserve is already taken out of the pool, so the scheduler keeps none):
-        the uniform layout's pool, every layer in every page."""
+        reserve is already taken out of the pool, so the scheduler keeps none).
+        `layout` "uniform": every layer in every page; "hybrid": the pool in
+        KV-cache groups (its kv_cache_groups, and the long_prefill_chunk its
+        reservations assume), the same as uniform for a model of full layers."""
         import kvsched
 
+        if layout not in ("uniform", "hybrid"):
+            raise ValueError(f"layout: 'uniform' or 'hybrid', not {layout!r}")
+        if layout == "hybrid" and self.hybrid is not None:
+            if self.hybrid.seqs == 0:
+                raise CapacityError(
+                    f"{self.model}: its KV-cache groups hold no sequence of {self.context:,} "
+                    f"tokens ({self.hybrid.blocks:,} pages, {self.hybrid.pages_per_seq:,} a "
+                    "sequence)"
+                )
+            kw: dict[str, Any] = dict(
+                num_blocks=self.hybrid.blocks + 1,  # + the null page
+                block_size=self.block_size,
+                max_seq_len=self.context,
+                max_num_seqs=min(self.hybrid.seqs, 1024),
+                overhead_reserve=0.0,
+                long_prefill_chunk=self.chunk,
+                kv_cache_groups=list(self.hybrid.layout.groups),
+            )
+            kw.update(overrides)
+            kw.setdefault("max_batched_tokens", max(kw["max_num_seqs"], 2048))
+            return kvsched.SchedulerConfig(**kw)
         if self.uniform is not None and self.uniform.seqs == 0:
             raise CapacityError(
                 f"{self.model}: pages of every layer hold no sequence of {self.context:,} "
@@ -149,7 +174,7 @@ class Capacity:
                 "sequence); a scheduler of KV-cache groups would hold "
                 f"{self.hybrid_seqs:,}"
             )
-        kw: dict[str, Any] = dict(
+        kw = dict(
             num_blocks=self.kv_blocks + 1,  # + the null page
             block_size=self.block_size,
             max_seq_len=self.context,

@@ -43,6 +43,13 @@ def cmd_capacity(args: argparse.Namespace) -> int:
         print(f"  kvsched.SchedulerConfig(num_blocks={cfg.num_blocks}, "
               f"block_size={cfg.block_size}, max_seq_len={cfg.max_seq_len}, "
               f"max_num_seqs={cfg.max_num_seqs}, overhead_reserve=0.0){uniform}")  # fmt: skip
+    if m.is_hybrid and c.hybrid_seqs > 0:
+        h = c.scheduler_config("hybrid")
+        print(f"  kvsched.SchedulerConfig(num_blocks={h.num_blocks}, "
+              f"block_size={h.block_size}, max_seq_len={h.max_seq_len}, "
+              f"max_num_seqs={h.max_num_seqs}, overhead_reserve=0.0, "
+              f"long_prefill_chunk={h.long_prefill_chunk}, "
+              f"kv_cache_groups={h.kv_cache_groups})  (KV-cache groups)")  # fmt: skip
     if c.devices * c.hosts > 1:
         _print_allreduce(args, m, min(c.hybrid_seqs, 1024))
     if args.load is not None:

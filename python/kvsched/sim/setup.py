@@ -169,20 +169,25 @@ def engine_for(
     step_budget: int = STEP_BUDGET,
     chunk: int = 2048,
     cost: StepCost | None = None,
+    kv_groups: str = "hybrid",
 ) -> SimEngine:
     """Size the pool with the capacity model (`context` is raised to the longest
     request of `arrivals`, rounded up to 16 tokens) and build the base
     configuration `kvsched simulate` uses: continuous batching, chunked prefill,
     reserve admission, at most 4 x `max_num_seqs` waiting; `hosts` x `devices`
     accelerators (one tensor-parallel replica). `cost` replaces the
-    preset step-cost model (a calibrated one, for instance)."""
+    preset step-cost model (a calibrated one, for instance). `kv_groups`:
+    the pool in KV-cache groups ("hybrid": a model's window layers keep only
+    their window) or every layer in every page ("uniform"); the same for a
+    model of full layers."""
     if not arrivals:
         raise ValueError("the workload is empty")
     longest = max(len(a.prompt) + a.max_tokens for a in arrivals)
     context = max(context, -(-longest // 16) * 16)
-    cap = capacity(model, accelerator, devices=devices, hosts=hosts, context=context)
+    cap = capacity(model, accelerator, devices=devices, hosts=hosts, context=context,
+                   chunk=chunk)  # fmt: skip
     base = cap.scheduler_config(
-        max_num_seqs=max_num_seqs, max_batched_tokens=step_budget,
+        kv_groups, max_num_seqs=max_num_seqs, max_batched_tokens=step_budget,
         long_prefill_chunk=chunk, max_waiting=4 * max_num_seqs,
     )  # fmt: skip
     if cost is None:
