@@ -91,7 +91,8 @@ def test_a_checkpoint_is_written_only_where_asked_and_never_shared(tmp_path, ten
     """Without --checkpoint a drain writes no file (it would hold every tenant's
     prompts and nothing reads it back: each client was told at the drain what it
     got); with one, a second live server given the same file is refused, naming
-    the holder, before its model loads, and the first one's drain writes it."""
+    the holder, before its model loads, and the first one's drain writes it; the
+    next server given the file replaces it whole at its own drain."""
     cache = tmp_path / "cache"
     bare, _ = start_serve(["--model", "tiny", "--tenants", str(tenants)],
                           env_extra={"KVSCHED_CACHE": str(cache)})  # fmt: skip
@@ -120,10 +121,14 @@ def test_a_checkpoint_is_written_only_where_asked_and_never_shared(tmp_path, ten
     finally:
         ended(proc)
     # Its lock went with it: the file is free for the next server.
+    first = mine.stat().st_ino
     again, _ = start_serve(["--model", "tiny", "--tenants", str(tenants), "--checkpoint",
                             str(mine)])  # fmt: skip
     again.send_signal(signal.SIGTERM)
     assert again.wait(60) == 0
+    assert mine.stat().st_ino != first, "the drain wrote a new file over the last one"
+    assert mine.stat().st_mode & 0o777 == 0o600
+    assert len(mine.read_text().splitlines()) == 2, "header and trailer: nothing was cut"
 
 
 @pytest.mark.slow
@@ -328,6 +333,31 @@ def test_a_signal_while_loading_or_warming_up_exits_zero_at_once(tmp_path, tenan
         assert "SIGTERM while loading the model: nothing was admitted" in out
     else:
         assert "warmup stopped by the drain" in out
+
+
+@pytest.mark.slow
+def test_max_connections_one_serves_one_connection_and_refuses_a_second(tmp_path, tenants):
+    """`--max-connections 1`: a lone request is served; one on a second
+    connection gets a 503 (the first was refused too: uvicorn counts the
+    requesting connection against its limit)."""
+    proc, url = start_serve(["--model", "tiny", "--tenants", str(tenants), "--max-connections",
+                             "1"])  # fmt: skip
+    try:
+        assert httpx.get(f"{url}/health").status_code == 200
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port)) as held:
+            held.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert held.recv(4096).startswith(b"HTTP/1.1 200"), "kept alive, still open"
+            refused = httpx.get(f"{url}/health")
+            assert refused.status_code == 503 and refused.text == "Service Unavailable"
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{url}/health").status_code != 200:  # once the server saw it close
+            assert time.monotonic() < deadline, "the closed connection still counted"
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        ended(proc)
 
 
 @pytest.mark.slow
