@@ -382,6 +382,40 @@ def test_served_model_name_replaces_the_models_names(tmp_path, tenants):
 
 
 @pytest.mark.slow
+@pytest.mark.model
+def test_the_real_model_is_served_as_smollm2_135m_instruct(tenants):
+    """The name the README tells clients to send is the one /v1/models lists,
+    responses carry and the metrics' model info holds (the GGUF's own
+    general.name is "Smollm2 135M 8k Lc100K Mix1 Ep2"); "smollm2" is accepted too."""
+    from kvsched import model_files
+
+    try:
+        model_files.fetch(quiet=True)
+    except model_files.ModelFetchError as e:
+        pytest.skip(f"SmolLM2-135M-Instruct cannot be fetched: {e}")
+    name = "SmolLM2-135M-Instruct"
+    proc, url = start_serve(["--tenants", str(tenants), "--max-seq-len", "128",
+                             "--max-num-seqs", "2", "--max-batched-tokens", "32"],
+                            timeout=600)  # fmt: skip
+    auth = {"Authorization": f"Bearer {KEY}"}
+    try:
+        models = httpx.get(f"{url}/v1/models", headers=auth).json()
+        assert [m["id"] for m in models["data"]] == [name]
+        for asked in (name, "smollm2"):
+            r = httpx.post(f"{url}/v1/completions", headers=auth, timeout=60,
+                           json={"model": asked, "prompt": "Hi", "max_tokens": 1})  # fmt: skip
+            assert r.status_code == 200 and r.json()["model"] == asked, r.text
+        info = [line for line in httpx.get(f"{url}/metrics").text.splitlines()
+                if line.startswith("kvsched_model_info{")]  # fmt: skip
+        assert len(info) == 1 and f'name="{name}"' in info[0], info
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        ended(proc)
+    assert f"serving {name} to 1 tenant(s)" in proc.stdout.read()
+
+
+@pytest.mark.slow
 def test_the_scheduler_table_and_flags_set_the_servers_scheduler(tmp_path, tenants):
     """The tenants file's [scheduler] table sets the knobs, a flag given wins
     over it, and the log says what the scheduler runs with."""
