@@ -194,6 +194,7 @@ def test_reference_with_sinks_matches_the_oracle():
     check(full.reference(sinks=SINKS), full.oracle(sinks=np.asarray(SINKS)), full, 2e-5)
 
 
+@pytest.mark.slow
 def test_reference_window_on_int8_bf16_and_a_stacked_cache():
     """An int8 cache (the reference's alone; the null page's scales NaN) and
     bf16; the stacked [L, P, ...] cache at a traced layer reads that layer's
@@ -337,12 +338,14 @@ def test_tpu_kernel_window_on_packed_and_stacked_caches_through_the_dispatch():
 # -- kvsched's GPU kernel (Pallas' interpreter) ------------------------------------
 
 # (window, soft cap, sinks, block_q, KV splits, tile pages, dtype, keep_table)
+SLOW = pytest.mark.slow
 GPU_CASES = [
-    (3, None, False, 2, 1, 1, jnp.float32, False),
-    (4, 0.8, True, None, 1, None, jnp.float32, True),
-    (9, None, True, 4, 3, 2, jnp.float32, False),  # split-KV: the sink joins the reduce
-    (64, 2.0, False, None, None, None, jnp.bfloat16, False),  # the shape's defaults
-    pytest.param(1000, None, False, 4, 2, 3, jnp.float32, False, marks=pytest.mark.slow),
+    (3, None, False, 2, 1, 1, jnp.float32, False),  # the quick tier's case
+    pytest.param(4, 0.8, True, None, 1, None, jnp.float32, True, marks=SLOW),
+    # split-KV: the sink joins the reduce
+    pytest.param(9, None, True, 4, 3, 2, jnp.float32, False, marks=SLOW),
+    pytest.param(64, 2.0, False, None, None, None, jnp.bfloat16, False, marks=SLOW),  # defaults
+    pytest.param(1000, None, False, 4, 2, 3, jnp.float32, False, marks=SLOW),
 ]
 
 
