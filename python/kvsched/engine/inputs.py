@@ -102,7 +102,7 @@ class StepInputs(Generic[A]):
         nothing attends and every K/V write drops (all slots are `pad_slot`).
         Running it compiles the bucket's program without touching the cache.
         `groups` > 1: shaped as a plan of that many KV-cache groups."""
-        lead = () if groups == 1 else (groups,)
+        lead: tuple[int, ...] = () if groups == 1 else (groups,)
         return StepInputs(
             token_ids=np.zeros(tokens, np.int32),
             positions=np.zeros(tokens, np.int32),
