@@ -61,6 +61,7 @@ mod invariants;
 mod knobs;
 mod kv;
 mod lifecycle;
+mod overlap;
 mod queues;
 mod request;
 mod retry;
@@ -135,6 +136,12 @@ pub struct Scheduler {
     group_rows: [Vec<GroupRowCache>; 2],
     steps: u64,
     pending: Option<Pending>,
+    /// A plan advanced before its tokens were known, until `resolve` (see
+    /// overlap.rs).
+    unresolved: Option<overlap::Unresolved>,
+    /// Requests an advance finished at max_tokens, with their stop tokens:
+    /// whether the last one was a stop is known at `resolve`.
+    deferred_stops: Vec<(u64, Vec<i32>)>,
     next_row_key: u64,
     rejected: [u64; RejectReason::COUNT],
     preemptions: u64,
@@ -190,6 +197,8 @@ impl Scheduler {
             }),
             steps: 0,
             pending: None,
+            unresolved: None,
+            deferred_stops: Vec::new(),
             next_row_key: 1,
             rejected: [0; RejectReason::COUNT],
             preemptions: 0,
@@ -290,6 +299,7 @@ impl Scheduler {
     /// `take_finished`).
     pub fn commit(&mut self, step_id: u64, sampled: &[i32], now: f64) -> KvResult<CommitEvents> {
         self.accept_now(now)?;
+        self.check_resolved()?;
         let pending = self.pending.as_ref().ok_or_else(|| {
             KvError::StalePlan(format!(
                 "no plan is pending (step {step_id} already committed?)"
@@ -335,6 +345,22 @@ impl Scheduler {
             }
         }
         let pending = self.pending.take().expect("checked above");
+        let mut events = self.apply(pending, sampled, now);
+        // Terminal events of requests ended since the last delivery go first.
+        if !self.ended.is_empty() {
+            let mut all = std::mem::take(&mut self.ended);
+            all.append(&mut events.finished);
+            events.finished = all;
+        }
+        Ok(events)
+    }
+
+    /// Close the pending plan with `sampled` (checked): tokens appended,
+    /// requests finished, filled blocks named. The events of requests ended
+    /// outside a commit are not added.
+    fn apply(&mut self, pending: Pending, sampled: &[i32], now: f64) -> CommitEvents {
+        let num_decode = pending.num_decode;
+        let num_seqs = num_decode + pending.seqs.len();
         let mut events = CommitEvents {
             request_ids: Vec::with_capacity(num_seqs),
             tokens: Vec::with_capacity(num_seqs),
@@ -375,26 +401,26 @@ impl Scheduler {
         self.kv.register_named();
         filled.clear();
         self.filled = filled;
+        let draining = self.lifecycle == Lifecycle::Draining;
         for (slab, reason) in done {
             let req = self.release(slab);
             self.tenants
                 .get_mut(req.tenant)
                 .count_end(true, now - req.arrival);
             let record = self.finished_record(&req, reason, now);
+            if overlap::is_placeholder(req.tokens.last()) {
+                // Advanced, not resolved: its last token (and whether it is a
+                // stop token) is known at `resolve`, which completes its record.
+                self.deferred_stops
+                    .push((req.id, req.stop_token_ids.clone()));
+            } else if draining {
+                self.drain_finished.push(record.clone());
+            }
             events.finished.push(record);
-        }
-        if self.lifecycle == Lifecycle::Draining {
-            self.drain_finished.extend(events.finished.iter().cloned());
         }
         self.maybe_drained();
         self.clock = self.clock.max(now);
-        // Terminal events of requests ended since the last delivery go first.
-        if !self.ended.is_empty() {
-            let mut all = std::mem::take(&mut self.ended);
-            all.append(&mut events.finished);
-            events.finished = all;
-        }
-        Ok(events)
+        events
     }
 
     /// Commit `sampled[k]` for each of `seqs` through its request, loading

@@ -732,6 +732,30 @@ class Scheduler:
         ended since the last delivery (cancel, stop, a drain deadline).
         Raises StalePlan for a plan that is not the pending one and InvalidState
         for sampled ids that do not fit it; then nothing changes."""
+    def advance(self, plan: StepPlan, /, *, now: float | None = None) -> None:
+        """Close a step before its tokens are known (overlapped scheduling): each
+        sequence that samples draws a placeholder, -(row + 1), so the next
+        step() can be planned while the device still runs this one; that
+        plan's `token_ids` hold the placeholder where a decode's input is the
+        token this plan samples at that row (take it from the device's sampled
+        array). `resolve` then gives the tokens and returns the events. At most
+        one plan is advanced and not resolved. Raises StalePlan for a plan that
+        is not the pending one or while another is unresolved; then nothing
+        changes."""
+    def resolve(
+        self, plan: StepPlan, sampled_ids: npt.NDArray[np.int32], /, *, now: float | None = None
+    ) -> StepEvents:
+        """Give an advanced step its sampled tokens (1-D int32, one per sequence
+        in plan order, ignored where `plan.samples` is False): they replace
+        the placeholders, and a stop token ends its request now (one step
+        late: the token the next plan computed for it is dropped). Returns the
+        step's events as commit() would have (a request ended since the
+        advance gets no token), after the terminal events queued since the
+        last delivery. Raises StalePlan for a plan that is not the advanced
+        one and InvalidState for ids that do not fit it; then nothing changes."""
+    @property
+    def unresolved_step(self) -> int | None:
+        """The step advanced and not yet resolved (None when there is none)."""
     def stats(self, *, now: float | None = None) -> SchedulerStats:
         """A snapshot: pool counts, per-tenant usage, reservations, counters, latency
         histograms (seconds; buckets are cumulative over kvsched.LATENCY_BUCKETS

@@ -308,6 +308,58 @@ impl PyScheduler {
         PyStepEvents::new(py, events)
     }
 
+    /// Close a step before its tokens are known (overlapped scheduling): each
+    /// sequence that samples draws a placeholder, -(row + 1), so the next
+    /// step() can be planned while the device still runs this one; that
+    /// plan's `token_ids` hold the placeholder where a decode's input is the
+    /// token this plan samples at that row (take it from the device's sampled
+    /// array). `resolve` then gives the tokens and returns the events. At most
+    /// one plan is advanced and not resolved. Raises StalePlan for a plan that
+    /// is not the pending one or while another is unresolved; then nothing
+    /// changes.
+    #[pyo3(signature = (plan, /, *, now=None))]
+    fn advance(
+        &self,
+        py: Python<'_>,
+        plan: &Bound<'_, PyStepPlan>,
+        now: Option<f64>,
+    ) -> PyResult<()> {
+        let now = now_or_monotonic(py, now)?;
+        let step_id = plan.get().step_id;
+        Ok(locked(&self.inner, |s| s.advance(step_id, now))??)
+    }
+
+    /// Give an advanced step its sampled tokens (1-D int32, one per sequence
+    /// in plan order, ignored where `plan.samples` is False): they replace
+    /// the placeholders, and a stop token ends its request now (one step
+    /// late: the token the next plan computed for it is dropped). Returns the
+    /// step's events as commit() would have (a request ended since the
+    /// advance gets no token), after the terminal events queued since the
+    /// last delivery. Raises StalePlan for a plan that is not the advanced
+    /// one and InvalidState for ids that do not fit it; then nothing changes.
+    #[pyo3(signature = (plan, sampled_ids, /, *, now=None))]
+    fn resolve(
+        &self,
+        py: Python<'_>,
+        plan: &Bound<'_, PyStepPlan>,
+        sampled_ids: &Bound<'_, PyAny>,
+        now: Option<f64>,
+    ) -> PyResult<PyStepEvents> {
+        let arr = int32_arg(sampled_ids, "sampled_ids")
+            .map_err(|e| KvError::InvalidState(e.value(py).to_string()))?;
+        let sampled = int32_slice(&arr);
+        let now = now_or_monotonic(py, now)?;
+        let step_id = plan.get().step_id;
+        let events = locked(&self.inner, |s| s.resolve(step_id, &sampled, now))??;
+        PyStepEvents::new(py, events)
+    }
+
+    /// The step advanced and not yet resolved (None when there is none).
+    #[getter]
+    fn unresolved_step(&self) -> PyResult<Option<u64>> {
+        locked(&self.inner, |s| s.unresolved_step())
+    }
+
     /// Live (admitted, unfinished) requests.
     #[getter]
     fn live_requests(&self) -> PyResult<usize> {

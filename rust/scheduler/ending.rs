@@ -121,7 +121,8 @@ impl Scheduler {
             tenant: self.tenants.get(req.tenant).config.name.clone(),
             reason,
             prompt_len: req.prompt_len,
-            output: req.output().to_vec(),
+            // A token not resolved yet (see overlap.rs) is not part of it.
+            output: overlap::known(req.output()).to_vec(),
             arrival: req.arrival,
             first_scheduled: req.first_scheduled.unwrap_or(now),
             first_token: req.first_token.unwrap_or(now),

@@ -101,13 +101,15 @@ impl Scheduler {
         Ok(())
     }
 
-    /// A draining scheduler with nothing live and no plan pending is drained.
+    /// A draining scheduler with nothing live, no plan pending and none
+    /// unresolved is drained.
     /// Called after everything that can end the last request: a commit, a
     /// cancel or stop, the deadline's hand-back, and `drain` itself.
     pub(super) fn maybe_drained(&mut self) {
         if self.lifecycle == Lifecycle::Draining
             && self.requests.is_empty()
             && self.pending.is_none()
+            && self.unresolved.is_none()
         {
             self.transition(Lifecycle::Drained, "drained")
                 .expect("draining may always drain");

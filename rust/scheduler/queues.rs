@@ -160,6 +160,17 @@ impl RunningSet {
         }
     }
 
+    /// The pinned decodes of the plan pending (its first `num_decode`
+    /// sequences), in plan order, wherever they are now.
+    pub(super) fn pinned_decodes(&self, num_decode: usize) -> Vec<PendingSeq> {
+        match &self.pin {
+            Pin::Moved(decodes) => decodes.clone(),
+            Pin::Free | Pin::Holding(_) => {
+                (0..num_decode).map(|k| self.planned_decode(k)).collect()
+            }
+        }
+    }
+
     /// The decode at `pos`, as the plan holds it.
     pub(super) fn planned_decode(&self, pos: usize) -> PendingSeq {
         debug_assert!(pos < self.num_decode);

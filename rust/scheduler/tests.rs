@@ -257,6 +257,7 @@ mod fairness;
 mod groups;
 mod lifecycle;
 mod lifecycle_fuzz;
+mod overlap;
 mod overload;
 mod partition;
 mod plan_rows_fuzz;
