@@ -1,0 +1,71 @@
+"""Gemma 3 270M against what transformers computed on the same GGUF file, without
+torch: tests/data/gemma3_golden.json holds transformers' token ids, greedy
+tokens and logits rows (written by `python tests/peer_gemma3.py --golden
+tests/data/gemma3_golden.json`, which also checks the same things against a
+live transformers). Prompts of 613, 1,201 and 2,015 tokens run past the
+512-token window; the greedy run goes through `forward_paged` with the model's
+six KV-cache groups, prefilled in chunks smaller than the window."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("jax")
+pytest.importorskip("gguf")
+
+import jax.numpy as jnp  # noqa: E402
+from gemma3_helpers import HandPlan, gemma3_270m  # noqa: E402
+
+from kvsched import model_files  # noqa: E402
+from kvsched.engine.model import forward_dense  # noqa: E402
+
+pytestmark = [pytest.mark.gemma, pytest.mark.slow]
+
+GOLDEN = json.loads((Path(__file__).parent / "data" / "gemma3_golden.json").read_text("utf-8"))
+PROMPTS = GOLDEN["prompts"]
+# transformers and forward_dense differ by 1e-3 at most on these prompts, at a
+# logit scale of about 30 (float32, different summation orders)
+LOGIT_TOL = 5e-3
+GREEDY = 16  # of the golden file's greedy tokens, per prompt
+
+
+def test_the_golden_file_is_for_the_fetched_model_file():
+    assert GOLDEN["sha256"] == model_files.GEMMA3_270M.sha256
+    lengths = [len(p["ids"]) for p in PROMPTS]
+    assert max(lengths) > 2000 and sum(n > 512 for n in lengths) >= 3
+
+
+def test_the_tokenizer_gives_transformers_ids():
+    m = gemma3_270m()
+    for case in GOLDEN["awkward"] + PROMPTS:
+        assert m.encode_prompt(case["text"]) == case["ids"], case["text"][:60]
+
+
+def test_dense_logits_are_transformers_before_at_and_past_the_window():
+    m = gemma3_270m()
+    fixed = np.asarray(GOLDEN["fixed_ids"])
+    for p in PROMPTS:
+        rows = [r["position"] for r in p["logits"]]
+        got = np.asarray(forward_dense(m.params, m.config, jnp.asarray(p["ids"], jnp.int32),
+                                       rows=jnp.asarray(rows, jnp.int32)))  # fmt: skip
+        for row, want in zip(got, p["logits"], strict=True):
+            assert int(np.argmax(row)) == want["top_ids"][0]
+            np.testing.assert_allclose(row[want["top_ids"]], want["top_logits"], atol=LOGIT_TOL)
+            np.testing.assert_allclose(row[fixed], want["fixed_logits"], atol=LOGIT_TOL)
+
+
+def test_paged_greedy_with_kv_groups_is_transformers_past_the_window():
+    m = gemma3_270m()
+    prompts = {i: p["ids"] for i, p in enumerate(PROMPTS)}
+    longest = max(map(len, prompts.values())) + GREEDY
+    pages = sum(-(-(len(p) + GREEDY) // 16) for p in prompts.values())
+    plan = HandPlan(m.params, m.config, block_size=16, num_blocks=6 * pages + 1, max_seqs=4,
+                    max_len=longest + 16, tokens_per_step=256)  # fmt: skip
+    assert plan.layout.num_groups == 6
+    got = plan.generate(prompts, GREEDY, chunk=200)
+    for i, p in enumerate(PROMPTS):
+        assert got[i] == p["greedy"][:GREEDY], (len(p["ids"]), got[i], p["greedy"][:GREEDY])
