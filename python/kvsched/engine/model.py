@@ -370,7 +370,12 @@ def forward_paged(
         x = _block(c, layer, x, attend)
         return (x, caches), None
 
-    at: dict[str, jax.Array] = {"slot": jnp.asarray(slots, jnp.int32)}
+    # A slot per layer (kv_layout None): the layer index itself, as before groups.
+    at: dict[str, jax.Array] = {
+        "slot": jnp.arange(n, dtype=jnp.int32)
+        if kv_layout is None
+        else jnp.asarray(slots, jnp.int32)
+    }
     if max(groups) > 0:
         at["group"] = jnp.asarray(groups, jnp.int32)
     if len(windows) > 1:
