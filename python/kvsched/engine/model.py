@@ -370,12 +370,11 @@ def forward_paged(
         x = _block(c, layer, x, attend)
         return (x, caches), None
 
-    # A slot per layer (kv_layout None): the layer index itself, as before groups.
-    at: dict[str, jax.Array] = {
-        "slot": jnp.arange(n, dtype=jnp.int32)
-        if kv_layout is None
-        else jnp.asarray(slots, jnp.int32)
-    }
+    # Each layer in its own slot (no layout, or one group of every layer): the
+    # slot is the layer index, an iota as before groups, so the program is the
+    # one such a model ran before.
+    own = slots == tuple(range(n))
+    at = {"slot": jnp.arange(n, dtype=jnp.int32) if own else jnp.asarray(slots, jnp.int32)}
     if max(groups) > 0:
         at["group"] = jnp.asarray(groups, jnp.int32)
     if len(windows) > 1:
