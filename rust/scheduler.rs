@@ -269,8 +269,12 @@ impl Scheduler {
         total - self.config.reserve_blocks(total)
     }
 
+    /// Requests whose terminal event is not delivered yet: live ones, and
+    /// those an advance finished before its tokens were known (their events
+    /// come with `resolve`; see overlap.rs). A loop that steps while this is
+    /// not zero sees every ending.
     pub fn live_requests(&self) -> usize {
-        self.requests.len()
+        self.requests.len() + self.deferred_stops.len()
     }
 
     /// The buffer set the next `step()` writes (0 or 1).

@@ -244,7 +244,8 @@ def test_the_step_program_does_not_grow_with_depth():
                 np.zeros((s, 8), np.int32), np.zeros(1, np.int32), np.zeros(s, np.int32),
                 np.zeros(s, np.float32), np.ones(s, np.float32), np.zeros(s, np.int32),
                 np.zeros((s, 2), np.uint32), np.zeros(s, np.int32)]  # fmt: skip
-        text = jax.jit(eng._step.__wrapped__).lower(eng.params, eng.caches, *args).as_text()
+        prev = np.zeros(s, np.int32)  # the previous step's sampled tokens (overlap)
+        text = jax.jit(eng._step.__wrapped__).lower(eng.params, eng.caches, prev, *args).as_text()
         return text.count("dot_general")
 
     assert matmuls(6) == matmuls(2)

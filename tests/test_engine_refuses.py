@@ -43,8 +43,8 @@ CFG = dict(num_blocks=96, block_size=4, max_num_seqs=4, max_batched_tokens=32, m
 PROMPT = [5, 17, 99, 3, 42, 7]
 
 
-def engine(params=PARAMS) -> Engine:
-    eng = Engine.create(MODEL, params, kvsched.SchedulerConfig(**CFG))
+def engine(params=PARAMS, **kw) -> Engine:
+    eng = Engine.create(MODEL, params, kvsched.SchedulerConfig(**CFG), **kw)
     eng.warmup(progress=False)
     eng.scheduler.add_tenant(kvsched.TenantConfig("t"))
     return eng
@@ -116,7 +116,7 @@ def test_a_plan_carrying_an_id_outside_the_vocabulary_ends_that_request_only():
 
 @pytest.mark.slow
 def test_a_sampled_id_outside_the_vocabulary_is_never_committed():
-    eng = engine()
+    eng = engine(overlap=False)
     rid = eng.submit("t", PROMPT, SamplingParams(max_tokens=4))
     real = eng._sample
 
@@ -134,6 +134,33 @@ def test_a_sampled_id_outside_the_vocabulary_is_never_committed():
         eng.step(now=1.0)
     assert eng.scheduler.stats(now=1.0) == planned[0], "nothing committed"
     assert rid in eng.outputs
+
+
+@pytest.mark.slow
+def test_an_overlapped_step_never_resolves_a_sampled_id_outside_the_vocabulary():
+    """The device's sampled array feeds the next step as it is, but the host
+    checks it before the core takes it: nothing resolved, the request's tokens
+    untouched."""
+    eng = engine()
+    rid = eng.submit("t", PROMPT, SamplingParams(max_tokens=4))
+    real = eng._dispatch
+
+    def broken(inputs, batch, prev):  # a sampler bug: one id past the vocabulary
+        out = real(inputs, batch, prev)
+        return out._replace(tokens=out.tokens.at[0].set(10**6))
+
+    eng._dispatch = broken
+    eng.step(now=1.0)  # dispatched and advanced
+    advanced = eng.scheduler.unresolved_step
+    before = eng.scheduler.stats(now=1.0)
+    with pytest.raises(kvsched.InternalError, match="sampled id 1000000 .* outside the vocab"):
+        eng.step(now=1.0)
+    assert eng.scheduler.unresolved_step == advanced is not None, "nothing resolved"
+    assert (
+        eng.scheduler.stats(now=1.0)["tenants"]["t"]["tokens_out"]
+        == before["tenants"]["t"]["tokens_out"]
+    )
+    assert rid in eng.outputs and eng.outputs._states[rid].generated == 0
 
 
 # -- weights and logits that are not finite -------------------------------------------------

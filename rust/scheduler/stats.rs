@@ -125,7 +125,7 @@ impl Scheduler {
                 committed: self.tenants.committed(),
             },
             tenants,
-            live_requests: self.requests.len(),
+            live_requests: self.live_requests(),
             running: self.running.len(),
             waiting: self.requests.len() - self.running.len(),
             steps: self.steps,

@@ -79,6 +79,30 @@ class StepResult:
     errors: dict[int, str] = field(default_factory=dict)
 
 
+class _Outputs(NamedTuple):
+    """The jitted step's outputs, on the device (see `Sampled`)."""
+
+    tokens: jax.Array
+    logprob: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+    finite: jax.Array
+
+    def sampled(self) -> Sampled:
+        """Wait for the step, and bring the tokens to the host."""
+        return Sampled(np.asarray(self.tokens), self.logprob, self.top_ids, self.top_logprobs,
+                       self.finite)  # fmt: skip
+
+
+@dataclass
+class _Launched:
+    """A plan dispatched (overlapped scheduling) and not resolved yet."""
+
+    plan: kvsched.StepPlan
+    out: _Outputs
+    model_seconds: float = 0.0  # the dispatch's share of the model time
+
+
 @dataclass(frozen=True)
 class _NoEvents:
     """The events of a step that ran no plan."""
@@ -130,7 +154,10 @@ class Engine:
     layers keeps each kind in its own KV-cache groups, a window group holding
     only what its window reads; kvsched.shapes.group_layers) or "uniform"
     (every layer's KV kept in full, one group: the baseline). The scheduler's
-    kv_cache_groups must be the layout's (Engine.create sets them)."""
+    kv_cache_groups must be the layout's (Engine.create sets them).
+    `overlap` (on by default): step N + 1 is planned and dispatched while the
+    device still runs step N, its decodes' input tokens taken from N's sampled
+    array on the device; N is resolved after (see `step`)."""
 
     def __init__(
         self,
@@ -152,6 +179,7 @@ class Engine:
         kv_min_agreement: float = kv_gate.MIN_AGREEMENT,
         kv_max_logprob_diff: float = kv_gate.MAX_MEAN_ABS_LOGPROB_DIFF,
         kv_groups: str = "hybrid",
+        overlap: bool = True,
     ) -> None:
         self.model, self.scheduler = model, scheduler
         self.backend, self.kv_dtype = backend, kv_dtype
@@ -200,6 +228,11 @@ class Engine:
             jit_kw["out_shardings"] = (rep, cs)
         self.outputs = OutputProcessor(tokenizer)
         self._default = SamplingParams(temperature=temperature)
+        self.overlap = overlap
+        # The plan dispatched and not resolved yet (overlap), and the stand-in
+        # for a previous step's sampled tokens when there is none.
+        self._inflight: _Launched | None = None
+        self._no_prev = jnp.zeros(scheduler.plan_shape["max_seqs"], jnp.int32)
         step = _step_function(program_model, backend, mesh, max_logprobs, self.group_layout)
         self._step = jax.jit(step, donate_argnums=(1,), **jit_kw)
 
@@ -326,8 +359,17 @@ class Engine:
 
     def _run(self, inputs: StepInputs[HostArray], batch: SamplingBatch) -> Sampled:
         """The jitted step on `inputs`: every row's sampled token, and the rest."""
-        out, self.caches = self._step(self.params, self.caches, *inputs.arrays(), *batch.arrays())
-        return Sampled(np.asarray(out[0]), *out[1:])
+        return self._dispatch(inputs, batch, self._no_prev).sampled()
+
+    def _dispatch(
+        self, inputs: StepInputs[HostArray], batch: SamplingBatch, prev: jax.Array
+    ) -> _Outputs:
+        """Dispatch the jitted step on `inputs` (asynchronously: its outputs
+        are device arrays); a negative input token is read from `prev`, the
+        previous step's sampled tokens (see Scheduler.advance)."""
+        args = (*inputs.arrays(), *batch.arrays())
+        out, self.caches = self._step(self.params, self.caches, prev, *args)
+        return _Outputs(*out)
 
     def _unservable(self, plan: kvsched.StepPlan, finite: jax.Array) -> dict[int, str]:
         """Rows of the step just run that must not be committed, by request id:
@@ -337,15 +379,17 @@ class Engine:
         to `scheduler` directly: the embedding gather would clamp it silently)."""
         n, vocab = len(plan), self.model.vocab_size
         ok = np.asarray(finite)[:n]
+        # A negative id is a placeholder the step took from the previous one's
+        # sampled tokens (Scheduler.advance; the core refuses negative ids).
         toks = plan.token_ids[: plan.num_tokens]
-        out_of_vocab = bool(toks.size) and bool((toks.min() < 0) | (toks.max() >= vocab))
+        out_of_vocab = bool(toks.size) and bool(toks.max() >= vocab)
         if ok.all() and not out_of_vocab:
             return {}
         rids, cu = plan.request_ids.tolist(), plan.cu_q_lens
         bad: dict[int, str] = {}
         for i, rid in enumerate(rids):
             row = toks[cu[i] : cu[i + 1]]
-            outside = row[(row < 0) | (row >= vocab)]
+            outside = row[row >= vocab]
             if outside.size:
                 bad[rid] = (f"token id {int(outside[0])} is outside the vocabulary of {vocab} "
                             "(submitted to the scheduler without the engine's check?)")  # fmt: skip
@@ -377,14 +421,72 @@ class Engine:
                 )
 
     def step(self, now: float | None = None) -> StepResult | None:
-        """One scheduler step through the model; None when nothing can run (and
-        no request has an ending to report: requests the scheduler dropped
+        """One scheduler step through the model; None when nothing ran and no
+        request has an ending to report (requests the scheduler dropped
         without an event, at a drain deadline, come back once with plan None).
+
+        Overlapped (the default): the next plan is planned and dispatched
+        first, then the plan dispatched by the previous call is resolved and
+        its outputs made while the device runs the new one; the result is that
+        previous plan's (plan None on a call that only dispatched). A request a
+        step ends (a stop token, a stop string) is known one step late: the
+        token the next step computed for it is dropped. `overlap=False`: plan,
+        run, commit, in that order, each call.
 
         Every ending is the core's: a row the engine cannot serve is ended in
         the core (`Scheduler.fail`, reason "error"), a stop string the output
         processor matched too (`Scheduler.stop`); the outputs follow the core's
         terminal events."""
+        if not self.overlap:
+            return self._step_serial(now)
+        t0 = time.perf_counter()
+        plan = self.scheduler.step(now=now)
+        launched = None
+        if plan is not None:
+            prev = self._inflight.out.tokens if self._inflight is not None else self._no_prev
+            t_dispatch = time.perf_counter()
+            launched = _Launched(plan, self._dispatch(StepInputs.from_plan(plan),
+                                                      self._sampling_batch(plan), prev))  # fmt: skip
+            launched.model_seconds = time.perf_counter() - t_dispatch
+        previous, self._inflight = self._inflight, None
+        result = None
+        if previous is not None:
+            result = self._finish(previous, now, t0)
+        if launched is not None:
+            self.scheduler.advance(launched.plan, now=now)
+            self._inflight = launched
+            if result is None:  # the first plan of a run: dispatched, nothing to report yet
+                result = StepResult(None, _NO_EVENTS, time.perf_counter() - t0)
+        if result is None:
+            endings = self.outputs.endings(self.scheduler.take_finished())
+            if not endings:
+                return None
+            return StepResult(None, _NO_EVENTS, time.perf_counter() - t0, endings)
+        return result
+
+    def _finish(self, launched: _Launched, now: float | None, t0: float) -> StepResult:
+        """Resolve a plan dispatched and advanced: wait for its tokens, end the
+        rows it could not serve, give the core the tokens, make the outputs."""
+        plan = launched.plan
+        t_wait = time.perf_counter()
+        sampled = launched.out.sampled()
+        model_s = launched.model_seconds + time.perf_counter() - t_wait
+        tokens = sampled.tokens[: len(plan)]
+        errors = self._unservable(plan, sampled.finite)
+        self._check_sampled(plan, tokens, skip=errors)
+        for rid, why in list(errors.items()):
+            try:
+                self.scheduler.fail(rid, why, now=now)
+            except kvsched.UnknownRequest:
+                # Planned before an earlier step's resolve ended it (this engine
+                # failed or stopped it): its row here is the dropped extra one.
+                del errors[rid]
+        events = self.scheduler.resolve(plan, tokens, now=now)
+        outputs = self._outputs(plan, sampled, events, now)
+        return StepResult(plan, events, time.perf_counter() - t0, outputs, model_s, errors)
+
+    def _step_serial(self, now: float | None) -> StepResult | None:
+        """`step` without overlap: plan, run, commit."""
         t0 = time.perf_counter()
         plan = self.scheduler.step(now=now)
         if plan is None:
@@ -404,6 +506,18 @@ class Engine:
         for rid, why in errors.items():
             self.scheduler.fail(rid, why, now=now)
         events = self.scheduler.commit(plan, tokens, now=now)
+        outputs = self._outputs(plan, sampled, events, now)
+        return StepResult(plan, events, time.perf_counter() - t0, outputs, t_model, errors)
+
+    def _outputs(
+        self,
+        plan: kvsched.StepPlan,
+        sampled: Sampled,
+        events: kvsched.StepEvents,
+        now: float | None,
+    ) -> list[RequestOutput]:
+        """Each request's output of a committed (or resolved) step: its new
+        text, stop strings (a match ends it in the core), logprobs, endings."""
         outputs: list[RequestOutput] = []
         if len(self.outputs):
             rows = {r: i for i, r in enumerate(plan.request_ids.tolist())}
@@ -415,7 +529,7 @@ class Engine:
                 self.scheduler.stop(rid, now=now)
             # Requests that ended with no token this step (cancel, drain, error).
             outputs += self.outputs.endings(events.finished)
-        return StepResult(plan, events, time.perf_counter() - t0, outputs, t_model, errors)
+        return outputs
 
     def reseed(self, seed: int) -> None:
         """Requests without a seed of their own now draw from `seed`."""
@@ -581,9 +695,14 @@ def _step_function(
     n_inputs = StepInputs.num_arrays()
 
     def step(
-        params: Params, caches: KVCache, *arrays: jax.Array
+        params: Params, caches: KVCache, prev: jax.Array, *arrays: jax.Array
     ) -> tuple[tuple[jax.Array, ...], KVCache]:
         inputs = StepInputs(*arrays[:n_inputs])
+        # Overlapped scheduling: a negative input token is the one the previous
+        # step sampled at row -t - 1, still on the device (Scheduler.advance).
+        ids = inputs.token_ids
+        ids = jnp.where(ids < 0, prev[jnp.maximum(-ids - 1, 0)], ids)
+        inputs = dataclasses.replace(inputs, token_ids=ids)
         logits, caches = forward_paged(
             params, caches, model, inputs.token_ids, inputs.positions, inputs.slot_mapping,
             inputs.attention, inputs.logits_indices, backend=backend, mesh=mesh,
