@@ -445,8 +445,8 @@ class Engine:
         if plan is not None:
             prev = self._inflight.out.tokens if self._inflight is not None else self._no_prev
             t_dispatch = time.perf_counter()
-            launched = _Launched(plan, self._dispatch(StepInputs.from_plan(plan),
-                                                      self._sampling_batch(plan), prev))  # fmt: skip
+            batch = self._sampling_batch(plan)
+            launched = _Launched(plan, self._dispatch(StepInputs.from_plan(plan), batch, prev))
             launched.model_seconds = time.perf_counter() - t_dispatch
         previous, self._inflight = self._inflight, None
         result = None
