@@ -357,11 +357,13 @@ impl KvManager {
     /// Take a reference on each of `hits` (cached pages `lookup_at_submit`
     /// found), and on the other groups' hits.
     pub(super) fn share_hits(&mut self, hits: &[u32], groups: &GroupHits) -> KvResult<()> {
-        let extra: Vec<u32> = groups.iter().flat_map(|g| g.live_pages()).collect();
-        self.pool
-            .retain_cached(hits)
-            .and_then(|()| self.pool.retain_cached(&extra))
-            .map_err(|e| KvError::Internal(format!("a cache hit is not a cached page: {e}")))
+        let not_cached = |e| KvError::Internal(format!("a cache hit is not a cached page: {e}"));
+        self.pool.retain_cached(hits).map_err(not_cached)?;
+        if let Some(g) = groups {
+            let extra: Vec<u32> = g.live_pages().collect();
+            self.pool.retain_cached(&extra).map_err(not_cached)?;
+        }
+        Ok(())
     }
 
     /// Drop a request of `tid`'s references on `pages` (last to first).
@@ -375,6 +377,7 @@ impl KvManager {
     /// of the groups after group 0 never earn admission room (a window group
     /// gives its hits back as its window moves, and then takes pages of its
     /// own, up to what it reserved), so their release changes no credit.
+    #[inline]
     fn drop_pages_counting(&mut self, tid: TenantId, pages: &[u32], counted: bool) -> usize {
         let scope = (counted && self.shares_at_submit()).then_some(Scope::Tenant(tid));
         let freed = if self.partitioned {
@@ -428,7 +431,14 @@ impl KvManager {
         if need == 0 {
             return Ok(0);
         }
-        if !self.admission.preempts_for_pages() && r.held_pages() + need > r.reserved_blocks {
+        // (A model of one group reads none of `groups`: `held_pages` would
+        // load a line of the request its growth does not otherwise touch.)
+        let held = if self.hybrid() {
+            r.held_pages()
+        } else {
+            r.pages.len()
+        };
+        if !self.admission.preempts_for_pages() && held + need > r.reserved_blocks {
             return Err(KvError::Internal(format!(
                 "request {} would exceed its reservation",
                 r.id
@@ -601,11 +611,10 @@ impl Scheduler {
         let r = self.requests.get_mut(slab);
         let tid = r.tenant;
         let pages = std::mem::take(&mut r.pages);
-        let extra = r
-            .groups
-            .as_mut()
-            .map(|g| g.take_pages())
-            .unwrap_or_default();
+        let extra = match (self.kv.hybrid(), r.groups.as_mut()) {
+            (true, Some(g)) => g.take_pages(),
+            _ => Vec::new(),
+        };
         if !pages.is_empty() {
             self.drop_pages(tid, &pages);
         }
@@ -673,21 +682,36 @@ impl Scheduler {
     /// from there reads).
     #[inline]
     pub(super) fn grow_pages(&mut self, slab: usize, start: usize, len: usize) -> KvResult<()> {
-        let r = self.requests.get_mut(slab);
-        let tid = r.tenant;
-        if self.kv.hybrid() && self.kv.blocks_for(len) > r.pages.len() {
-            let g = self.kv.grow_groups(r, start, len)?;
-            if g.released > 0 {
-                self.count_dropped(tid, g.released, g.shared);
-                self.trim_cache(tid);
-            }
-            self.tenants.get_mut(tid).hold_pages(g.added);
+        if self.kv.hybrid() {
+            self.grow_group_pages(slab, start, len)?;
         }
         let r = self.requests.get_mut(slab);
         let added = self.kv.grow(r, len)?;
         if added > 0 {
+            let tid = r.tenant;
             self.tenants.get_mut(tid).hold_pages(added);
         }
+        Ok(())
+    }
+
+    /// Hybrid: the groups after group 0 of `slab` for a step from `start` to
+    /// `len` (see `KvManager::grow_groups`), with the tenant's usage. Out of
+    /// line: a model of one group never runs it, and its code would crowd
+    /// the decode loop that calls `grow_pages`.
+    #[cold]
+    #[inline(never)]
+    fn grow_group_pages(&mut self, slab: usize, start: usize, len: usize) -> KvResult<()> {
+        let r = self.requests.get_mut(slab);
+        if self.kv.blocks_for(len) <= r.pages.len() {
+            return Ok(());
+        }
+        let tid = r.tenant;
+        let g = self.kv.grow_groups(r, start, len)?;
+        if g.released > 0 {
+            self.count_dropped(tid, g.released, g.shared);
+            self.trim_cache(tid);
+        }
+        self.tenants.get_mut(tid).hold_pages(g.added);
         Ok(())
     }
 }

@@ -507,13 +507,14 @@ impl Scheduler {
         let coverable = self.config.admission.preempts_for_pages().then(|| {
             (r.pages.len() + self.kv.available() / groups) * self.config.block_size - r.num_computed
         });
-        // A reservation assumed steps of at most the chunk it was admitted with.
-        let cap = r
-            .groups
-            .as_ref()
-            .map_or(self.config.long_prefill_chunk, |g| {
-                g.chunk.min(self.config.long_prefill_chunk)
-            });
+        // A hybrid model's reservation assumed steps of at most the chunk it
+        // was admitted with (read only then: `groups` is a line of its own).
+        let mut cap = self.config.long_prefill_chunk;
+        if self.kv.hybrid() {
+            if let Some(g) = &r.groups {
+                cap = cap.min(g.chunk);
+            }
+        }
         planner::prefill_chunk(r.need(), cap, room, coverable)
     }
 }
