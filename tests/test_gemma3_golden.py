@@ -3,8 +3,10 @@ torch: tests/data/gemma3_golden.json holds transformers' token ids, greedy
 tokens and logits rows (written by `python tests/peer_gemma3.py --golden
 tests/data/gemma3_golden.json`, which also checks the same things against a
 live transformers). Prompts of 613, 1,201 and 2,015 tokens run past the
-512-token window; the greedy run goes through `forward_paged` with the model's
-six KV-cache groups, prefilled in chunks smaller than the window."""
+512-token window; the greedy runs go through `forward_paged` with the model's
+six KV-cache groups, prefilled in chunks smaller than the window: on
+hand-built plans, and through the whole engine (the scheduler's groups, prefix
+hits past the window)."""
 
 from __future__ import annotations
 
@@ -58,7 +60,9 @@ def test_dense_logits_are_transformers_before_at_and_past_the_window():
             np.testing.assert_allclose(row[fixed], want["fixed_logits"], atol=LOGIT_TOL)
 
 
-def test_paged_greedy_with_kv_groups_is_transformers_past_the_window():
+def test_forward_paged_with_kv_groups_gives_transformers_greedy_tokens():
+    """Hand-built plans (tests/gemma3_helpers.py): out-of-window pages are
+    returned and poisoned with NaN, so a read of one would show."""
     m = gemma3_270m()
     prompts = {i: p["ids"] for i, p in enumerate(PROMPTS)}
     longest = max(map(len, prompts.values())) + GREEDY
@@ -69,3 +73,34 @@ def test_paged_greedy_with_kv_groups_is_transformers_past_the_window():
     got = plan.generate(prompts, GREEDY, chunk=200)
     for i, p in enumerate(PROMPTS):
         assert got[i] == p["greedy"][:GREEDY], (len(p["ids"]), got[i], p["greedy"][:GREEDY])
+
+
+def test_the_engine_serves_transformers_greedy_tokens_with_kv_groups_and_prefix_hits():
+    """The whole engine: the scheduler's KV-cache groups (a full group, five
+    of the 512-token window), chunked prefill of 200 tokens, four sequences a
+    step; then the long prompts again, hitting the prefix cache past the window."""
+    import kvsched
+    from kvsched.engine.runner import Engine
+
+    m = gemma3_270m()
+    cfg = kvsched.SchedulerConfig(num_blocks=1200, block_size=16, max_num_seqs=4,
+                                  max_batched_tokens=256, max_seq_len=2112, max_waiting=16,
+                                  long_prefill_chunk=200, overhead_reserve=0.0)  # fmt: skip
+    eng = Engine.create(m.config, m.params, cfg, backend="reference", pool="configured")
+    assert eng.group_layout.groups == ("full",) + ("sliding_window:512",) * 5
+    eng.warmup(progress=False)
+    eng.scheduler.add_tenant(kvsched.TenantConfig("t"))
+    out: dict[int, list[int]] = {}
+
+    def run(prompts: list[dict]) -> list[int]:
+        ids = [eng.scheduler.submit("t", np.asarray(p["ids"], np.int32), GREEDY) for p in prompts]
+        while eng.scheduler.live_requests:
+            for f in eng.step().events.finished:
+                out[f.request_id] = f.output_ids.tolist()
+        return ids
+
+    for prompts in (PROMPTS, [p for p in PROMPTS if len(p["ids"]) > 512]):
+        for rid, p in zip(run(prompts), prompts, strict=True):
+            assert out[rid] == p["greedy"][:GREEDY], len(p["ids"])
+    hits = eng.scheduler.stats()["tenants"]["t"]["prefix_cache"]["hit_tokens"]
+    assert hits > 3000  # the second wave read its long prompts from the cache
