@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -344,6 +345,10 @@ def test_a_peer_lost_inside_the_sharded_model_step_ends_host_0_with_a_checkpoint
     rcs, logs, seconds = run_pair("kill-model", tmp_path, timeout=150, wait_for=(0,))
     assert rcs[1] == -signal.SIGKILL, logs[1]
     assert rcs[0] == mh.EXIT_PEER_LOST, logs[0]
-    assert "step 10: model step failed" in logs[0] and "checkpoint written" in logs[0], logs[0]
+    # Overlapped, the model step is dispatched and its all-reduces awaited at
+    # the next blocking collective: the model step's own wait or the digest
+    # check that follows it (every step here).
+    failed = re.search(r"step 1[01]: (model step|digest check) failed", logs[0])
+    assert failed and "checkpoint written" in logs[0], logs[0]
     ck = checkpoint.read(tmp_path / "checkpoint.jsonl")
     assert any(r["kind"] == "in_flight" and r["generated_ids"] for r in ck.records)

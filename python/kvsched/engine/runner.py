@@ -233,6 +233,10 @@ class Engine:
         # for a previous step's sampled tokens when there is none.
         self._inflight: _Launched | None = None
         self._no_prev = jnp.zeros(scheduler.plan_shape["max_seqs"], jnp.int32)
+        if mesh is not None:
+            # Placed as the step's sampled tokens are (replicated), so that the
+            # step compiles once whichever it is given.
+            self._no_prev = jax.device_put(self._no_prev, rep)
         step = _step_function(program_model, backend, mesh, max_logprobs, self.group_layout)
         self._step = jax.jit(step, donate_argnums=(1,), **jit_kw)
 
