@@ -76,7 +76,7 @@ def test_a_gguf_file_is_served_tensor_parallel_and_greedy_tokens_equal_dense_rec
 
 def test_bad_model_device_and_dtype_choices_are_refused_before_anything_loads(tmp_path):
     for kw, match in [
-        ({"which": str(tmp_path / "missing.gguf")}, "smollm2, tiny, the path of a GGUF"),
+        ({"which": str(tmp_path / "missing.gguf")}, "smollm2, gemma3-270m, tiny, the path of a"),
         ({"which": "tiny", "devices": 2}, "--devices 2: this machine has 1"),
         ({"which": "tiny", "devices": 0}, "--devices 0"),
         ({"which": "tiny", "dtype": "float8"}, "--dtype"),

@@ -77,6 +77,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("--read-timeout must be > 0")
     if args.max_connections < 0:
         raise ValueError("--max-connections must be >= 0 (0: no limit)")
+    _check_simulated(args)
     # Only where asked: the file holds every tenant's prompts and nothing here
     # reads it back (each client was told at the drain what it got).
     checkpoint = Path(args.checkpoint) if args.checkpoint else None
@@ -148,7 +149,8 @@ def _load(args: argparse.Namespace, tenants: Any, end_at: float | None,
     m = load_model(args.model, max_seq_len=args.max_seq_len, num_blocks=args.num_blocks,
                    max_logprobs=args.max_logprobs, backend=args.backend,
                    seed=args.seed, devices=args.devices, dtype=args.dtype,
-                   block_size=args.block_size, scheduler=knobs)  # fmt: skip
+                   block_size=args.block_size, scheduler=knobs,
+                   overlap=args.overlap, **_simulated_options(args))  # fmt: skip
     cfg = m.engine.scheduler.config
     log.info("scheduler: %s admission, preempt_lower_tiers %s, ladder %s, max_num_seqs %d, "
              "max_batched_tokens %d, long_prefill_chunk %d", cfg.admission,
@@ -167,10 +169,19 @@ def _load(args: argparse.Namespace, tenants: Any, end_at: float | None,
              else "OpenAI's: the model sets none")  # fmt: skip
     engine = AsyncEngine(m.engine, checkpoint_path=None if checkpoint is None else str(checkpoint))
     server = OpenAIServer(engine, tenants, model_name=names[0], encode_chat=encode_chat,
+                          encode_prompt=m.encode_prompt,
                           aliases=names[1:], max_body_bytes=args.max_body_bytes,
                           drain_seconds=args.drain_seconds, end_at=end_at,
                           sampling_defaults=defaults, read_timeout_s=args.read_timeout,
                           max_connections=args.max_connections or None)  # fmt: skip
+    device = getattr(m.engine, "device", None)
+    if args.model == "simulated" and device is not None:
+        from kvsched.engine.simulated import SimulatedDeviceCollector, describe_step_time
+
+        server.registry.register(SimulatedDeviceCollector(device))
+        log.info("simulated device: %s, end of text at rate %g; overlap %s",
+                 describe_step_time(device.step_time), args.sim_eos_rate,
+                 "on" if args.overlap else "off")  # fmt: skip
     replicas = m.engine.kv_replicas
     if args.devices > 1:
         print(f"tensor parallel over {args.devices} {m.engine.mesh.devices.flat[0].platform} "
@@ -183,6 +194,41 @@ def _load(args: argparse.Namespace, tenants: Any, end_at: float | None,
         f"http://{args.host}:{args.port}/v1{kept}; warming up, /ready answers 200 once warm"
     )
     return server
+
+
+def _check_simulated(args: argparse.Namespace) -> None:
+    """The --sim-* options: only with --model simulated, and well-formed (a
+    ValueError before anything loads)."""
+    options = (("--sim-step-ms", args.sim_step_ms), ("--sim-step-cost", args.sim_step_cost),
+               ("--sim-eos-rate", args.sim_eos_rate or None))  # fmt: skip
+    given = [flag for flag, v in options if v is not None]
+    if args.model != "simulated":
+        if given:
+            raise ValueError(f"{given[0]} is an option of --model simulated")
+        return
+    if not 0.0 <= args.sim_eos_rate <= 1.0:
+        raise ValueError(f"--sim-eos-rate: a chance in [0, 1], not {args.sim_eos_rate}")
+    _simulated_options(args)
+
+
+def _simulated_options(args: argparse.Namespace) -> dict[str, Any]:
+    """load_model's options for --model simulated (none for another model)."""
+    if args.model != "simulated":
+        return {}
+    from kvsched.engine.simulated import parse_step_time
+
+    if args.sim_step_cost is not None:
+        spec = args.sim_step_cost
+        if ":" not in spec and not Path(spec).is_file():
+            raise ValueError(f"--sim-step-cost: MODEL:ACCELERATOR or a step-cost file, "
+                             f"not {spec!r}")  # fmt: skip
+        step = parse_step_time(spec)  # kvsched.InvalidConfig: an unknown model or accelerator
+    else:
+        ms = 10.0 if args.sim_step_ms is None else args.sim_step_ms
+        if not 0 <= ms < float("inf"):
+            raise ValueError(f"--sim-step-ms: milliseconds >= 0, not {ms}")
+        step = ms / 1000.0
+    return {"sim_step_time": step, "sim_eos_rate": args.sim_eos_rate}
 
 
 def add_parsers(sub: Any) -> None:
@@ -208,8 +254,9 @@ def add_parsers(sub: Any) -> None:
     v.add_argument(
         "--model",
         default="smollm2",
-        help="smollm2 (SmolLM2-135M-Instruct), tiny (random weights, no tokenizer), the "
-        "path of a Llama-architecture GGUF file, or of a Hugging Face Llama model directory "
+        help="smollm2 (SmolLM2-135M-Instruct), gemma3-270m (Gemma 3 270M, a base model: "
+        "completions), tiny (random weights, no tokenizer), the "
+        "path of a Llama or Gemma 3 GGUF file, or of a Hugging Face Llama model directory "
         "(config.json, safetensors, tokenizer.json), served with its own tokenizer and chat "
         "template (default smollm2)",
     )
@@ -277,6 +324,20 @@ def add_parsers(sub: Any) -> None:
         "default reference",
     )  # fmt: skip
     v.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    v.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+                   help="overlapped scheduling: the host plans step N+1 while the device "
+                   "runs step N (default: on)")  # fmt: skip
+    sim = v.add_mutually_exclusive_group()
+    sim.add_argument("--sim-step-ms", type=float, metavar="MS",
+                     help="--model simulated: the device step time (milliseconds; "
+                     "default 10)")  # fmt: skip
+    sim.add_argument("--sim-step-cost", metavar="MODEL:ACCELERATOR",
+                     help="--model simulated: each step costs what kvsched's step-cost model "
+                     "charges its plan on this model and accelerator (e.g. llama-3-8b:h100), or "
+                     "as a step-cost file from `kvsched calibrate` says")  # fmt: skip
+    v.add_argument("--sim-eos-rate", type=float, default=0.0, metavar="P",
+                   help="--model simulated: the chance each token is the end of text "
+                   "(default 0: requests end at max_tokens or a stop)")  # fmt: skip
     v.add_argument("--read-timeout", type=float, default=30.0,
                    help="a request's head and body must arrive within this of its first "
                    "byte, else 408 (seconds; default 30)")  # fmt: skip

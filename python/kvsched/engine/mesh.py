@@ -34,6 +34,11 @@ LAYER_SPECS = {
     "w_gate": P(None, AXIS),
     "w_up": P(None, AXIS),
     "w_down": P(AXIS, None),
+    # Gemma 3's norms: per head (q, k) and of the residual stream, replicated.
+    "q_norm": P(),
+    "k_norm": P(),
+    "post_attn_norm": P(),
+    "post_mlp_norm": P(),
 }
 
 CACHE_SPEC = P(None, None, AXIS, None)  # one layer's cache [P, bs, 2*Hkv, D]

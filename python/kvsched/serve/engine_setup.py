@@ -23,6 +23,9 @@ class LoadedModel:
     # The model's own defaults for what a request leaves out (temperature, top_p,
     # top_k): a Hugging Face directory's generation_config.json; none for GGUF.
     sampling_defaults: dict[str, float] = field(default_factory=dict)
+    # A completion's text as the model reads it (a GGUF file's: BOS first where
+    # the file says so); None: the text's tokens alone.
+    encode_prompt: Callable[[str], list[int]] | None = None
 
 
 def load_model(
@@ -40,10 +43,19 @@ def load_model(
     dtype: str = "float32",
     block_size: int = 16,
     scheduler: dict[str, Any] | None = None,
+    overlap: bool = True,
+    sim_step_time: Any = 0.01,
+    sim_eos_rate: float = 0.0,
 ) -> LoadedModel:
     """A cold Engine for `kvsched serve`. `which`: "smollm2" (SmolLM2-135M-Instruct
-    from its GGUF file, fetched once into the cache), "tiny" (a random-weight
-    model with no tokenizer: completions by token ids only), or the path of a
+    from its GGUF file, fetched once into the cache), "gemma3-270m" (Gemma 3
+    270M, a base model: completions only, its sliding-window and global layers
+    in KV-cache groups; fetched once), "tiny" (a random-weight
+    model with no tokenizer: completions by token ids only), "simulated" (the
+    stand-in model of kvsched.engine.simulated: SmolLM2's tokenizer and chat
+    template, a device step that costs `sim_step_time`, seconds or a
+    kvsched.sim.StepCost, and tokens that walk a text, the end of text at
+    `sim_eos_rate`), or the path of a
     Llama-architecture GGUF file (its tokenizer, chat template and end-of-text
     token come from the file; served under the file's general.name, or its
     name without the extension, with its file name as an alias), or of a Hugging
@@ -54,20 +66,23 @@ def load_model(
     ("float32" or "bfloat16"). `scheduler`: SchedulerConfig knobs over the
     server's defaults (a tenants file's [scheduler] table); the server's
     defaults protect tier 0: preempt_lower_tiers on, the default ladder. A bad
-    choice is kvsched.InvalidConfig before anything loads."""
+    choice is kvsched.InvalidConfig before anything loads. `overlap`: overlapped
+    scheduling (Engine(overlap=...)), on by default."""
     from pathlib import Path
 
     import jax
 
+    from kvsched import model_files
     from kvsched.engine.model import LlamaConfig, init_params
     from kvsched.engine.runner import Engine
     from kvsched.engine.sharding import make_mesh
 
-    path = None if which in ("smollm2", "tiny") else Path(which)
+    fetched = which in ("smollm2", "gemma3-270m")
+    path = None if fetched or which in ("tiny", "simulated") else Path(which)
     if path is not None and not (path.is_file() or (path / "config.json").is_file()):
         raise kvsched.InvalidConfig(
-            f"--model: smollm2, tiny, the path of a GGUF file or of a Hugging Face model "
-            f"directory (with its config.json); {which!r} is none of them"
+            f"--model: smollm2, gemma3-270m, tiny, simulated, the path of a GGUF file or of a "
+            f"Hugging Face model directory (with its config.json); {which!r} is none of them"
         )
     if dtype not in ("float32", "bfloat16"):
         raise kvsched.InvalidConfig(f"--dtype: float32 or bfloat16, not {dtype!r}")
@@ -99,8 +114,17 @@ def load_model(
         knobs["long_prefill_chunk"] = min(knobs["max_batched_tokens"], 256)
     cfg = kvsched.SchedulerConfig(num_blocks=num_blocks, block_size=block_size,
                                   max_seq_len=max_seq_len, **knobs)  # fmt: skip
+    if which == "simulated":
+        from kvsched.engine.simulated import simulated_engine, smollm2_tokenizer
+
+        tok = smollm2_tokenizer()
+        sim = simulated_engine(cfg, sim_step_time, tokenizer=tok.tokenizer,
+                               eos_token_ids=tok.eos_token_ids, eos_rate=sim_eos_rate,
+                               max_logprobs=max_logprobs, seed=seed, overlap=overlap,
+                               model=tok.model)  # fmt: skip
+        return LoadedModel(sim, tok.model.name, (), tok.encode_chat)
     common: dict[str, Any] = {"backend": backend, "max_logprobs": max_logprobs, "seed": seed,
-                              "mesh": mesh, "pool": pool}  # fmt: skip
+                              "mesh": mesh, "pool": pool, "overlap": overlap}  # fmt: skip
     if which == "tiny":
         model = LlamaConfig(dtype=dtype)
         engine = Engine.create(model, init_params(model, seed=seed), cfg, **common)
@@ -114,11 +138,11 @@ def load_model(
         return LoadedModel(engine, hf.config.name, (),
                            hf.encode_chat if hf.chat_template else None,
                            dict(hf.sampling_defaults))  # fmt: skip
-    from kvsched import model_files
     from kvsched.engine.loaders.gguf_llama import load_gguf
 
     if path is None:  # named as its model card and this README name it, not by general.name
-        gg = load_gguf(model_files.fetch(), dtype=dtype, name=SMOLLM2_ID)
+        file = model_files.MODELS["smollm2-135m" if which == "smollm2" else which]
+        gg = load_gguf(model_files.fetch(file), dtype=dtype, name=file.model_name)
     else:
         gg = load_gguf(path, dtype=dtype)
     if path is not None and "general.name" not in gg.metadata:
@@ -126,11 +150,16 @@ def load_model(
     eos = () if gg.eos_token_id is None else (gg.eos_token_id,)
     engine = Engine.create(gg.config, gg.params, cfg, tokenizer=gg.tokenizer,
                            eos_token_ids=eos, **common)  # fmt: skip
-    if path is None:
-        return LoadedModel(engine, SMOLLM2_ID, ("smollm2",), gg.encode_chat)
-    aliases = tuple(dict.fromkeys(a for a in (path.name, path.stem) if a != gg.config.name))
     encode_chat = gg.encode_chat if gg.chat_template else None
-    return LoadedModel(engine, gg.config.name, aliases, encode_chat)
+    if which == "smollm2":
+        return LoadedModel(engine, SMOLLM2_ID, ("smollm2",), encode_chat,
+                           encode_prompt=gg.encode_prompt)  # fmt: skip
+    if path is None:
+        return LoadedModel(engine, gg.config.name, (which,), encode_chat,
+                           encode_prompt=gg.encode_prompt)  # fmt: skip
+    aliases = tuple(dict.fromkeys(a for a in (path.name, path.stem) if a != gg.config.name))
+    return LoadedModel(engine, gg.config.name, aliases, encode_chat,
+                       encode_prompt=gg.encode_prompt)  # fmt: skip
 
 
 def parse_end_at(value: str) -> float:

@@ -166,8 +166,10 @@ class OpenAIServer(ServerLifecycle):
     """The FastAPI app over one AsyncEngine and a tenant registry (see the module).
 
     `encode_chat(messages) -> token ids` renders the chat template (None: the chat
-    endpoint is refused, "no tokenizer"). `aliases` are other names clients may
-    give as `model`. `end_at` is a Unix time.
+    endpoint is refused, "no tokenizer"); `encode_prompt(text) -> token ids` a
+    completion's text as the model reads it (None: the text's tokens alone, no
+    BOS). `aliases` are other names clients may give as `model`. `end_at` is a
+    Unix time.
     """
 
     def __init__(
@@ -177,6 +179,7 @@ class OpenAIServer(ServerLifecycle):
         *,
         model_name: str,
         encode_chat: Callable[[list[dict[str, str]]], list[int]] | None = None,
+        encode_prompt: Callable[[str], list[int]] | None = None,
         aliases: Sequence[str] = (),
         max_body_bytes: int = MAX_BODY_BYTES,
         drain_seconds: float = 30.0,
@@ -192,6 +195,7 @@ class OpenAIServer(ServerLifecycle):
         self.model_name = model_name
         self.model_ids = {model_name, *aliases}
         self.encode_chat = encode_chat
+        self.encode_prompt = encode_prompt
         self.tokenizer = engine.tokenizer
         self.vocab_size = engine.engine.model.vocab_size
         self.max_body_bytes = max_body_bytes
@@ -434,7 +438,11 @@ class OpenAIServer(ServerLifecycle):
                 raise bad_request("prompt: this model has no tokenizer; give the prompt as "
                                   "a list of token ids", param="prompt",
                                   code="no_tokenizer")  # fmt: skip
-            ids = encode_text(self.tokenizer, prompt)  # the GIL released while it runs
+            # The GIL released while it runs (encode_prompt tokenizes alike).
+            if self.encode_prompt is not None:
+                ids = list(self.encode_prompt(prompt))
+            else:
+                ids = encode_text(self.tokenizer, prompt)
         else:
             ids = list(prompt)
             vocab = self.vocab_size
