@@ -1,0 +1,474 @@
+"""Does the device wait for the host? Overlapped scheduling measured with the
+stand-in model (kvsched.engine.simulated), side by side with it off.
+
+    python benches/overlap.py [--small] [--seqs 64,256,1024] [--step-ms 2,10,20]
+                              [--parts engine,serve] [--out overlap.json]
+    python benches/overlap.py --profile 1024:10 [--profile-steps 300]
+                              [--profiler cprofile|pyinstrument]
+
+(a) `engine`: a SimulatedEngine driven by its own loop, N sequences kept
+running (a request that ends is replaced at once), every request sampled
+(temperature 0.8, top_p 0.95) with a stop string, SmolLM2's tokenizer (text,
+detokenization, stop strings all on). (b) `serve`: `kvsched serve --model
+simulated` with N streaming chat clients driven from a process of their own
+(raw asyncio HTTP/1.1 and SSE, so the clients' own Python costs as little as
+it can on a shared machine), each sending its next request as one ends.
+
+Per cell (N sequences x device step x overlap on/off), over a window after
+the ramp (the device thread's own figures, `SimulatedDevice.stats()`, read
+in the engine's process; through /metrics for the server):
+
+- `device_idle`: 1 - device busy / wall.
+- `host_ms_per_step`: the engine loop's time outside waiting for the device,
+  per step ((wall - host blocked on the device) / steps).
+- `device_step_ms`: the device's mean step (the nominal step plus sleep's
+  overshoot).
+- serve only: client-side inter-token latency p50/p99 (between a stream's
+  consecutive token events inside the window), in ms and as a multiple of
+  the nominal step (`itl_p50_x`, `itl_p99_x`), and the tokens/s the clients
+  saw.
+
+`--small` (about a minute): 64 sequences, steps of 2 and 10 ms, both parts.
+JSON on stdout (and in --out); a table on stderr. `--profile N:MS` runs the
+engine loop (overlap on) under cProfile and prints where the host's time per
+step goes, the device wait left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+KEY = "sk-overlap-bench"
+STOP = ["\n\n"]
+QUESTIONS = [
+    "Tell me about the harbor in the morning.",
+    "What happens in the town in November?",
+    "Describe the festival in the square.",
+    "Who looks after the lighthouse now?",
+    "What does the baker on the corner do?",
+    "Write a short paragraph about the old quarter.",
+    "What can you see from the lighthouse gallery?",
+    "How do the fishermen start their day?",
+]
+SAMPLING = {"temperature": 0.8, "top_p": 0.95}
+MAX_TOKENS = (64, 256)  # each request's max_tokens, drawn uniformly
+MAX_SEQ_LEN = 512
+
+
+def scheduler_knobs(n: int) -> dict[str, Any]:
+    """Room for every sequence's decode and a few prefills each step."""
+    return {"max_num_seqs": n, "max_batched_tokens": n + 512, "max_waiting": n,
+            "long_prefill_chunk": 256}  # fmt: skip
+
+
+def window(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Idle share, host ms a step and the device's mean step over a window of
+    two SimulatedDevice.stats() reads."""
+    d = {k: after[k] - before[k] for k in before}
+    steps = max(d["steps"], 1.0)
+    return {
+        "device_idle": round(1.0 - d["busy_s"] / d["clock_s"], 4),
+        "host_ms_per_step": round(1000 * (d["clock_s"] - d["host_wait_s"]) / steps, 3),
+        "device_step_ms": round(1000 * d["busy_s"] / steps, 3),
+        "wall_ms_per_step": round(1000 * d["clock_s"] / steps, 3),
+        "steps": int(d["steps"]),
+        "wall_s": round(d["clock_s"], 3),
+    }
+
+
+# -- (a) the engine loop alone ---------------------------------------------------------
+
+
+def engine_cell(n: int, step_ms: float, overlap: bool, *, warm_steps: int, measure_steps: int,
+                seed: int = 0, profile: Any = None) -> dict[str, Any]:  # fmt: skip
+    import kvsched
+    from kvsched.engine.sampling import SamplingParams
+    from kvsched.engine.simulated import simulated_engine, smollm2_tokenizer
+
+    tok = smollm2_tokenizer()
+    assert tok.encode_chat is not None
+    prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
+    blocks = -(-MAX_SEQ_LEN // 16)
+    cfg = kvsched.SchedulerConfig(num_blocks=n * blocks + 1, block_size=16,
+                                  max_seq_len=MAX_SEQ_LEN, overhead_reserve=0.0,
+                                  **scheduler_knobs(n))  # fmt: skip
+    eng = simulated_engine(cfg, step_ms / 1000.0, tokenizer=tok.tokenizer,
+                           eos_token_ids=tok.eos_token_ids, model=tok.model, overlap=overlap,
+                           seed=seed)  # fmt: skip
+    eng.warmup(progress=False)
+    eng.scheduler.add_tenant(kvsched.TenantConfig("bench"))
+    rng = random.Random(seed)
+
+    def submit() -> None:
+        params = SamplingParams(
+            max_tokens=rng.randint(*MAX_TOKENS),
+            stop=tuple(STOP),
+            temperature=SAMPLING["temperature"],
+            top_p=SAMPLING["top_p"],
+        )
+        eng.submit("bench", rng.choice(prompts), params)
+
+    for _ in range(n):
+        submit()
+    ended = tokens = 0
+
+    def run(steps: int) -> None:
+        nonlocal ended, tokens
+        done = 0
+        while done < steps:
+            res = eng.step()
+            if res is None:
+                continue
+            done += res.plan is not None
+            for out in res.outputs:
+                tokens += len(out.token_ids)
+                if out.finished:
+                    ended += 1
+                    submit()
+
+    run(warm_steps)
+    ended = tokens = 0
+    before = eng.device.stats()
+    if profile is not None:
+        profile.enable()
+    run(measure_steps)
+    if profile is not None:
+        profile.disable()
+    after = eng.device.stats()
+    eng.close()
+    cell: dict[str, Any] = {"part": "engine", "seqs": n, "step_ms": step_ms, "overlap": overlap,
+            **window(before, after)}  # fmt: skip
+    cell["requests_ended"] = ended
+    cell["tokens_per_step"] = round(tokens / max(cell["steps"], 1), 1)
+    return cell
+
+
+# -- (b) through kvsched serve -----------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def start_server(n: int, step_ms: float, overlap: bool, workdir: Path) -> tuple[Any, str]:
+    toml = workdir / "tenants.toml"
+    toml.write_text(f'[[tenant]]\nname = "bench"\napi_key = "{KEY}"\n')
+    port = free_port()
+    knobs = scheduler_knobs(n)
+    cmd = [sys.executable, "-m", "kvsched", "serve", "--model", "simulated", "--tenants",
+           str(toml), "--port", str(port), "--sim-step-ms", str(step_ms),
+           "--max-seq-len", str(MAX_SEQ_LEN), "--max-num-seqs", str(n),
+           "--max-batched-tokens", str(knobs["max_batched_tokens"]),
+           "--max-waiting", str(n), "--max-connections", "0", "--drain-seconds", "0",
+           "--log-level", "warning", "--overlap" if overlap else "--no-overlap"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "python")}
+    proc = subprocess.Popen(cmd, cwd=workdir, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, env=env)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            err = proc.stderr.read().decode()[-2000:] if proc.stderr else ""
+            raise RuntimeError(f"kvsched serve exited: {err}")
+        try:
+            with urllib.request.urlopen(f"{url}/ready", timeout=2) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError("kvsched serve was not ready in 180 s")
+
+
+def serve_cell(n: int, step_ms: float, overlap: bool, *, warm_s: float,
+               measure_s: float) -> dict[str, Any]:  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, url = start_server(n, step_ms, overlap, Path(tmp))
+        try:
+            cmd = [sys.executable, __file__, "--client", url, "--clients", str(n),
+                   "--warm-s", str(warm_s), "--measure-s", str(measure_s)]  # fmt: skip
+            done = subprocess.run(cmd, capture_output=True, text=True,
+                                  timeout=warm_s + measure_s + 300)  # fmt: skip
+            if done.returncode != 0:
+                raise RuntimeError(f"the clients failed: {done.stderr[-3000:]}")
+            got = json.loads(done.stdout)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    cell: dict[str, Any] = {"part": "serve", "seqs": n, "step_ms": step_ms, "overlap": overlap,
+            **window(got["before"], got["after"])}  # fmt: skip
+    itl = sorted(got["gaps"])
+    cell["itl_p50_ms"] = round(1000 * percentile(itl, 50), 3)
+    cell["itl_p99_ms"] = round(1000 * percentile(itl, 99), 3)
+    cell["itl_p50_x"] = round(cell["itl_p50_ms"] / step_ms, 3)
+    cell["itl_p99_x"] = round(cell["itl_p99_ms"] / step_ms, 3)
+    cell["client_tokens_per_s"] = round(got["events"] / got["window_s"], 1)
+    cell["requests_ended"] = got["ended"]
+    cell["http_errors"] = got["errors"]
+    cell["client_cpu_s"] = got["cpu_s"]
+    return cell
+
+
+def percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    k = min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))
+    return xs[k]
+
+
+def scrape(url: str) -> dict[str, float]:
+    names = {"kvsched_sim_device_clock_seconds_total": "clock_s",
+             "kvsched_sim_device_busy_seconds_total": "busy_s",
+             "kvsched_sim_device_steps_total": "steps",
+             "kvsched_sim_host_wait_seconds_total": "host_wait_s"}  # fmt: skip
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in names:
+            out[names[name]] = float(value)
+    return out
+
+
+async def clients(url: str, n: int, warm_s: float, measure_s: float) -> dict[str, Any]:
+    """N streaming chat clients, each sending its next request as one ends;
+    the inter-token gaps seen inside the measurement window."""
+    host, port = url.removeprefix("http://").split(":")
+    rng = random.Random(1)
+    gaps: list[float] = []
+    stats = {"events": 0, "ended": 0, "errors": 0}
+    t_start = time.monotonic()
+    win = [t_start + warm_s, t_start + warm_s + measure_s]
+    stop = asyncio.Event()
+
+    async def one_client(k: int) -> None:
+        reader: asyncio.StreamReader | None = None
+        writer: asyncio.StreamWriter | None = None
+        while not stop.is_set():
+            if writer is None:
+                reader, writer = await asyncio.open_connection(host, int(port))
+            assert reader is not None
+            body = json.dumps({
+                "model": "simulated", "stream": True, "stop": STOP,
+                "max_tokens": rng.randint(*MAX_TOKENS),
+                "messages": [{"role": "user", "content": rng.choice(QUESTIONS)}], **SAMPLING,
+            }).encode()  # fmt: skip
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\n"
+                         b"Authorization: Bearer " + KEY.encode() + b"\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: "
+                         + str(len(body)).encode() + b"\r\n\r\n" + body)  # fmt: skip
+            status = await reader.readline()
+            chunked, length = False, 0
+            while (line := await reader.readline()) not in (b"\r\n", b""):
+                low = line.lower()
+                chunked |= low.startswith(b"transfer-encoding:") and b"chunked" in low
+                if low.startswith(b"content-length:"):
+                    length = int(low.split(b":")[1])
+            if b" 200 " not in status:
+                stats["errors"] += 1
+                if length:
+                    await reader.readexactly(length)
+                await asyncio.sleep(0.05)
+                continue
+            buf, last = b"", None
+            while True:
+                size = int((await reader.readline()).strip() or b"0", 16)
+                if size == 0:
+                    await reader.readline()
+                    break
+                buf += (await reader.readexactly(size + 2))[:-2]
+                while b"\n\n" in buf:
+                    event, buf = buf.split(b"\n\n", 1)
+                    now = time.monotonic()
+                    if b'"delta":{"content":' in event and b'"finish_reason":null' in event:
+                        if last is not None and win[0] <= last and now <= win[1]:
+                            gaps.append(now - last)
+                        if win[0] <= now <= win[1]:
+                            stats["events"] += 1
+                        last = now
+                    elif b'"finish_reason":"' in event and win[0] <= now <= win[1]:
+                        stats["ended"] += 1
+            if not chunked:
+                writer.close()
+                writer = None
+        if writer is not None:
+            writer.close()
+
+    tasks = [asyncio.create_task(one_client(k)) for k in range(n)]
+    loop = asyncio.get_running_loop()
+    await asyncio.sleep(max(0.0, win[0] - time.monotonic()))
+    before = await loop.run_in_executor(None, scrape, url)
+    t0 = time.monotonic()
+    await asyncio.sleep(max(0.0, win[1] - time.monotonic()))
+    after = await loop.run_in_executor(None, scrape, url)
+    t1 = time.monotonic()
+    win[1] = t1  # gaps recorded up to the second scrape
+    stop.set()
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return {"gaps": gaps, "before": before, "after": after, "window_s": t1 - t0,
+            "cpu_s": round(time.process_time(), 2), **stats}  # fmt: skip
+
+
+# -- profile ---------------------------------------------------------------------------------
+
+
+class _Pyinstrument:
+    """pyinstrument's sampling profiler with cProfile's enable/disable."""
+
+    def __init__(self) -> None:
+        from pyinstrument import Profiler
+
+        self.profiler = Profiler(interval=0.0002)
+
+    def enable(self) -> None:
+        self.profiler.start()
+
+    def disable(self) -> None:
+        self.profiler.stop()
+
+
+def profile(n: int, step_ms: float, steps: int, tool: str = "cprofile") -> dict[str, Any]:
+    """The engine loop (overlap on) under a profiler: cProfile (each
+    function's own and cumulative time per step, the device wait left out;
+    its overhead inflates Python-heavy code about twofold) or pyinstrument
+    (sampling, little overhead: the call tree as text)."""
+    import cProfile
+    import pstats
+
+    prof: Any = cProfile.Profile() if tool == "cprofile" else _Pyinstrument()
+    cell = engine_cell(n, step_ms, True, warm_steps=60, measure_steps=steps, profile=prof)
+    if tool != "cprofile":
+        text = prof.profiler.output_text(unicode=False, color=False, show_all=False)
+        return {"cell": cell, "tool": "pyinstrument", "tree": text}
+    st = pstats.Stats(prof)
+    rows = []
+    total = 0.0
+    waits = ("wait", "_count_wait", "acquire", "sleep")  # the host blocked on the device
+    for (file, line, func), (_cc, nc, tt, ct, _callers) in st.stats.items():  # type: ignore[attr-defined]
+        name = f"{Path(file).name}:{line}({func})" if line else func
+        if func in waits or "sleep" in func or "'wait'" in func or "'acquire'" in func:
+            continue
+        total += tt
+        rows.append({"function": name, "calls_per_step": round(nc / steps, 2),
+                     "own_ms_per_step": round(1000 * tt / steps, 4),
+                     "cum_ms_per_step": round(1000 * ct / steps, 4)})  # fmt: skip
+    rows.sort(key=lambda r: -r["own_ms_per_step"])
+    return {"cell": cell, "tool": "cprofile",
+            "profiled_host_ms_per_step": round(1000 * total / steps, 3), "top_own": rows[:40],
+            "top_cumulative": sorted(rows, key=lambda r: -r["cum_ms_per_step"])[:40]}  # fmt: skip
+
+
+# -- main ------------------------------------------------------------------------------------
+
+
+def table(cells: list[dict[str, Any]]) -> str:
+    head = (f"{'part':6} {'seqs':>5} {'step':>5} {'overlap':>7} {'idle':>7} {'host ms':>8} "
+            f"{'dev ms':>7} {'ITL p50':>8} {'ITL p99':>8} {'tok/s':>8}")  # fmt: skip
+    lines = [head]
+    for c in cells:
+        itl = (f"{c['itl_p50_x']:>7.2f}x {c['itl_p99_x']:>7.2f}x {c['client_tokens_per_s']:>8.0f}"
+               if c["part"] == "serve" else f"{'':>8} {'':>8} {'':>8}")  # fmt: skip
+        lines.append(f"{c['part']:6} {c['seqs']:>5} {c['step_ms']:>5g} "
+                     f"{'on' if c['overlap'] else 'off':>7} {c['device_idle']:>7.1%} "
+                     f"{c['host_ms_per_step']:>8.2f} {c['device_step_ms']:>7.2f} "
+                     f"{itl}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--small", action="store_true", help="64 sequences, 2 and 10 ms: ~1 minute")
+    ap.add_argument("--seqs", default="64,256,1024", help="running sequences (comma-separated)")
+    ap.add_argument("--step-ms", default="2,10,20", help="device steps (ms, comma-separated)")
+    ap.add_argument("--parts", default="engine,serve", help="engine, serve or both")
+    ap.add_argument("--overlap", default="on,off", help="on, off or both")
+    ap.add_argument("--measure-steps", type=int, help="engine: steps measured (default 300)")
+    ap.add_argument("--warm-s", type=float, help="serve: seconds before the window (default 4)")
+    ap.add_argument("--measure-s", type=float, help="serve: the window (seconds; default 6)")
+    ap.add_argument("--out", help="also write the JSON here")
+    ap.add_argument("--profile", metavar="N:MS", help="profile the engine loop instead")
+    ap.add_argument("--profile-steps", type=int, default=300)
+    ap.add_argument("--profiler", choices=["cprofile", "pyinstrument"], default="cprofile")
+    # The client process of a serve cell (internal).
+    ap.add_argument("--client", help=argparse.SUPPRESS)
+    ap.add_argument("--clients", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if args.client:
+        got = asyncio.run(clients(args.client, args.clients, args.warm_s, args.measure_s))
+        print(json.dumps(got))
+        return 0
+    if args.profile:
+        n, ms = args.profile.split(":")
+        out = profile(int(n), float(ms), args.profile_steps, args.profiler)
+        print(out["tree"] if "tree" in out else json.dumps(out, indent=1))
+        if args.out:
+            Path(args.out).write_text(json.dumps(out, indent=1))
+        return 0
+    if args.small:
+        seqs, steps = [64], [2.0, 10.0]
+        measure_steps, warm_s, measure_s = args.measure_steps or 150, 2.0, 3.0
+    else:
+        seqs = [int(x) for x in args.seqs.split(",")]
+        steps = [float(x) for x in args.step_ms.split(",")]
+        measure_steps = args.measure_steps or 300
+        warm_s, measure_s = 4.0, 6.0
+    warm_s = args.warm_s if args.warm_s is not None else warm_s
+    measure_s = args.measure_s if args.measure_s is not None else measure_s
+    overlaps = [o == "on" for o in args.overlap.split(",")]
+    parts = args.parts.split(",")
+    meta = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count(),
+            "loadavg_before": os.getloadavg(), "small": args.small,
+            "measure_steps": measure_steps, "warm_s": warm_s, "measure_s": measure_s}  # fmt: skip
+    cells = []
+    for part in parts:
+        for n in seqs:
+            for ms in steps:
+                for ov in overlaps:
+                    load = os.getloadavg()[0]
+                    if part == "engine":
+                        warm = max(40, 3 * -(-n * 40 // (n + 512)))
+                        cell = engine_cell(n, ms, ov, warm_steps=warm, measure_steps=measure_steps)
+                    else:
+                        cell = serve_cell(n, ms, ov, warm_s=warm_s, measure_s=measure_s)
+                    cell["loadavg_1m"] = round(load, 2)
+                    cells.append(cell)
+                    print(table([cell]).splitlines()[1], file=sys.stderr, flush=True)
+    meta["loadavg_after"] = os.getloadavg()
+    out = {"meta": meta, "cells": cells}
+    print(table(cells), file=sys.stderr)
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())
