@@ -81,8 +81,9 @@ def load_model(
     path = None if fetched or which in ("tiny", "simulated") else Path(which)
     if path is not None and not (path.is_file() or (path / "config.json").is_file()):
         raise kvsched.InvalidConfig(
-            f"--model: smollm2, gemma3-270m, tiny, simulated, the path of a GGUF file or of a "
-            f"Hugging Face model directory (with its config.json); {which!r} is none of them"
+            f"--model: smollm2, gemma3-270m, tiny, the path of a GGUF file or of a Hugging "
+            f"Face model directory (with its config.json), or simulated (a stand-in); {which!r} "
+            "is none of them"
         )
     if dtype not in ("float32", "bfloat16"):
         raise kvsched.InvalidConfig(f"--dtype: float32 or bfloat16, not {dtype!r}")
