@@ -255,7 +255,8 @@ def add_parsers(sub: Any) -> None:
         "--model",
         default="smollm2",
         help="smollm2 (SmolLM2-135M-Instruct), gemma3-270m (Gemma 3 270M, a base model: "
-        "completions), tiny (random weights, no tokenizer), the "
+        "completions), tiny (random weights, no tokenizer), simulated (a stand-in for load "
+        "tests: SmolLM2's tokenizer, a device step that costs --sim-step-ms), the "
         "path of a Llama or Gemma 3 GGUF file, or of a Hugging Face Llama model directory "
         "(config.json, safetensors, tokenizer.json), served with its own tokenizer and chat "
         "template (default smollm2)",
