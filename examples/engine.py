@@ -1,7 +1,7 @@
 """The example engine: SmolLM2-135M-Instruct served to three tenants through
 kvsched, on CPU by default.
 
-    python examples/engine.py [--model smollm2|tiny] [--backend reference|pallas|jax]
+    python examples/engine.py [--model smollm2|gemma3|tiny] [--backend reference|pallas|jax]
                               [--device cpu|tpu|gpu] [--requests N] [--seconds S]
                               [--seed S] [--quiet]
 
@@ -19,7 +19,11 @@ refused and why, time to first token and inter-token time (p50/p99), output
 tokens/s and the share of prompt tokens served from the prefix cache.
 
 `--model tiny` serves a small random-weight model instead (no download; the
-tokens are meaningless, the scheduling and the timings are real).
+tokens are meaningless, the scheduling and the timings are real). `--model
+gemma3` serves Gemma 3 270M (fetched once, like SmolLM2: `kvsched fetch-model
+gemma3-270m`), a base model whose sliding-window and global layers are kept
+in KV-cache groups: the same tenants, their requests written as text for it to
+continue.
 """
 
 from __future__ import annotations
@@ -132,12 +136,13 @@ def build_model(
     from kvsched import model_files
     from kvsched.engine.loaders.gguf_llama import load_gguf
 
+    file = model_files.GEMMA3_270M if args.model == "gemma3" else model_files.SMOLLM2_135M
     try:
-        path = model_files.fetch(quiet=args.quiet)
+        path = model_files.fetch(file, quiet=args.quiet)
     except model_files.ModelFetchError as e:
         sys.exit(f"cannot fetch the model: {e}\n(`--model tiny` runs a random model offline)")
     t0 = time.perf_counter()
-    gg = load_gguf(path, name=model_files.SMOLLM2_135M.model_name)
+    gg = load_gguf(path, name=file.model_name)
     say(f"loaded {path.name} in {time.perf_counter() - t0:.1f} s: {gg.config.n_layers} layers, "
         f"{gg.config.n_heads}/{gg.config.n_kv_heads} heads of {gg.config.head_dim}, vocab "
         f"{gg.config.vocab_size}")  # fmt: skip
@@ -156,6 +161,8 @@ def make_request(
         if name == "chat":
             prompt = TINY_SYSTEM + prompt
         return prompt, SamplingParams(max_tokens=int(rng.integers(olo, ohi))), ""
+    if gg.chat_template is None:  # a base model: the same asks, as text to continue
+        return base_model_request(name, rng, gg)
     if name == "chat":
         q = QUESTIONS[int(rng.integers(len(QUESTIONS)))]
         msgs = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}]
@@ -171,12 +178,34 @@ def make_request(
     return gg.encode_chat(msgs), params, f"a poem about {topic}"
 
 
+def base_model_request(
+    name: str, rng: np.random.Generator, gg: GGUFModel
+) -> tuple[list[int], SamplingParams, str]:
+    """`make_request` for a model without a chat template (Gemma 3 270M): the
+    asks written as text it continues, each stopped at the end of its line."""
+    from kvsched.engine.sampling import SamplingParams
+
+    if name == "chat":
+        q = QUESTIONS[int(rng.integers(len(QUESTIONS)))]
+        text = f"{SYSTEM_PROMPT}\n\nQuestion: {q}\nAnswer:"
+        return gg.encode_prompt(text), SamplingParams(max_tokens=48, stop=("\n",)), q
+    if name == "digest":
+        p = PARAGRAPHS[int(rng.integers(len(PARAGRAPHS)))]
+        text = f"{p}\n\nIn one sentence, that paragraph says that"
+        return gg.encode_prompt(text), SamplingParams(max_tokens=40, stop=("\n",)), p[:60] + "..."
+    topic = TOPICS[int(rng.integers(len(TOPICS)))]
+    params = SamplingParams(max_tokens=96, temperature=0.8, top_p=0.95,
+                            seed=int(rng.integers(1 << 31)))  # fmt: skip
+    return gg.encode_prompt(f"A short poem about {topic}:\n"), params, f"a poem about {topic}"
+
+
 def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
+    ap.add_argument("--model", choices=["smollm2", "gemma3", "tiny"], default="smollm2")
     ap.add_argument("--backend", choices=["reference", "pallas", "jax"], default="reference")
     ap.add_argument("--device", choices=["cpu", "tpu", "gpu"], default="cpu")
-    ap.add_argument("--requests", type=int, default=None, help="24 (smollm2) or 120 (tiny)")
+    ap.add_argument("--requests", type=int, default=None,
+                    help="24 (smollm2, gemma3) or 120 (tiny)")  # fmt: skip
     ap.add_argument("--seconds", type=float, default=None, help="arrivals spread over this")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--show", type=int, default=3, help="completions to print")
@@ -211,13 +240,17 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     engine = Engine.create(
         model, params, sched_config, backend=args.backend,
         tokenizer=None if gg is None else gg.tokenizer,
-        eos_token_ids=() if gg is None else (gg.eos_token_id,),
+        eos_token_ids=() if gg is None or gg.eos_token_id is None else (gg.eos_token_id,),
     )  # fmt: skip
     sched = engine.scheduler
     sz = engine.sizing
     assert sz is not None  # Engine.create sizes the pool
     say(f"model {model.name} (weights {engine.checksum}), {args.backend} attention "
         f"({engine.attention_kernel}) on {args.device}")  # fmt: skip
+    groups = sched.config.kv_cache_groups
+    if len(groups) > 1:
+        say(f"KV-cache groups: {len(groups)} of {engine.group_layout.layers_per_group} layers "
+            f"({', '.join(dict.fromkeys(groups))})")  # fmt: skip
     say(
         f"KV pool: {sched.config.num_blocks - 1} pages of {sched.config.block_size} tokens "
         f"({sz.source}"

@@ -102,6 +102,27 @@ def test_the_main_job_serves_the_real_model_in_real_text_and_prints_what_the_rea
 
 
 @pytest.mark.slow
+@pytest.mark.gemma
+def test_the_main_job_serves_gemma3_in_kv_cache_groups():
+    """`python examples/engine.py --model gemma3`: Gemma 3 270M, its window and
+    global layers in KV-cache groups, answers every tenant in real text."""
+    import pytest
+
+    pytest.importorskip("jax")
+    pytest.importorskip("gguf")
+    from gemma3_helpers import gemma3_270m
+
+    gemma3_270m()  # skips with the reason when the model cannot be fetched
+    table = load("engine").main(["--model", "gemma3", "--requests", "6", "--quiet"])
+    run = table.pop("_run")
+    ended = sum(row["finished"] + sum(row["rejected"].values()) for row in table.values())
+    assert ended == 6 and run["programs_after"] == run["programs"]
+    # Real text: most answers are several words (a short answer is one).
+    texts = [t for t in run["texts"].values() if len(t.split()) >= 3]
+    assert len(texts) >= 4, run["texts"]
+
+
+@pytest.mark.slow
 def test_the_gpu_check_script_runs_its_checks_in_the_interpreter(capsys):
     import pytest
 
