@@ -55,6 +55,7 @@ impl NameMemo {
     /// `start` (no token absorbed yet): remembered ones while the tokens agree
     /// with the entry of `start`, hashed (and remembered) from the first that
     /// does not. Lazy: a caller that stops early names nothing more.
+    #[inline]
     pub fn names<'a>(
         &'a mut self,
         start: BlockChain,

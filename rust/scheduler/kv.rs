@@ -611,10 +611,17 @@ impl Scheduler {
         let r = self.requests.get_mut(slab);
         let tid = r.tenant;
         let pages = std::mem::take(&mut r.pages);
-        let extra = match (self.kv.hybrid(), r.groups.as_mut()) {
-            (true, Some(g)) => g.take_pages(),
-            _ => Vec::new(),
-        };
+        if !self.kv.hybrid() {
+            if !pages.is_empty() {
+                self.drop_pages(tid, &pages);
+            }
+            return !pages.is_empty();
+        }
+        let extra = r
+            .groups
+            .as_mut()
+            .map(|g| g.take_pages())
+            .unwrap_or_default();
         if !pages.is_empty() {
             self.drop_pages(tid, &pages);
         }

@@ -264,7 +264,13 @@ impl Scheduler {
         let final_len = prompt.len() + max_tokens;
         let capacity = Capacity {
             final_blocks: self.kv.reserve_for(final_len, chunk),
-            prompt_blocks: self.kv.reserve_for(prompt.len(), chunk),
+            // Over-commit reserves the prompt's and a watermark (reserve mode
+            // never reads it).
+            prompt_blocks: if self.config.admission.preempts_for_pages() {
+                self.kv.reserve_for(prompt.len(), chunk)
+            } else {
+                0
+            },
             shed_tier,
             reject_fast_would_wait: effects.reject_fast && !spared && self.would_wait(tid),
             shed_retry_after: self.ladder.config().retry_after_s,
