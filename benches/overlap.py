@@ -25,8 +25,10 @@ in the engine's process; through /metrics for the server):
   overshoot).
 - serve only: client-side inter-token latency p50/p99 (between a stream's
   consecutive token events inside the window), in ms and as a multiple of
-  the nominal step (`itl_p50_x`, `itl_p99_x`), and the tokens/s the clients
-  saw.
+  the nominal step (`itl_p50_x`, `itl_p99_x`), the tokens/s the clients
+  saw, and the sequences running at the window's start and end (the window
+  opens once 95% of the clients' requests run, or after RAMP_S: a server
+  that cannot keep N running is measured as it is).
 
 `--small` (about a minute): 64 sequences, steps of 2 and 10 ms, both parts.
 JSON on stdout (and in --out); a table on stderr. `--profile N:MS` runs the
@@ -67,6 +69,7 @@ QUESTIONS = [
 SAMPLING = {"temperature": 0.8, "top_p": 0.95}
 MAX_TOKENS = (64, 256)  # each request's max_tokens, drawn uniformly
 MAX_SEQ_LEN = 512
+RAMP_S = 20.0  # serve: the longest ramp waited for before measuring
 
 
 def scheduler_knobs(n: int) -> dict[str, Any]:
@@ -150,8 +153,8 @@ def engine_cell(n: int, step_ms: float, overlap: bool, *, warm_steps: int, measu
         profile.disable()
     after = eng.device.stats()
     eng.close()
-    cell: dict[str, Any] = {"part": "engine", "seqs": n, "step_ms": step_ms, "overlap": overlap,
-            **window(before, after)}  # fmt: skip
+    cell: dict[str, Any] = {"part": "engine", "seqs": n, "step_ms": step_ms, "overlap": overlap}
+    cell.update(window(before, after))
     cell["requests_ended"] = ended
     cell["tokens_per_step"] = round(tokens / max(cell["steps"], 1), 1)
     return cell
@@ -200,8 +203,10 @@ def start_server(n: int, step_ms: float, overlap: bool, workdir: Path) -> tuple[
 
 def serve_cell(n: int, step_ms: float, overlap: bool, *, warm_s: float,
                measure_s: float) -> dict[str, Any]:  # fmt: skip
+    t_start = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         proc, url = start_server(n, step_ms, overlap, Path(tmp))
+        t_ready = time.monotonic()
         try:
             cmd = [sys.executable, __file__, "--client", url, "--clients", str(n),
                    "--warm-s", str(warm_s), "--measure-s", str(measure_s)]  # fmt: skip
@@ -217,8 +222,12 @@ def serve_cell(n: int, step_ms: float, overlap: bool, *, warm_s: float,
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-    cell: dict[str, Any] = {"part": "serve", "seqs": n, "step_ms": step_ms, "overlap": overlap,
-            **window(got["before"], got["after"])}  # fmt: skip
+    running = (got["before"].pop("running"), got["after"].pop("running"))
+    waiting = (got["before"].pop("waiting"), got["after"].pop("waiting"))
+    cell: dict[str, Any] = {"part": "serve", "seqs": n, "step_ms": step_ms, "overlap": overlap}
+    cell.update(window(got["before"], got["after"]))
+    cell["running"], cell["waiting"] = running, waiting  # at the window's start and end
+    cell["ramp_s"], cell["server_start_s"] = got["ramp_s"], round(t_ready - t_start, 1)
     itl = sorted(got["gaps"])
     cell["itl_p50_ms"] = round(1000 * percentile(itl, 50), 3)
     cell["itl_p99_ms"] = round(1000 * percentile(itl, 99), 3)
@@ -242,7 +251,8 @@ def scrape(url: str) -> dict[str, float]:
     names = {"kvsched_sim_device_clock_seconds_total": "clock_s",
              "kvsched_sim_device_busy_seconds_total": "busy_s",
              "kvsched_sim_device_steps_total": "steps",
-             "kvsched_sim_host_wait_seconds_total": "host_wait_s"}  # fmt: skip
+             "kvsched_sim_host_wait_seconds_total": "host_wait_s",
+             "kvsched_running": "running", "kvsched_waiting": "waiting"}  # fmt: skip
     with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
         text = r.read().decode()
     out = {}
@@ -261,7 +271,7 @@ async def clients(url: str, n: int, warm_s: float, measure_s: float) -> dict[str
     gaps: list[float] = []
     stats = {"events": 0, "ended": 0, "errors": 0}
     t_start = time.monotonic()
-    win = [t_start + warm_s, t_start + warm_s + measure_s]
+    win = [float("inf"), float("inf")]  # the measurement window, once the ramp is over
     stop = asyncio.Event()
 
     async def one_client(k: int) -> None:
@@ -319,10 +329,18 @@ async def clients(url: str, n: int, warm_s: float, measure_s: float) -> dict[str
 
     tasks = [asyncio.create_task(one_client(k)) for k in range(n)]
     loop = asyncio.get_running_loop()
-    await asyncio.sleep(max(0.0, win[0] - time.monotonic()))
+    # The ramp: at least warm_s, until nearly every client's request runs
+    # (or RAMP_S: a server that cannot keep N running is measured as it is).
+    while True:
+        await asyncio.sleep(0.5)
+        st = await loop.run_in_executor(None, scrape, url)
+        elapsed = time.monotonic() - t_start
+        if elapsed >= RAMP_S or (elapsed >= warm_s and st["running"] >= 0.95 * n):
+            break
     before = await loop.run_in_executor(None, scrape, url)
-    t0 = time.monotonic()
-    await asyncio.sleep(max(0.0, win[1] - time.monotonic()))
+    t0 = win[0] = time.monotonic()
+    win[1] = t0 + measure_s
+    await asyncio.sleep(measure_s)
     after = await loop.run_in_executor(None, scrape, url)
     t1 = time.monotonic()
     win[1] = t1  # gaps recorded up to the second scrape
@@ -331,7 +349,8 @@ async def clients(url: str, n: int, warm_s: float, measure_s: float) -> dict[str
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     return {"gaps": gaps, "before": before, "after": after, "window_s": t1 - t0,
-            "cpu_s": round(time.process_time(), 2), **stats}  # fmt: skip
+            "ramp_s": round(t0 - t_start, 2), "cpu_s": round(time.process_time(), 2),
+            **stats}  # fmt: skip
 
 
 # -- profile ---------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ COMMON = {"part", "seqs", "step_ms", "overlap", "device_idle", "host_ms_per_step
           "device_step_ms", "wall_ms_per_step", "steps", "wall_s", "requests_ended",
           "loadavg_1m"}  # fmt: skip
 SERVE = {"itl_p50_ms", "itl_p99_ms", "itl_p50_x", "itl_p99_x", "client_tokens_per_s",
-         "http_errors", "client_cpu_s"}  # fmt: skip
+         "http_errors", "client_cpu_s", "running", "waiting", "ramp_s"}  # fmt: skip
 
 
 def test_the_small_benchmark_runs_and_overlap_idles_the_device_less(tmp_path):
@@ -50,7 +50,9 @@ def test_the_small_benchmark_runs_and_overlap_idles_the_device_less(tmp_path):
         want = COMMON | (SERVE if c["part"] == "serve" else set())
         assert want <= set(c), want - set(c)
         assert 0.0 <= c["device_idle"] <= 1.0 and c["host_ms_per_step"] > 0 and c["steps"] > 0
-        assert c["device_step_ms"] == pytest.approx(c["step_ms"], rel=0.01)
+        # Busy time over steps ended: the step running at either end of the
+        # window counts in part, so within a step over the window's steps.
+        assert c["device_step_ms"] == pytest.approx(c["step_ms"], rel=0.05)
     for c in serve:
         assert c["http_errors"] == 0 and c["client_tokens_per_s"] > 0
         assert 0 < c["itl_p50_ms"] <= c["itl_p99_ms"]
