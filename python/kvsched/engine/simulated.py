@@ -3,14 +3,14 @@ only costs time.
 
 `SimulatedEngine` is an `Engine` (the real scheduler, the real sampling
 batches, output processing, detokenization, stop strings and overlapped
-scheduling) whose jitted model step is replaced by `SimulatedDevice`: one
-background thread that runs the dispatched steps in order, each taking its
-step time in `time.sleep` (which releases the GIL, as a real accelerator
-leaves the host's core alone), then hands back plausible tokens. Dispatch
-returns at once; the step's outputs are `DeviceArray`s that block when
-converted (`np.asarray`) until the step is done, as a jax array does. So
-overlap behaves as on a device: the host plans step N + 1 while N runs and
-blocks at N's resolve.
+scheduling) whose jitted model step is replaced by `SimulatedDevice`: a
+timeline of steps run in order, each for its step time, that hands back
+plausible tokens. Dispatch returns at once; the step's outputs are
+`DeviceArray`s that block when converted (`np.asarray`) until the step is
+over, sleeping (`time.sleep` releases the GIL, as a host blocked on an
+accelerator leaves its core alone), as a jax array does. So overlap behaves
+as on a device: the host plans step N + 1 while N runs and blocks at N's
+resolve.
 
 - **Step time**: fixed seconds, or a `kvsched.sim.StepCost` (a preset such as
   `StepCost.preset("llama-3-8b", "h100")`, or a calibrated file) that charges
@@ -42,10 +42,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import queue
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -263,38 +261,44 @@ class _Job:
     greedy: npt.NDArray[np.bool_]
     logprobs: bool  # some row asked for top-n logprobs
     prev: Any  # the previous step's sampled tokens (a DeviceArray) or a host array
-    pending: _Pending
 
 
 class _Pending:
-    """A dispatched step: its outputs once computed, and when the device's
-    timeline finishes it (`end`, time.perf_counter())."""
+    """A dispatched step: when the device's timeline finishes it (`end`,
+    time.perf_counter()), and its outputs once read."""
 
-    __slots__ = ("device", "done", "end", "error", "result")
+    __slots__ = ("device", "end", "job", "lock", "result")
 
-    def __init__(self, device: SimulatedDevice, end: float) -> None:
-        self.device = device
-        self.end = end
-        self.done = threading.Event()
-        self.result: tuple[npt.NDArray[Any], ...] = ()
-        self.error: BaseException | None = None
+    def __init__(self, device: SimulatedDevice, end: float, job: _Job) -> None:
+        self.device, self.end = device, end
+        self.job: _Job | None = job  # dropped once its outputs are made
+        self.lock = threading.Lock()
+        self.result: tuple[npt.NDArray[Any], ...] | None = None
 
     def ready(self) -> bool:
-        return self.done.is_set() and time.perf_counter() >= self.end
+        return time.perf_counter() >= self.end
 
     def wait(self) -> tuple[npt.NDArray[Any], ...]:
-        """The outputs, blocking (the GIL released) until the step is done on
-        the device's timeline; the host's wait is counted."""
-        if not self.ready():
-            t0 = time.perf_counter()
-            self.done.wait()
-            left = self.end - time.perf_counter()
-            if left > 0:
-                time.sleep(left)
-            self.device._count_wait(time.perf_counter() - t0)
-        if self.error is not None:
-            raise RuntimeError("the simulated device failed a step") from self.error
-        return self.result
+        """The outputs, blocking (the GIL released) until the step is over on
+        the device's timeline; the host's wait is counted, and so is the
+        making of the tokens (the device's work, not the host's)."""
+        if self.result is not None:
+            return self.result
+        t0 = time.perf_counter()
+        out = self.outputs()
+        self.device._count_wait(time.perf_counter() - t0)
+        return out
+
+    def outputs(self) -> tuple[npt.NDArray[Any], ...]:
+        """Sleep until the step's end, then make its outputs (once)."""
+        with self.lock:
+            if self.result is None:
+                left = self.end - time.perf_counter()
+                if left > 0:
+                    time.sleep(left)
+                assert self.job is not None
+                self.result, self.job = self.device._compute(self.job), None
+            return self.result
 
 
 class DeviceArray:
@@ -319,12 +323,9 @@ class DeviceArray:
         return self
 
     def _value(self) -> npt.NDArray[Any]:
-        """On the device thread: the computed value (steps are computed in
-        order, so it is there), no wait counted."""
-        self._pending.done.wait()
-        if self._pending.error is not None:
-            raise RuntimeError("the previous step failed") from self._pending.error
-        return self._pending.result[self._index]
+        """For the next step's placeholders: the value, its wait counted by
+        the caller's."""
+        return self._pending.outputs()[self._index]
 
 
 class SimulatedDevice:
@@ -333,14 +334,14 @@ class SimulatedDevice:
     Its timeline is kept in time.perf_counter() seconds: a step dispatched
     while the device is busy starts when the one before it ends, one
     dispatched to an idle device starts at once, and each lasts its step
-    time. A host that converts a step's output before the step's end sleeps
-    until then (the GIL released, as a host blocked on an accelerator).
-    The tokens are computed on one background thread, in dispatch order.
-    The timeline is what the device would do, not when a thread of this
-    process gets the GIL back: a thread that slept through each step would
-    finish late whenever the host's Python held the GIL (up to
-    sys.getswitchinterval(), 5 ms, a step), and would count the host's
-    lateness as device time. `max_seqs`, `max_logprobs`: the outputs' shapes."""
+    time. The host that converts a step's output sleeps until the step's end
+    (the GIL released, as a host blocked on an accelerator), then makes the
+    step's tokens (a few numpy operations, counted as the device's work).
+    No thread of its own: the timeline says what the device would do, where
+    a thread sleeping through each step would finish late whenever the
+    host's Python held the GIL (up to sys.getswitchinterval(), 5 ms, a step),
+    count that lateness as device time, and add a GIL handoff to every
+    step. `max_seqs`, `max_logprobs`: the outputs' shapes."""
 
     def __init__(
         self,
@@ -353,7 +354,6 @@ class SimulatedDevice:
         self.step_time = step_time
         self._seconds = _step_seconds(step_time)
         self.max_seqs, self.max_logprobs = max_seqs, max_logprobs
-        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._t0 = time.perf_counter()
         # (start, end) of the steps not yet over; those over are summed.
@@ -363,10 +363,6 @@ class SimulatedDevice:
         self._steps_done = 0
         self.host_wait_s = 0.0  # host seconds blocked on a step's outputs
         self.dispatched = 0
-        self._error: BaseException | None = None
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="kvsched-sim-device", daemon=True)
-        self._thread.start()
 
     def stats(self) -> dict[str, float]:
         """`clock_s` (the device's clock: seconds since it started), `busy_s`
@@ -386,12 +382,6 @@ class SimulatedDevice:
             return {"clock_s": now - self._t0, "busy_s": busy, "steps": float(self._steps_done),
                     "host_wait_s": self.host_wait_s}  # fmt: skip
 
-    def close(self) -> None:
-        """Stop the thread once the steps queued are computed."""
-        if not self._closed:
-            self._closed = True
-            self._queue.put(None)
-
     def _count_wait(self, seconds: float) -> None:
         with self._lock:
             self.host_wait_s += seconds
@@ -399,45 +389,31 @@ class SimulatedDevice:
     def dispatch(
         self, inputs: StepInputs[HostArray], batch: SamplingBatch, prev: Any
     ) -> tuple[DeviceArray, ...]:
-        """Queue one step; its outputs (tokens, logprob, top_ids, top_logprobs,
-        finite), each blocking when converted until the step is done."""
-        if self._error is not None:
-            raise RuntimeError("the simulated device failed a step") from self._error
-        if self._closed:
-            raise RuntimeError("the simulated device is closed")
+        """Put one step on the timeline; its outputs (tokens, logprob, top_ids,
+        top_logprobs, finite), each blocking when converted until the step
+        is over."""
         n = int(inputs.num_seqs[0])
         cu = inputs.cu_q_lens
         seconds = self._seconds(int(cu[n]), inputs.kv_lens[:n], np.diff(cu[: n + 1]))
+        rows = inputs.logits_indices[:n]
+        job = _Job(
+            n=n, last=inputs.token_ids[rows].astype(np.int64),
+            positions=batch.positions[:n].astype(np.int64),
+            seeds=(batch.seeds[:n, 0].astype(np.uint64) << _U64(32)) | batch.seeds[:n, 1],
+            greedy=(batch.temperature[:n] < GREEDY_EPS) | (batch.top_k[:n] == 1),
+            logprobs=batch.max_logprobs > 0, prev=prev,
+        )  # fmt: skip
         with self._lock:
             now = time.perf_counter()
             start = max(now, self._last_end)
             self._last_end = end = start + seconds
             self._timeline.append((start, end))
             self.dispatched += 1
-        pending = _Pending(self, end)
-        rows = inputs.logits_indices[:n]
-        self._queue.put(_Job(
-            n=n, last=inputs.token_ids[rows].astype(np.int64),
-            positions=batch.positions[:n].astype(np.int64),
-            seeds=(batch.seeds[:n, 0].astype(np.uint64) << _U64(32)) | batch.seeds[:n, 1],
-            greedy=(batch.temperature[:n] < GREEDY_EPS) | (batch.top_k[:n] == 1),
-            logprobs=batch.max_logprobs > 0, prev=prev, pending=pending,
-        ))  # fmt: skip
+        pending = _Pending(self, end, job)
         s, k = self.max_seqs, self.max_logprobs
         shapes = (((s,), np.int32), ((s,), np.float32), ((s, k), np.int32),
                   ((s, k), np.float32), ((s,), np.bool_))  # fmt: skip
         return tuple(DeviceArray(pending, i, sh, dt) for i, (sh, dt) in enumerate(shapes))
-
-    def _run(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            try:
-                job.pending.result = self._compute(job)
-            except BaseException as e:  # noqa: BLE001 - the host hears of it at resolve
-                self._error = job.pending.error = e
-            job.pending.done.set()
 
     def _compute(self, job: _Job) -> tuple[npt.NDArray[Any], ...]:
         s, k = self.max_seqs, self.max_logprobs
@@ -538,7 +514,6 @@ class SimulatedEngine(Engine):
         walk = TokenWalk(ids, vocab, eos_token_id=eos, eos_rate=eos_rate)
         self.step_time, self.eos_rate = step_time, eos_rate
         self.device = SimulatedDevice(walk, step_time, max_seqs, max_logprobs)
-        weakref.finalize(self, self.device.close)
         digest = hashlib.sha256(ids.tobytes())
         digest.update(f"{describe_step_time(step_time)}|{eos_rate}|{eos}".encode())
         self.checksum = "sim-" + digest.hexdigest()[:12]
@@ -568,8 +543,8 @@ class SimulatedEngine(Engine):
         return time.perf_counter() - t0
 
     def close(self) -> None:
-        """Stop the device thread (also done when the engine is collected)."""
-        self.device.close()
+        """Nothing to release (no thread, no device memory): for code written
+        against a real device's engine."""
 
 
 def _corpus_ids(
