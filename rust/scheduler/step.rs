@@ -80,7 +80,7 @@ impl Scheduler {
         self.accept_now(now)?;
         if self.pending.is_some() {
             return Err(KvError::StalePlan(
-                "the previous plan was not committed; commit (or advance) it first".into(),
+                "the previous plan was not committed; commit it first (or advance it)".into(),
             ));
         }
         if let Some(last) = self.last_step_at {

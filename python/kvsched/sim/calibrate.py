@@ -199,7 +199,9 @@ class Bench:
         )  # fmt: skip
         sched = kvsched.Scheduler(cfg)
         sched.add_tenant(kvsched.TenantConfig(self.TENANT))
-        self.engine: Engine = Engine(model, params, sched, backend=backend, kv_dtype=kv_dtype)
+        # One step at a time, each timed whole: not overlapped with the next.
+        self.engine: Engine = Engine(model, params, sched, backend=backend, kv_dtype=kv_dtype,
+                                     overlap=False)  # fmt: skip
         self.steps_per_point = steps_per_point
         self.shape = model_shape(model, params)  # what a step's KV read is counted on
         self.rng = np.random.default_rng(seed)

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from kvsched.engine.loaders import model_file
-from kvsched.engine.loaders.gguf_llama import GGUFModel, _dequantize, _field, read_metadata
+from kvsched.engine.loaders.gguf_file import GGUFModel, _dequantize, _field, read_metadata
 from kvsched.engine.model import Params, check_weight, make_params
 from kvsched.engine.model_config import Gemma3Config, UnsupportedConfig
 
