@@ -15,12 +15,12 @@ import pytest
 pytest.importorskip("jax")
 
 import kvsched  # noqa: E402
+from kvsched.cli.serve import parse_step_time  # noqa: E402
 from kvsched.engine.inputs import StepInputs  # noqa: E402
 from kvsched.engine.sampling import SamplingBatch, SamplingParams  # noqa: E402
 from kvsched.engine.simulated import (  # noqa: E402
     SimulatedEngine,
     TokenWalk,
-    parse_step_time,
     simulated_engine,
 )
 

@@ -8,8 +8,41 @@ import time
 from pathlib import Path
 from typing import Any
 
+import kvsched
+
 # OpenAI's sampling defaults, named here without importing the server (FastAPI).
 OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+
+
+def parse_step_time(spec: str) -> Any:
+    """A step time from the command line: milliseconds ("10", "2.5ms"), a cost
+    model preset "MODEL:ACCELERATOR" (kvsched.shapes' names, e.g.
+    "llama-3-8b:h100"), or the path of a step-cost file (`kvsched calibrate`).
+    kvsched.InvalidConfig for anything else."""
+    from pathlib import Path
+
+    from kvsched.shapes import ACCELERATORS, MODELS
+    from kvsched.sim.simulator import StepCost
+
+    text = spec.strip()
+    ms = text[:-2] if text.endswith("ms") else text
+    try:
+        value = float(ms)
+    except ValueError:
+        pass
+    else:
+        if not value >= 0 or value == float("inf"):
+            raise kvsched.InvalidConfig(f"step time: milliseconds >= 0, not {spec!r}")
+        return value / 1000.0
+    if Path(text).is_file():
+        return StepCost.load(text)
+    model, sep, acc = text.rpartition(":")
+    if not sep or model not in MODELS or acc not in ACCELERATORS:
+        raise kvsched.InvalidConfig(
+            f"step cost {spec!r}: MODEL:ACCELERATOR (models {', '.join(MODELS)}; accelerators "
+            f"{', '.join(ACCELERATORS)}) or the path of a step-cost file"
+        )
+    return StepCost.preset(model, acc)
 
 
 def cmd_fetch_model(args: argparse.Namespace) -> int:
@@ -215,7 +248,6 @@ def _simulated_options(args: argparse.Namespace) -> dict[str, Any]:
     """load_model's options for --model simulated (none for another model)."""
     if args.model != "simulated":
         return {}
-    from kvsched.engine.simulated import parse_step_time
 
     if args.sim_step_cost is not None:
         spec = args.sim_step_cost

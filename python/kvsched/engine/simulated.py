@@ -67,7 +67,6 @@ __all__ = [
     "SimulatedEngine",
     "SimulatedTokenizer",
     "TokenWalk",
-    "parse_step_time",
     "simulated_engine",
     "smollm2_tokenizer",
 ]
@@ -184,37 +183,6 @@ class TokenWalk:
         ids = ((tokens.astype(np.int64)[:, None] + 7919 * k) % self.vocab_size).astype(np.int32)
         top = (lp[:, None] - 0.75 * k).astype(np.float32)
         return lp, ids, top
-
-
-def parse_step_time(spec: str) -> StepTime:
-    """A step time from the command line: milliseconds ("10", "2.5ms"), a cost
-    model preset "MODEL:ACCELERATOR" (kvsched.shapes' names, e.g.
-    "llama-3-8b:h100"), or the path of a step-cost file (`kvsched calibrate`).
-    kvsched.InvalidConfig for anything else."""
-    from pathlib import Path
-
-    from kvsched.shapes import ACCELERATORS, MODELS
-    from kvsched.sim.simulator import StepCost
-
-    text = spec.strip()
-    ms = text[:-2] if text.endswith("ms") else text
-    try:
-        value = float(ms)
-    except ValueError:
-        pass
-    else:
-        if not value >= 0 or value == float("inf"):
-            raise kvsched.InvalidConfig(f"step time: milliseconds >= 0, not {spec!r}")
-        return value / 1000.0
-    if Path(text).is_file():
-        return StepCost.load(text)
-    model, sep, acc = text.rpartition(":")
-    if not sep or model not in MODELS or acc not in ACCELERATORS:
-        raise kvsched.InvalidConfig(
-            f"step cost {spec!r}: MODEL:ACCELERATOR (models {', '.join(MODELS)}; accelerators "
-            f"{', '.join(ACCELERATORS)}) or the path of a step-cost file"
-        )
-    return StepCost.preset(model, acc)
 
 
 def _step_seconds(step_time: StepTime) -> Callable[[int, HostArray, HostArray], float]:
