@@ -113,13 +113,13 @@ def test_the_main_job_serves_gemma3_in_kv_cache_groups():
     from gemma3_helpers import gemma3_270m
 
     gemma3_270m()  # skips with the reason when the model cannot be fetched
-    table = load("engine").main(["--model", "gemma3", "--requests", "6", "--quiet"])
+    table = load("engine").main(["--model", "gemma3", "--requests", "4", "--quiet"])
     run = table.pop("_run")
     ended = sum(row["finished"] + sum(row["rejected"].values()) for row in table.values())
-    assert ended == 6 and run["programs_after"] == run["programs"]
+    assert ended == 4 and run["programs_after"] == run["programs"]
     # Real text: most answers are several words (a short answer is one).
     texts = [t for t in run["texts"].values() if len(t.split()) >= 3]
-    assert len(texts) >= 4, run["texts"]
+    assert len(texts) >= 3, run["texts"]
 
 
 @pytest.mark.slow
