@@ -51,7 +51,7 @@ class IncrementalDetokenizer:
             ctx = []  # the prompt ends mid-character: its context would not be a prefix
         self._ids: list[int] = ctx  # the window: context ids, then ids not yet final
         self._read = len(ctx)  # window ids before this are emitted (the context)
-        self._context_text = self._decode(ctx)
+        self._context_text: str | None = self._decode(ctx)
         self._held_out = 0  # chars past the context text already emitted from this window
         self.num_tokens = 0  # generated ids pushed so far
 
@@ -62,37 +62,71 @@ class IncrementalDetokenizer:
 
     def push(self, token_ids: int | Iterable[int]) -> str:
         """Append generated ids; return the text that is now final."""
+        if not self.extend(token_ids):
+            return ""
+        delta = self.take(self._decode(self._ids))
+        if self.needs_context:
+            self.set_context(self._decode(self._ids))
+        return delta
+
+    # `push` in three steps, so that a caller with many streams decodes all their
+    # windows in one call (a tokenizer's decode_batch): `extend`, then `take` the
+    # decoded `window`, then, where `needs_context`, `set_context` to the decoded
+    # `window` again.
+
+    def extend(self, token_ids: int | Iterable[int]) -> bool:
+        """Append generated ids without decoding; whether any came."""
         # (int is named for mypy, which does not count it an Integral; numpy ints are)
         ids = (token_ids,) if isinstance(token_ids, (int, Integral)) else token_ids
         before = len(self._ids)
         self._ids.extend(int(t) for t in ids)
         self.num_tokens += len(self._ids) - before
-        if len(self._ids) == before:
-            return ""
-        text = self._decode(self._ids)
+        return len(self._ids) > before
+
+    @property
+    def window(self) -> list[int]:
+        """The ids to decode for `take` (and for `set_context`)."""
+        return self._ids
+
+    def take(self, text: str) -> str:
+        """The final text of `window` decoded as `text`."""
         if text.endswith(REPLACEMENT):
             # Emit what precedes the trailing U+FFFD run: bytes after a complete
             # character cannot change how it decodes. Offsets stay put.
             return self._emit(text.rstrip(REPLACEMENT), advance=False)
         return self._emit(text, advance=True)
 
+    @property
+    def needs_context(self) -> bool:
+        """Whether the window moved on and its context's text must be set
+        (`set_context` with the decoded `window`)."""
+        return self._context_text is None
+
+    def set_context(self, text: str) -> None:
+        self._context_text = text
+
     def flush(self) -> str:
         """The end of generation: emit anything held back, invalid bytes as U+FFFD."""
         if self._read >= len(self._ids):
             return ""
-        return self._emit(self._decode(self._ids), advance=True)
+        delta = self._emit(self._decode(self._ids), advance=True)
+        self.set_context(self._decode(self._ids))
+        return delta
 
     def _emit(self, text: str, *, advance: bool) -> str:
-        start = len(self._context_text) + self._held_out
-        if not text.startswith(self._context_text):
+        context = self._context_text
+        assert context is not None, "set_context first"
+        start = len(context) + self._held_out
+        if not text.startswith(context):
             start = len(text)  # a decoder that rewrote its context: emit nothing, not junk
         delta = text[start:]
         if advance:
             # The old read point becomes the window's start: the text up to it ended
-            # in a complete character, so it is a character boundary.
+            # in a complete character, so it is a character boundary. Its text (the
+            # next context) is decoded by the caller (`set_context`).
             del self._ids[: self._read]
             self._read = len(self._ids)
-            self._context_text = self._decode(self._ids)
+            self._context_text = None
             self._held_out = 0
         else:
             self._held_out += len(delta)
@@ -116,6 +150,9 @@ class StopStringMatcher:
             raise ValueError("stop strings must be non-empty")
         self.stops = tuple(dict.fromkeys(stops))
         self._longest = max((len(s) for s in self.stops), default=0)
+        # Every proper prefix of a stop: a held-back tail is the longest suffix
+        # of the text found here (a set lookup per length, not a scan of stops).
+        self._prefixes = {s[:k] for s in self.stops for k in range(1, len(s))}
         self._buf = ""
         self.matched: str | None = None  # the stop that matched, once one has
 
@@ -143,9 +180,9 @@ class StopStringMatcher:
 
     def _partial_len(self, buf: str) -> int:
         """The longest suffix of buf that is a proper prefix of some stop."""
+        prefixes = self._prefixes
         for k in range(min(len(buf), self._longest - 1), 0, -1):
-            tail = buf[-k:]
-            if any(s.startswith(tail) for s in self.stops):
+            if buf[-k:] in prefixes:
                 return k
         return 0
 

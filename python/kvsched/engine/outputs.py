@@ -152,11 +152,31 @@ class OutputProcessor:
         ends = {f.request_id: f for f in finished}
         lp: Logprobs | None = None
         outputs, stopped_here = [], []
+        # First every row's new ids, so that all the windows decode in one call
+        # (a tokenizers.Tokenizer's decode_batch) instead of one call each.
+        served: list[tuple[int, int, RequestState, kvsched.FinishedRequest | None]] = []
+        windows: list[tuple[int, IncrementalDetokenizer]] = []
         for rid, tok in zip(request_ids, tokens, strict=True):
             state = self._states.get(rid)
             if state is None:
                 continue
             state.generated += 1
+            fin = ends.get(rid)
+            served.append((rid, tok, state, fin))
+            detok = state.detok
+            # A stop token is not part of the text (OpenAI's convention).
+            if detok is not None and detok.extend(() if _stop_token(fin) else (tok,)):
+                windows.append((rid, detok))
+        deltas: dict[int, str] = {}
+        moved = []
+        for (rid, detok), text in zip(windows, self._decode([d.window for _, d in windows]),
+                                      strict=True):  # fmt: skip
+            deltas[rid] = detok.take(text)
+            if detok.needs_context:
+                moved.append(detok)
+        for detok, text in zip(moved, self._decode([d.window for d in moved]), strict=True):
+            detok.set_context(text)
+        for rid, tok, state, fin in served:
             token_logprobs = None
             if state.params.logprobs is not None:
                 if lp is None:
@@ -164,8 +184,7 @@ class OutputProcessor:
                 row, n = rows[rid], state.params.logprobs
                 top = list(zip(lp[1][row, :n].tolist(), lp[2][row, :n].tolist(), strict=True))
                 token_logprobs = [TokenLogprob(tok, float(lp[0][row]), top)]
-            fin = ends.get(rid)
-            text, stopped = self._text(state, tok, fin)
+            text, stopped = self._text(state, deltas.get(rid, ""), fin)
             out = RequestOutput(rid, [tok], text, token_logprobs, prompt_tokens=state.prompt_len,
                                 completion_tokens=state.generated)  # fmt: skip
             if stopped and fin is None:
@@ -177,16 +196,25 @@ class OutputProcessor:
             outputs.append(out)
         return outputs, stopped_here
 
+    def _decode(self, windows: list[list[int]]) -> list[str]:
+        """The text of each window, decoded in one call."""
+        if not windows:
+            return []
+        batch = getattr(self.tokenizer, "decode_batch", None)
+        if batch is None:  # a decoder of one text at a time (see TokenDecoder)
+            return [self.tokenizer.decode(w, skip_special_tokens=True) for w in windows]
+        texts: list[str] = batch(windows, skip_special_tokens=True)
+        return texts
+
     @staticmethod
     def _text(
-        state: RequestState, tok: int, fin: kvsched.FinishedRequest | None
+        state: RequestState, delta: str, fin: kvsched.FinishedRequest | None
     ) -> tuple[str, bool]:
-        """The new text of one token, and whether it matched a stop string."""
+        """The new text of one token (its detokenized `delta`, the rest flushed
+        when it ends), and whether it matched a stop string."""
         if state.detok is None:
             return "", False
-        # A stop token is not part of the text (OpenAI's convention).
-        stop_token = fin is not None and fin.reason == "stop"
-        text = state.detok.push([] if stop_token else [tok])
+        text = delta
         if fin is not None:
             text += state.detok.flush()
         stopped = False
@@ -195,3 +223,8 @@ class OutputProcessor:
             if fin is not None and not stopped:
                 text += state.stops.flush()
         return text, stopped
+
+
+def _stop_token(fin: kvsched.FinishedRequest | None) -> bool:
+    """Whether the request's last token ended it as a stop token."""
+    return fin is not None and fin.reason == "stop"

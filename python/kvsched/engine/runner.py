@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, overload
 
 import jax
 import jax.numpy as jnp
@@ -77,6 +77,26 @@ class StepResult:
     # id -> why; the core's terminal event says "error" with the same words),
     # also those submitted to the scheduler directly.
     errors: dict[int, str] = field(default_factory=dict)
+
+
+class _MixedSeeds(Sequence[int]):
+    """The default seed of each row (`mix_seed` of the engine's seed and the
+    row's request id), computed only for the rows that read it."""
+
+    def __init__(self, seed: int, request_ids: list[int]) -> None:
+        self.seed, self.request_ids = seed, request_ids
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[int]: ...
+    def __getitem__(self, i: int | slice) -> int | Sequence[int]:
+        if isinstance(i, slice):
+            return [mix_seed(self.seed, r) for r in self.request_ids[i]]
+        return mix_seed(self.seed, self.request_ids[i])
 
 
 class _Outputs(NamedTuple):
@@ -358,7 +378,7 @@ class Engine:
     def _sampling_batch(self, plan: kvsched.StepPlan) -> SamplingBatch:
         rids = plan.request_ids.tolist()
         params = [self.outputs.params(r) or self._default for r in rids]
-        seeds = [mix_seed(self.seed, r) for r in rids]
+        seeds = _MixedSeeds(self.seed, rids)  # mixed only for the rows that draw without one
         return SamplingBatch.build(params, plan.kv_lens[: len(rids)], len(plan.kv_lens), seeds)
 
     def _run(self, inputs: StepInputs[HostArray], batch: SamplingBatch) -> Sampled:
