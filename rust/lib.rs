@@ -17,6 +17,7 @@ mod prefetch;
 pub mod prefix;
 pub mod scheduler;
 pub mod tenant;
+pub mod text;
 
 #[cfg(feature = "python")]
 mod py;

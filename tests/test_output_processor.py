@@ -29,6 +29,19 @@ def tok() -> Tokenizer:
     return t
 
 
+@pytest.fixture(params=[True, False], ids=["core_text", "python_text"])
+def processor(request, tok):
+    """An OutputProcessor over `tok`, with text and stop strings in the core's
+    TextStreams or in the per-request Python detokenizer: both must behave alike."""
+
+    def make() -> OutputProcessor:
+        p = OutputProcessor(tok, native_text=request.param)
+        assert p.native_text == request.param
+        return p
+
+    return make
+
+
 @dataclass
 class Ended:
     """What the processor reads of a kvsched.FinishedRequest."""
@@ -47,8 +60,8 @@ def no_logprobs():
     raise AssertionError("nobody asked for logprobs")
 
 
-def test_tokens_become_text_and_a_stop_string_is_handed_back_to_the_engine(tok):
-    p = OutputProcessor(tok)
+def test_tokens_become_text_and_a_stop_string_is_handed_back_to_the_engine(tok, processor):
+    p = processor()
     p.add(1, SamplingParams(max_tokens=50, stop=("The end",)), ids(tok, "hi"))
     p.add(2, SamplingParams(max_tokens=50), ids(tok, "hi"))
     answer = ids(tok, "hello world. The end. more")
@@ -68,8 +81,8 @@ def test_tokens_become_text_and_a_stop_string_is_handed_back_to_the_engine(tok):
     assert p.endings([Ended(1, "stop")]) == []
 
 
-def test_endings_carry_the_cores_reason_and_the_engines_error(tok):
-    p = OutputProcessor(tok)
+def test_endings_carry_the_cores_reason_and_the_engines_error(tok, processor):
+    p = processor()
     for rid in (1, 2, 3):
         p.add(rid, SamplingParams(max_tokens=5), ids(tok, "hi"))
     outs = p.endings([Ended(1, "error", error="logits were not finite"),
@@ -83,8 +96,8 @@ def test_endings_carry_the_cores_reason_and_the_engines_error(tok):
     assert len(p) == 0
 
 
-def test_a_stop_token_is_not_text_and_logprobs_are_read_once_when_asked(tok):
-    p = OutputProcessor(tok)
+def test_a_stop_token_is_not_text_and_logprobs_are_read_once_when_asked(tok, processor):
+    p = processor()
     p.add(1, SamplingParams(max_tokens=5, logprobs=2), ids(tok, "hi"))
     p.add(2, SamplingParams(max_tokens=5), ids(tok, "hi"))
     calls = []

@@ -27,6 +27,7 @@ __all__ = [
     "Scheduler",
     "StepEvents",
     "StepPlan",
+    "TextStreams",
     "KvSchedError",
     "Rejected",
     "InvalidRequest",
@@ -975,3 +976,39 @@ class StepEvents:
     @property
     def preempted(self) -> list[int]:
         """Request ids preempted (and queued again) by this step."""
+
+@final
+class TextStreams:
+    """Many requests' streaming text over one tokenizer's table of token bytes:
+    token `t` is `data[offsets[t]:offsets[t + 1]]`; `byte_tokens`: the
+    SentencePiece byte-fallback tokens (`<0xHH>`, one byte each: a run of them
+    decodes as one, its bytes if valid UTF-8, else one U+FFFD per byte);
+    `skipped`: the special tokens decode skips (no bytes; a run goes on
+    through them). Raises InvalidConfig on a table that is not one. Each
+    step's tokens for every row in one `push`; text never splits a character,
+    and stop strings end a stream without showing. For tokenizers whose decode
+    is their tokens' bytes joined (kvsched.engine.token_bytes builds and checks
+    the table)."""
+
+    def __new__(
+        cls, data: bytes, offsets: list[int], byte_tokens: list[int] = ..., skipped: list[int] = ...
+    ) -> TextStreams: ...
+    @property
+    def vocab_size(self) -> int:
+        """Tokens in the table."""
+    def __len__(self) -> int: ...
+    def __contains__(self, request_id: int) -> bool: ...
+    def add(self, request_id: int, stops: list[str] = ...) -> None:
+        """Open request `request_id`'s stream with its stop strings. Raises
+        InvalidRequest on an empty stop or a stream it has already."""
+    def push(
+        self, request_ids: list[int], tokens: list[int], last: list[bool]
+    ) -> tuple[list[str], list[bool]]:
+        """One step: row `i` is request `request_ids[i]` getting `tokens[i]` (a
+        negative token: one with no text, a stop token); `last[i]`: its final
+        token (all held text comes out, the stream closes). Returns each row's
+        text and whether a stop string ended it (its stream closed); a row
+        whose request has no stream gets "" and False."""
+    def finish(self, request_id: int) -> str | None:
+        """Close a stream whose request ended without a token; returns the text a
+        possible stop held back (None: no such stream)."""

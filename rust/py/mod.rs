@@ -5,7 +5,7 @@
 //! table); ladder.rs: ladder rungs in and out; pool.rs: BlockPool;
 //! scheduler.rs: the Scheduler's methods; plan.rs: the plan buffers and
 //! StepPlan; events.rs: StepEvents, FinishedRequest, event dicts; stats.rs:
-//! the stats and pressure dicts; checkpoint.rs: checkpoint records (the file
+//! the stats and pressure dicts; text.rs: TextStreams; checkpoint.rs: checkpoint records (the file
 //! is kvsched/checkpoint.py's); errors.rs: the exceptions.
 //!
 //! Each class is `frozen` with a Mutex inside, so several Python threads can
@@ -23,6 +23,7 @@ mod plan;
 mod pool;
 mod scheduler;
 mod stats;
+mod text;
 
 use std::borrow::Cow;
 use std::sync::Mutex;
@@ -206,6 +207,8 @@ mod core_module {
     use super::pool::PyBlockPool;
     #[pymodule_export]
     use super::scheduler::PyScheduler;
+    #[pymodule_export]
+    use super::text::PyTextStreams;
 
     use pyo3::prelude::*;
 

@@ -22,6 +22,7 @@ import numpy.typing as npt
 
 import kvsched
 from kvsched.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from kvsched.engine.token_bytes import text_streams
 
 if TYPE_CHECKING:
     from kvsched.engine.sampling import SamplingParams
@@ -69,6 +70,7 @@ class RequestState:
     detok: IncrementalDetokenizer | None
     stops: StopStringMatcher | None
     generated: int = 0
+    native: bool = False  # text and stop strings in the processor's TextStreams
 
 
 # The sampler's logprob outputs for a step's rows, on the host: the chosen
@@ -81,9 +83,20 @@ class OutputProcessor:
     module). `tokenizer`: a tokenizers.Tokenizer, or None (outputs then carry
     token ids and no text)."""
 
-    def __init__(self, tokenizer: Any = None) -> None:
+    def __init__(self, tokenizer: Any = None, *, native_text: bool = True) -> None:
         self.tokenizer = tokenizer
         self._states: dict[int, RequestState] = {}
+        # The core's text streams (every row's text and stop strings in one
+        # call a step) where the tokenizer decodes as its tokens' bytes joined
+        # (kvsched.engine.token_bytes); else a Python detokenizer per request.
+        self._streams: kvsched._core.TextStreams | None = None
+        if tokenizer is not None and native_text:
+            self._streams = text_streams(tokenizer)
+
+    @property
+    def native_text(self) -> bool:
+        """Whether text and stop strings run in the core (`TextStreams`)."""
+        return self._streams is not None
 
     def __contains__(self, request_id: int) -> bool:
         return request_id in self._states
@@ -98,6 +111,10 @@ class OutputProcessor:
 
     def add(self, request_id: int, params: SamplingParams, prompt: Sequence[int]) -> None:
         """Start serving an admitted request."""
+        if self._streams is not None:
+            self._streams.add(request_id, list(params.stop or ()))
+            self._states[request_id] = RequestState(params, len(prompt), None, None, native=True)
+            return
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, list(prompt))
@@ -118,7 +135,11 @@ class OutputProcessor:
         state = self._states.pop(request_id, None)
         if state is None:
             return None
-        text = state.stops.flush() if state.stops is not None else ""
+        if state.native:
+            assert self._streams is not None
+            text = self._streams.finish(request_id) or ""
+        else:
+            text = state.stops.flush() if state.stops is not None else ""
         return RequestOutput(request_id, [], text, None, True, reason, state.prompt_len,
                              state.generated, error=error, retry_after=retry_after)  # fmt: skip
 
@@ -152,19 +173,50 @@ class OutputProcessor:
         ends = {f.request_id: f for f in finished}
         lp: Logprobs | None = None
         outputs, stopped_here = [], []
-        # First every row's new ids, so that all the windows decode in one call
-        # (a tokenizers.Tokenizer's decode_batch) instead of one call each.
         served: list[tuple[int, int, RequestState, kvsched.FinishedRequest | None]] = []
-        windows: list[tuple[int, IncrementalDetokenizer]] = []
         for rid, tok in zip(request_ids, tokens, strict=True):
             state = self._states.get(rid)
             if state is None:
                 continue
             state.generated += 1
-            fin = ends.get(rid)
-            served.append((rid, tok, state, fin))
+            served.append((rid, tok, state, ends.get(rid)))
+        texts, stops = self._texts(served)
+        for (rid, tok, state, fin), text, stopped in zip(served, texts, stops, strict=True):
+            token_logprobs = None
+            if state.params.logprobs is not None:
+                if lp is None:
+                    lp = logprobs()
+                row, n = rows[rid], state.params.logprobs
+                top = list(zip(lp[1][row, :n].tolist(), lp[2][row, :n].tolist(), strict=True))
+                token_logprobs = [TokenLogprob(tok, float(lp[0][row]), top)]
+            out = RequestOutput(rid, [tok], text, token_logprobs, prompt_tokens=state.prompt_len,
+                                completion_tokens=state.generated)  # fmt: skip
+            if stopped and fin is None:
+                stopped_here.append(rid)  # the core's event for it arrives later, skipped
+            if stopped or fin is not None:
+                out.finished = True
+                out.finish_reason = "stop" if stopped or fin is None else fin.reason
+                del self._states[rid]
+            outputs.append(out)
+        return outputs, stopped_here
+
+    def _texts(
+        self, served: list[tuple[int, int, RequestState, kvsched.FinishedRequest | None]]
+    ) -> tuple[list[str], list[bool]]:
+        """Each served row's new text and whether a stop string ended it. A
+        stop token is not part of the text (OpenAI's convention)."""
+        if self._streams is not None:
+            # Every row in one call to the core.
+            return self._streams.push(
+                [rid for rid, _, _, _ in served],
+                [-1 if _stop_token(fin) else tok for _, tok, _, fin in served],
+                [fin is not None for _, _, _, fin in served],
+            )
+        # First every row's new ids, so that all the windows decode in one call
+        # (a tokenizers.Tokenizer's decode_batch) instead of one call each.
+        windows: list[tuple[int, IncrementalDetokenizer]] = []
+        for rid, tok, state, fin in served:
             detok = state.detok
-            # A stop token is not part of the text (OpenAI's convention).
             if detok is not None and detok.extend(() if _stop_token(fin) else (tok,)):
                 windows.append((rid, detok))
         deltas: dict[int, str] = {}
@@ -176,25 +228,12 @@ class OutputProcessor:
                 moved.append(detok)
         for detok, text in zip(moved, self._decode([d.window for d in moved]), strict=True):
             detok.set_context(text)
-        for rid, tok, state, fin in served:
-            token_logprobs = None
-            if state.params.logprobs is not None:
-                if lp is None:
-                    lp = logprobs()
-                row, n = rows[rid], state.params.logprobs
-                top = list(zip(lp[1][row, :n].tolist(), lp[2][row, :n].tolist(), strict=True))
-                token_logprobs = [TokenLogprob(tok, float(lp[0][row]), top)]
+        texts, stops = [], []
+        for rid, _, state, fin in served:
             text, stopped = self._text(state, deltas.get(rid, ""), fin)
-            out = RequestOutput(rid, [tok], text, token_logprobs, prompt_tokens=state.prompt_len,
-                                completion_tokens=state.generated)  # fmt: skip
-            if stopped and fin is None:
-                stopped_here.append(rid)  # the core's event for it arrives later, skipped
-            if stopped or fin is not None:
-                out.finished = True
-                out.finish_reason = "stop" if stopped or fin is None else fin.reason
-                del self._states[rid]
-            outputs.append(out)
-        return outputs, stopped_here
+            texts.append(text)
+            stops.append(stopped)
+        return texts, stops
 
     def _decode(self, windows: list[list[int]]) -> list[str]:
         """The text of each window, decoded in one call."""
