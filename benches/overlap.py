@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import random
@@ -113,6 +114,8 @@ def engine_cell(n: int, step_ms: float, overlap: bool, *, warm_steps: int, measu
                            eos_token_ids=tok.eos_token_ids, model=tok.model, overlap=overlap,
                            seed=seed)  # fmt: skip
     eng.warmup(progress=False)
+    gc.collect()
+    gc.freeze()  # what kvsched serve does once warm (serve/lifecycle.py)
     eng.scheduler.add_tenant(kvsched.TenantConfig("bench"))
     rng = random.Random(seed)
 
@@ -429,8 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small", action="store_true", help="64 sequences, 2 and 10 ms: ~1 minute")
     ap.add_argument("--seqs", default="64,256,1024", help="running sequences (comma-separated)")
     ap.add_argument("--step-ms", default="2,10,20", help="device steps (ms, comma-separated)")
-    ap.add_argument("--parts", default="engine,serve", help="engine, serve or both")
-    ap.add_argument("--overlap", default="on,off", help="on, off or both")
+    ap.add_argument("--parts", default="engine,serve", help="engine, serve or engine,serve")
+    ap.add_argument("--overlap", default="on,off", help="on, off or on,off (both)")
     ap.add_argument("--measure-steps", type=int, help="engine: steps measured (default 300)")
     ap.add_argument("--warm-s", type=float, help="serve: seconds before the window (default 4)")
     ap.add_argument("--measure-s", type=float, help="serve: the window (seconds; default 6)")
@@ -464,7 +467,10 @@ def main(argv: list[str] | None = None) -> int:
         warm_s, measure_s = 4.0, 6.0
     warm_s = args.warm_s if args.warm_s is not None else warm_s
     measure_s = args.measure_s if args.measure_s is not None else measure_s
-    overlaps = [o == "on" for o in args.overlap.split(",")]
+    names = args.overlap.replace("both", "on,off").split(",")
+    if not set(names) <= {"on", "off"}:
+        ap.error(f"--overlap: on, off or on,off, not {args.overlap!r}")
+    overlaps = [o == "on" for o in names]
     parts = args.parts.split(",")
     meta = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count(),
             "loadavg_before": os.getloadavg(), "small": args.small,

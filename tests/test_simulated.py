@@ -59,6 +59,7 @@ def drive(eng: SimulatedEngine, jobs) -> dict[int, dict]:
     while (res := eng.step()) is not None:  # a step still in flight ends quietly
         assert all(not o.token_ids for o in res.outputs)
     assert all(g["reason"] for g in got.values()), "every request ends, and is told"
+    assert not eng._sampling_rows, "every ended request's sampling row is forgotten"
     return got
 
 

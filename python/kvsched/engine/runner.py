@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, overload
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +50,15 @@ from kvsched.engine.pool_sizing import (
     measured_free_bytes,
     size_pool,
 )
-from kvsched.engine.sampling import MAX_LOGPROBS, SamplingBatch, SamplingParams, mix_seed, sample
+from kvsched.engine.sampling import (
+    MAX_LOGPROBS,
+    SamplingBatch,
+    SamplingParams,
+    SamplingRow,
+    mix_seed,
+    sample,
+    sampling_row,
+)
 from kvsched.shapes import KVGroupLayout, group_layers
 
 # Named here too: they were defined in this module before it was split.
@@ -77,26 +85,6 @@ class StepResult:
     # id -> why; the core's terminal event says "error" with the same words),
     # also those submitted to the scheduler directly.
     errors: dict[int, str] = field(default_factory=dict)
-
-
-class _MixedSeeds(Sequence[int]):
-    """The default seed of each row (`mix_seed` of the engine's seed and the
-    row's request id), computed only for the rows that read it."""
-
-    def __init__(self, seed: int, request_ids: list[int]) -> None:
-        self.seed, self.request_ids = seed, request_ids
-
-    def __len__(self) -> int:
-        return len(self.request_ids)
-
-    @overload
-    def __getitem__(self, i: int) -> int: ...
-    @overload
-    def __getitem__(self, i: slice) -> Sequence[int]: ...
-    def __getitem__(self, i: int | slice) -> int | Sequence[int]:
-        if isinstance(i, slice):
-            return [mix_seed(self.seed, r) for r in self.request_ids[i]]
-        return mix_seed(self.seed, self.request_ids[i])
 
 
 class _Outputs(NamedTuple):
@@ -246,12 +234,7 @@ class Engine:
             self.caches = jax.device_put(self.caches, cs)
             rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
             jit_kw["out_shardings"] = (rep, cs)
-        self.outputs = OutputProcessor(tokenizer)
-        self._default = SamplingParams(temperature=temperature)
-        self.overlap = overlap
-        # The plan dispatched and not resolved yet (overlap), and the stand-in
-        # for a previous step's sampled tokens when there is none.
-        self._inflight: _Launched | None = None
+        self._init_host(tokenizer, temperature, overlap)
         self._no_prev = jnp.zeros(scheduler.plan_shape["max_seqs"], jnp.int32)
         if mesh is not None:
             # Placed as the step's sampled tokens are (replicated), so that the
@@ -372,14 +355,49 @@ class Engine:
         return self._sample(plan, batch).tokens[: len(plan)]
 
     def _sample(self, plan: kvsched.StepPlan, batch: SamplingBatch | None = None) -> Sampled:
-        """The jitted step on one plan, with each request's sampling."""
-        return self._run(StepInputs.from_plan(plan), batch or self._sampling_batch(plan))
+        """The jitted step on one plan, with each request's sampling (a plan
+        of any scheduler: warmup's scratch one, a caller's: rows not kept)."""
+        batch = batch or self._sampling_batch(plan, keep=False)
+        return self._run(StepInputs.from_plan(plan), batch)
 
-    def _sampling_batch(self, plan: kvsched.StepPlan) -> SamplingBatch:
+    def _init_host(self, tokenizer: Any, temperature: float, overlap: bool) -> None:
+        """The host side's state (this engine's and the stand-in's)."""
+        self.outputs = OutputProcessor(tokenizer)
+        self._default = SamplingParams(temperature=temperature)
+        self.overlap = overlap
+        # The plan dispatched and not resolved yet (overlap); the stand-in for
+        # a previous step's sampled tokens when there is none is set apart.
+        self._inflight: _Launched | None = None
+        # Each live request's sampling row, made once (see `_sampling_batch`).
+        self._sampling_rows: dict[int, SamplingRow] = {}
+
+    def _sampling_batch(self, plan: kvsched.StepPlan, *, keep: bool = True) -> SamplingBatch:
+        """The plan's sampling arrays. `keep`: the plan is this engine's
+        scheduler's, so each request's row is kept for its next plans (and
+        forgotten when it ends: `_ended`)."""
         rids = plan.request_ids.tolist()
-        params = [self.outputs.params(r) or self._default for r in rids]
-        seeds = _MixedSeeds(self.seed, rids)  # mixed only for the rows that draw without one
-        return SamplingBatch.build(params, plan.kv_lens[: len(rids)], len(plan.kv_lens), seeds)
+        rows, cache = [], self._sampling_rows if keep else {}
+        for r in rids:
+            row = cache.get(r)
+            if row is None:
+                # A request's first plan (or a request the core serves without
+                # this engine's parameters: the engine's default).
+                row = sampling_row(self.outputs.params(r) or self._default, mix_seed(self.seed, r))
+                cache[r] = row
+            rows.append(row)
+        return SamplingBatch.from_rows(rows, plan.kv_lens[: len(rids)], len(plan.kv_lens))
+
+    def _ended(self, request_ids: Iterable[int]) -> None:
+        """Forget ended requests' sampling rows. Whatever may end without an
+        event (a drain deadline) is bounded: past a few times the running
+        limit, the rows are made again as plans need them."""
+        for r in request_ids:
+            self._sampling_rows.pop(r, None)
+        if (
+            len(self._sampling_rows) > 64
+            and len(self._sampling_rows) > 4 * self.scheduler.plan_shape["max_seqs"]
+        ):
+            self._sampling_rows.clear()
 
     def _run(self, inputs: StepInputs[HostArray], batch: SamplingBatch) -> Sampled:
         """The jitted step on `inputs`: every row's sampled token, and the rest."""
@@ -482,7 +500,9 @@ class Engine:
             if result is None:  # the first plan of a run: dispatched, nothing to report yet
                 result = StepResult(None, _NO_EVENTS, time.perf_counter() - t0)
         if result is None:
-            endings = self.outputs.endings(self.scheduler.take_finished())
+            finished = self.scheduler.take_finished()
+            self._ended(f.request_id for f in finished)
+            endings = self.outputs.endings(finished)
             if not endings:
                 return None
             return StepResult(None, _NO_EVENTS, time.perf_counter() - t0, endings)
@@ -514,12 +534,14 @@ class Engine:
         t0 = time.perf_counter()
         plan = self.scheduler.step(now=now)
         if plan is None:
-            endings = self.outputs.endings(self.scheduler.take_finished())
+            finished = self.scheduler.take_finished()
+            self._ended(f.request_id for f in finished)
+            endings = self.outputs.endings(finished)
             if not endings:
                 return None
             return StepResult(None, _NO_EVENTS, time.perf_counter() - t0, endings)
         t_model = time.perf_counter()
-        sampled = self._sample(plan)
+        sampled = self._sample(plan, self._sampling_batch(plan))
         t_model = time.perf_counter() - t_model
         tokens = sampled.tokens[: len(plan)]
         errors = self._unservable(plan, sampled.finite)
@@ -543,6 +565,7 @@ class Engine:
         """Each request's output of a committed (or resolved) step: its new
         text, stop strings (a match ends it in the core), logprobs, endings."""
         outputs: list[RequestOutput] = []
+        self._ended(f.request_id for f in events.finished)
         if len(self.outputs):
             rows = {r: i for i, r in enumerate(plan.request_ids.tolist())}
             outputs, stopped = self.outputs.process(
@@ -551,6 +574,7 @@ class Engine:
             )  # fmt: skip
             for rid in stopped:  # a stop string: finished, reason "stop"
                 self.scheduler.stop(rid, now=now)
+            self._ended(stopped)
             # Requests that ended with no token this step (cancel, drain, error).
             outputs += self.outputs.endings(events.finished)
         return outputs
@@ -558,6 +582,7 @@ class Engine:
     def reseed(self, seed: int) -> None:
         """Requests without a seed of their own now draw from `seed`."""
         self.seed = seed
+        self._sampling_rows.clear()
 
     def compiled_programs(self) -> int:
         """Programs the step function compiled so far (one per bucket after warmup)."""

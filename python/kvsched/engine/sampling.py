@@ -13,7 +13,7 @@ import math
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -147,6 +147,31 @@ def mix_seed(engine_seed: int, request_id: int) -> int:
     return (x ^ (x >> 31)) >> 1
 
 
+class SamplingRow(NamedTuple):
+    """One request's row of a `SamplingBatch`, the same every step of its life."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    seed_hi: int  # the seed's words: threefry key data (0, 0 for a greedy row
+    seed_lo: int  # without a seed of its own: its key is never used)
+    logprobs: int
+    sampled: bool  # not greedy
+
+
+def sampling_row(params: SamplingParams | None, default_seed: int | None = None) -> SamplingRow:
+    """`params`' (None = `GREEDY`) row; `default_seed` (see `mix_seed`) is its
+    seed when it brought none, required (ValueError) when it samples."""
+    p = GREEDY if params is None else params
+    seed = p.seed
+    if seed is None and not p.greedy:
+        if default_seed is None:
+            raise ValueError("a row that samples needs a seed or a default seed")
+        seed = int(default_seed) % SEED_LIMIT
+    hi, lo = (0, 0) if seed is None else (seed >> 32, seed & 0xFFFFFFFF)
+    return SamplingRow(p.temperature, p.top_p, p.top_k, hi, lo, p.logprobs or 0, not p.greedy)
+
+
 @dataclass(frozen=True)
 class SamplingBatch:
     """Fixed-shape [max_seqs] arrays for `sample`, one row per sequence in plan order.
@@ -186,35 +211,41 @@ class SamplingBatch:
             raise ValueError(f"positions must be 1-D with at least {n} entries")
         if default_seeds is not None and len(default_seeds) < n:
             raise ValueError(f"default_seeds must have at least {n} entries")
+        rows = []
+        for i, p in enumerate(params_per_row):
+            try:
+                rows.append(sampling_row(p, None if default_seeds is None else default_seeds[i]))
+            except ValueError:
+                raise ValueError(f"row {i} samples without a seed and no default_seeds") from None
+        return cls.from_rows(rows, pos, max_seqs)
+
+    @classmethod
+    def from_rows(
+        cls, rows: Sequence[SamplingRow], positions: np.ndarray, max_seqs: int
+    ) -> SamplingBatch:
+        """The batch for one step from each plan row's `sampling_row` (which an
+        engine keeps per request between steps: a step's batch is then one
+        array conversion, not Python per row); `positions` as in `build`."""
+        n = len(rows)
+        if n > max_seqs:
+            raise ValueError(f"{n} rows do not fit max_seqs={max_seqs}")
+        pos = np.asarray(positions)
+        if pos.ndim != 1 or pos.shape[0] < n:
+            raise ValueError(f"positions must be 1-D with at least {n} entries")
         temperature = np.zeros(max_seqs, np.float32)
         top_p = np.ones(max_seqs, np.float32)
         top_k = np.zeros(max_seqs, np.int32)
         seeds = np.zeros((max_seqs, 2), np.uint32)
         out_pos = np.zeros(max_seqs, np.int32)
         out_pos[:n] = pos[:n]
-        ps = [GREEDY if p is None else p for p in params_per_row]
-        # Each array filled in one assignment from a list (an element assigned at a
-        # time costs a numpy scalar conversion each: most of a step's host time
-        # for this batch at a thousand rows).
-        temperature[:n] = [p.temperature for p in ps]
-        top_p[:n] = [p.top_p for p in ps]
-        top_k[:n] = [p.top_k for p in ps]
-        max_lp = max((p.logprobs or 0 for p in ps), default=0)
-        any_sampled = any(not p.greedy for p in ps)
-        keyed: list[int] = []  # rows whose key is used, or that bring a seed
-        words: list[tuple[int, int]] = []
-        for i, p in enumerate(ps):
-            seed = p.seed
-            if seed is None:
-                if p.greedy:
-                    continue  # the key is never used
-                if default_seeds is None:
-                    raise ValueError(f"row {i} samples without a seed and no default_seeds")
-                seed = int(default_seeds[i]) % SEED_LIMIT
-            keyed.append(i)
-            words.append((seed >> 32, seed & 0xFFFFFFFF))
-        if keyed:
-            seeds[keyed] = words
+        max_lp, any_sampled = 0, False
+        if n:
+            # float64 holds every field exactly (seed words < 2**32; temperature
+            # and top_p become float32 as they would from a Python float).
+            a = np.array(rows, dtype=np.float64).reshape(n, len(SamplingRow._fields))
+            temperature[:n], top_p[:n], top_k[:n] = a[:, 0], a[:, 1], a[:, 2]
+            seeds[:n, 0], seeds[:n, 1] = a[:, 3], a[:, 4]
+            max_lp, any_sampled = int(a[:, 5].max()), bool(a[:, 6].any())
         return cls(temperature, top_p, top_k, seeds, out_pos, n, max_lp, any_sampled)
 
     def arrays(self) -> tuple[np.ndarray, ...]:

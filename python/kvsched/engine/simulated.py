@@ -55,9 +55,8 @@ import numpy.typing as npt
 import kvsched
 from kvsched.engine.inputs import HostArray, StepInputs
 from kvsched.engine.model_config import LlamaConfig
-from kvsched.engine.outputs import OutputProcessor
 from kvsched.engine.runner import Engine, _Outputs, kv_group_layout
-from kvsched.engine.sampling import GREEDY_EPS, SamplingBatch, SamplingParams
+from kvsched.engine.sampling import GREEDY_EPS, SamplingBatch
 
 __all__ = [
     "CORPUS",
@@ -471,10 +470,7 @@ class SimulatedEngine(Engine):
         self.kv_replicas = 1
         self.params = cast(Any, {})
         self.kv_eval = None
-        self.outputs = OutputProcessor(tokenizer)
-        self._default = SamplingParams(temperature=temperature)
-        self.overlap = overlap
-        self._inflight = None
+        self._init_host(tokenizer, temperature, overlap)
         max_seqs = scheduler.plan_shape["max_seqs"]
         self._no_prev = cast(Any, np.zeros(max_seqs, np.int32))
         ids = _corpus_ids(corpus, tokenizer, vocab, seed)
