@@ -204,11 +204,8 @@ class SamplingBatch:
         preemption. `default_seeds[i]` (see `mix_seed`) is used where a row brought
         no seed; it is required when such a row samples."""
         n = len(params_per_row)
-        if n > max_seqs:
+        if n > max_seqs:  # (from_rows checks it too; before any row is made)
             raise ValueError(f"{n} rows do not fit max_seqs={max_seqs}")
-        pos = np.asarray(positions)
-        if pos.ndim != 1 or pos.shape[0] < n:
-            raise ValueError(f"positions must be 1-D with at least {n} entries")
         if default_seeds is not None and len(default_seeds) < n:
             raise ValueError(f"default_seeds must have at least {n} entries")
         rows = []
@@ -217,7 +214,7 @@ class SamplingBatch:
                 rows.append(sampling_row(p, None if default_seeds is None else default_seeds[i]))
             except ValueError:
                 raise ValueError(f"row {i} samples without a seed and no default_seeds") from None
-        return cls.from_rows(rows, pos, max_seqs)
+        return cls.from_rows(rows, positions, max_seqs)
 
     @classmethod
     def from_rows(
