@@ -115,7 +115,7 @@ def engine_cell(n: int, step_ms: float, overlap: bool, *, warm_steps: int, measu
                            seed=seed)  # fmt: skip
     eng.warmup(progress=False)
     gc.collect()
-    gc.freeze()  # what kvsched serve does once warm (serve/lifecycle.py)
+    gc.freeze()  # what kvsched serve does once warm (AsyncEngine's freeze_gc)
     eng.scheduler.add_tenant(kvsched.TenantConfig("bench"))
     rng = random.Random(seed)
 

@@ -13,8 +13,11 @@
 //! wait for the next token; bytes that cannot become one are U+FFFD, one per
 //! maximal invalid sequence (as `String::from_utf8_lossy` and a byte-level
 //! tokenizer's decode write them); a run of SentencePiece byte-fallback tokens
-//! decodes as one when it ends, as the tokenizers library's ByteFallback
-//! decoder does (`TokenRole::Byte`). Stop strings follow the Python matcher
+//! shows each character as it completes, and bytes that cannot be one become
+//! one U+FFFD per byte when the run ends, as the tokenizers library's
+//! ByteFallback decoder writes them (`TokenRole::Byte`; where a run mixes
+//! characters and such bytes, the decoder makes the whole run U+FFFDs: the
+//! characters shown already stay). Stop strings follow the Python matcher
 //! (kvsched/engine/detokenizer.py): text that may be a stop's start waits; the
 //! stop that completes first in the stream wins (ties: the longer); the stop
 //! itself is never returned.
@@ -58,10 +61,9 @@ pub struct TextStreams {
 pub enum TokenRole {
     /// Its bytes follow the text's.
     Text,
-    /// A SentencePiece byte-fallback token (`<0xHH>`): a run of them decodes
-    /// as one, when the run ends (another token, or the end): its characters
-    /// if its bytes are valid UTF-8, else one U+FFFD per byte (as the
-    /// tokenizers library's ByteFallback decoder writes it).
+    /// A SentencePiece byte-fallback token (`<0xHH>`): a run of them shows
+    /// each character as its last byte comes; bytes that cannot be one are
+    /// one U+FFFD per byte when the run ends (another token, or the end).
     Byte,
     /// A special token its decode skips: no text, and a byte run goes on
     /// through it.
@@ -174,7 +176,10 @@ impl TextStreams {
                         end_run(stream);
                         stream.pending.extend_from_slice(bytes);
                     }
-                    TokenRole::Byte => stream.run.extend_from_slice(bytes),
+                    TokenRole::Byte => {
+                        stream.run.extend_from_slice(bytes);
+                        take_complete_run(stream);
+                    }
                     TokenRole::Skipped => {}
                 }
             }
@@ -196,6 +201,20 @@ impl TextStreams {
     pub fn finish(&mut self, id: u64) -> Option<String> {
         self.streams.remove(&id).map(|s| s.held)
     }
+}
+
+/// The characters a byte-fallback run has completed so far join `pending`
+/// at once (as the per-request Python detokenizer shows them), so a stop
+/// string in them ends the request on the same token either way. Only an
+/// unfinished character stays in the run; once the run holds bytes that
+/// cannot be one, it waits for its end.
+fn take_complete_run(stream: &mut Stream) {
+    let valid = match std::str::from_utf8(&stream.run) {
+        Ok(_) => stream.run.len(),
+        Err(e) if e.error_len().is_none() => e.valid_up_to(),
+        Err(_) => return,
+    };
+    stream.pending.extend(stream.run.drain(..valid));
 }
 
 /// A run of byte-fallback tokens ends: its text joins `pending`.
@@ -353,7 +372,7 @@ mod tests {
     }
 
     #[test]
-    fn a_byte_fallback_run_decodes_whole_when_it_ends() {
+    fn a_byte_fallback_run_shows_characters_as_they_complete() {
         // Tokens: 0 "x", 1 <0xE2>, 2 <0x82>, 3 <0xAC>, 4 <0x41> ("A"), 5 a skipped special.
         let tokens: &[&[u8]] = &[b"x", b"\xe2", b"\x82", b"\xac", b"A", b""];
         let mut bytes = Vec::new();
@@ -366,22 +385,48 @@ mod tests {
         s.add(1, vec![]).unwrap();
         // A valid run, a special token inside it: "€".
         assert_eq!(run(&mut s, 1, &[1, 5, 2, 3, 0]), ("€x".into(), false));
-        // An invalid run: one U+FFFD per byte, the valid "A" in it included.
+        // "A" shows at once; an unfinished character cut by another token:
+        // one U+FFFD per byte.
         s.add(2, vec![]).unwrap();
         assert_eq!(
-            run(&mut s, 2, &[4, 1, 2, 0]),
-            ("\u{FFFD}\u{FFFD}\u{FFFD}x".into(), false)
+            s.push(2, Some(4), false).unwrap().text,
+            "A",
+            "a character shows at once"
         );
-        s.add(3, vec![]).unwrap();
         assert_eq!(
-            s.push(3, Some(4), false).unwrap().text,
+            s.push(2, Some(1), false).unwrap().text,
             "",
-            "a run waits for its end"
+            "half a character waits"
+        );
+        assert_eq!(s.push(2, Some(2), false).unwrap().text, "");
+        assert_eq!(s.push(2, Some(0), true).unwrap().text, "\u{FFFD}\u{FFFD}x");
+        // A stop in a run's characters ends the stream on that token.
+        s.add(3, vec!["A".into()]).unwrap();
+        assert_eq!(
+            s.push(3, Some(0), false).unwrap(),
+            Pushed {
+                text: "x".into(),
+                stopped: false
+            }
         );
         assert_eq!(
-            s.push(3, Some(4), true).unwrap().text,
-            "AA",
-            "the last token ends it"
+            s.push(3, Some(4), false).unwrap(),
+            Pushed {
+                text: String::new(),
+                stopped: true
+            }
+        );
+        // Bytes that can never be a character make the rest of the run wait for its end.
+        s.add(4, vec![]).unwrap();
+        assert_eq!(
+            s.push(4, Some(3), false).unwrap().text,
+            "",
+            "a lone continuation byte"
+        );
+        assert_eq!(s.push(4, Some(4), false).unwrap().text, "");
+        assert_eq!(
+            s.push(4, Some(4), true).unwrap().text,
+            "\u{FFFD}\u{FFFD}\u{FFFD}"
         );
     }
 

@@ -26,12 +26,12 @@ MODEL = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
 PARAMS = init_params(MODEL, seed=1)
 
 
-def make(checkpoint_path=None, **cfg) -> AsyncEngine:
+def make(checkpoint_path=None, freeze_gc=False, **cfg) -> AsyncEngine:
     base = dict(num_blocks=160, block_size=4, max_num_seqs=4, max_batched_tokens=32,
                 max_seq_len=128, long_prefill_chunk=8, overhead_reserve=0.0,
                 max_waiting=16)  # fmt: skip
     eng = Engine.create(MODEL, PARAMS, kvsched.SchedulerConfig(**{**base, **cfg}))
-    ae = AsyncEngine(eng, checkpoint_path=checkpoint_path)
+    ae = AsyncEngine(eng, checkpoint_path=checkpoint_path, freeze_gc=freeze_gc)
     ae.start()
     eng.scheduler.add_tenant(kvsched.TenantConfig("t"))
     return ae
@@ -134,6 +134,24 @@ def test_the_loop_sleeps_when_idle_and_wakes_on_submit():
     ids, _, _ = asyncio.run(main())
     ae.stop()
     assert len(ids) == 3 and ae.steps > steps
+
+
+def test_freeze_gc_freezes_what_is_alive_once_warm_and_only_when_asked():
+    """kvsched serve's AsyncEngine(freeze_gc=True): once warm, before the step
+    loop runs, what is alive is frozen (the collector stops scanning it);
+    the default leaves the collector alone (a custom server's choice)."""
+    import gc
+
+    gc.unfreeze()
+    try:
+        plain = make()
+        assert gc.get_freeze_count() == 0, "not asked: nothing frozen"
+        plain.stop()
+        ae = make(freeze_gc=True)
+        assert gc.get_freeze_count() > 0
+        ae.stop()
+    finally:
+        gc.unfreeze()  # the rest of the test session collects as usual
 
 
 @pytest.mark.slow

@@ -89,6 +89,7 @@ def _ref_filter(row: np.ndarray, temperature: float, top_k: int, top_p: float) -
         ({"stop_token_ids": "abc"}, "stop_token_ids"),
         ({"stop": [""]}, "stop"),
         ({"stop": ["ok", 3]}, "stop"),
+        ({"stop": ["ok", "a\ud800"]}, "stop"),  # a lone surrogate: no UTF-8 for it
         ({"seed": -1}, "seed"),
         ({"seed": 2**63}, "seed"),
         ({"seed": 1.5}, "seed"),

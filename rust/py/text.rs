@@ -11,8 +11,9 @@ use crate::text;
 
 /// Many requests' streaming text over one tokenizer's table of token bytes:
 /// token `t` is `data[offsets[t]:offsets[t + 1]]`; `byte_tokens`: the
-/// SentencePiece byte-fallback tokens (`<0xHH>`, one byte each: a run of them
-/// decodes as one, its bytes if valid UTF-8, else one U+FFFD per byte);
+/// SentencePiece byte-fallback tokens (`<0xHH>`, one byte each: a run shows
+/// each character as it completes, and bytes that cannot be one as one U+FFFD
+/// per byte when it ends);
 /// `skipped`: the special tokens decode skips (no bytes; a run goes on
 /// through them). Raises InvalidConfig on a table that is not one. Each
 /// step's tokens for every row in one `push`; text never splits a character,

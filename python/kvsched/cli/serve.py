@@ -200,7 +200,8 @@ def _load(args: argparse.Namespace, tenants: Any, end_at: float | None,
              ", ".join(f"{k} {v}" for k, v in {**OPENAI_SAMPLING, **defaults}.items()),
              "the model's generation_config.json" if defaults
              else "OpenAI's: the model sets none")  # fmt: skip
-    engine = AsyncEngine(m.engine, checkpoint_path=None if checkpoint is None else str(checkpoint))
+    engine = AsyncEngine(m.engine, checkpoint_path=None if checkpoint is None else str(checkpoint),
+                         freeze_gc=True)  # fmt: skip
     server = OpenAIServer(engine, tenants, model_name=names[0], encode_chat=encode_chat,
                           encode_prompt=m.encode_prompt,
                           aliases=names[1:], max_body_bytes=args.max_body_bytes,

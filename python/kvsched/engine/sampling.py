@@ -126,6 +126,10 @@ class SamplingParams:
         for s in self.stop:
             if not s:
                 raise _bad("stop", "stop strings must be non-empty")
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError:
+                raise _bad("stop", f"{s!r} is not valid Unicode (a lone surrogate)") from None
         return self
 
     @property

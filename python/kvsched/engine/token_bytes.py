@@ -87,7 +87,7 @@ def _byte_piece(piece: str) -> bytes | None:
 class TokenTable(NamedTuple):
     """`kvsched._core.TextStreams`'s arguments: every token's bytes joined
     (`data`; token t is `data[offsets[t]:offsets[t + 1]]`), the byte-fallback
-    tokens (`<0xHH>`: a run of them decodes as one) and the special tokens
+    tokens (`<0xHH>`) and the special tokens
     decoding skips."""
 
     data: bytes
@@ -99,10 +99,19 @@ class TokenTable(NamedTuple):
 def token_table(tokenizer: Any) -> TokenTable | None:
     """The table of a tokenizers.Tokenizer whose decode is its tokens' bytes
     joined, checked on a sample; None otherwise."""
+    try:
+        return _token_table(tokenizer)
+    except Exception:  # noqa: BLE001 - any tokenizer this cannot read keeps the Python path
+        return None
+
+
+def _token_table(tokenizer: Any) -> TokenTable | None:
     kind = _decoder_kind(tokenizer)
     if kind is None:
         return None
-    n = tokenizer.get_vocab_size(with_added_tokens=True)
+    # Ids may have gaps (an added token past the vocabulary): the table covers
+    # every id up to the largest.
+    n = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
     alone = tokenizer.decode_batch([[t] for t in range(n)], skip_special_tokens=True)
     byte_of = byte_level_decoder()
     skipped = sorted(

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -126,8 +127,14 @@ class AsyncEngine:
     """An Engine driven by one background thread (see the module)."""
 
     def __init__(self, engine: Engine, *, checkpoint_path: str | None = None,
-                 idle_recheck_s: float = 0.05) -> None:  # fmt: skip
+                 idle_recheck_s: float = 0.05, freeze_gc: bool = False) -> None:  # fmt: skip
+        """`freeze_gc`: once warm, before the step loop starts, freeze what is
+        alive (`gc.freeze`: the model, compiled programs, tokenizer, app live as
+        long as the process), so the collections the step loop's allocations
+        trigger scan young objects only. For a process that serves and exits
+        (`kvsched serve`): what is frozen is never collected."""
         self.engine = engine
+        self.freeze_gc = freeze_gc
         self.scheduler = engine.scheduler
         self.tokenizer = engine.tokenizer
         self.checkpoint_path = checkpoint_path
@@ -158,6 +165,9 @@ class AsyncEngine:
             return
         if warmup and not self.scheduler.ready():
             self.engine.warmup(progress=progress or False)
+        if self.freeze_gc:
+            gc.collect()
+            gc.freeze()
         self._thread = threading.Thread(target=self._run, name="kvsched-engine", daemon=True)
         self._thread.start()
 

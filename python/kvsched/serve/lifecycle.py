@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import math
 import signal
@@ -111,12 +110,6 @@ class ServerLifecycle:
 
         try:
             self.engine.start(progress=progress)
-            # What is alive now (weights, compiled programs, tokenizer, the
-            # app) lives as long as the server: the cyclic collector stops
-            # scanning it, so its collections, run from the step loop's own
-            # allocations, pass over young objects only.
-            gc.collect()
-            gc.freeze()
             self.warmup_progress = None
             log.info("warm in %.1f s: ready", time.perf_counter() - t0)
         except _WarmupStopped:
