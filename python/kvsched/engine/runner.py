@@ -499,14 +499,17 @@ class Engine:
             self._inflight = launched
             if result is None:  # the first plan of a run: dispatched, nothing to report yet
                 result = StepResult(None, _NO_EVENTS, time.perf_counter() - t0)
-        if result is None:
-            finished = self.scheduler.take_finished()
-            self._ended(f.request_id for f in finished)
-            endings = self.outputs.endings(finished)
-            if not endings:
-                return None
-            return StepResult(None, _NO_EVENTS, time.perf_counter() - t0, endings)
-        return result
+        return result if result is not None else self._endings_only(t0)
+
+    def _endings_only(self, t0: float) -> StepResult | None:
+        """A call that ran no plan: the endings delivered since (requests that
+        ended with no token), or None when there are none."""
+        finished = self.scheduler.take_finished()
+        self._ended(f.request_id for f in finished)
+        endings = self.outputs.endings(finished)
+        if not endings:
+            return None
+        return StepResult(None, _NO_EVENTS, time.perf_counter() - t0, endings)
 
     def _finish(self, launched: _Launched, now: float | None, t0: float) -> StepResult:
         """Resolve a plan dispatched and advanced: wait for its tokens, end the
@@ -534,12 +537,7 @@ class Engine:
         t0 = time.perf_counter()
         plan = self.scheduler.step(now=now)
         if plan is None:
-            finished = self.scheduler.take_finished()
-            self._ended(f.request_id for f in finished)
-            endings = self.outputs.endings(finished)
-            if not endings:
-                return None
-            return StepResult(None, _NO_EVENTS, time.perf_counter() - t0, endings)
+            return self._endings_only(t0)
         t_model = time.perf_counter()
         sampled = self._sample(plan, self._sampling_batch(plan))
         t_model = time.perf_counter() - t_model

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from kvsched.engine.model import InvalidWeights, Params
+from kvsched.engine.model import InvalidWeights, Params, check_weight
 from kvsched.engine.model_config import LlamaConfig, UnsupportedConfig
 
 
@@ -150,6 +150,72 @@ def _plain_tokenizer(tokenizer: Any) -> Any:
 def _field(reader: Any, key: str) -> Any:
     f = reader.fields.get(key)
     return None if f is None else f.contents()
+
+
+class TensorReader:
+    """A file's tensors by name, read as the model asks for them: dequantized,
+    the shape the config implies and finite values checked (refusals name the
+    tensor); `check_all_used` then refuses a file with tensors no one read."""
+
+    def __init__(self, reader: Any) -> None:
+        self.tensors = {t.name: t for t in reader.tensors}
+        self.used: set[str] = set()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def __call__(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name not in self.tensors:
+            raise UnsupportedConfig(f"the GGUF file has no tensor {name!r}")
+        self.used.add(name)
+        a = _dequantize(self.tensors[name])
+        if a.shape != shape:
+            raise UnsupportedConfig(f"{name} has shape {a.shape}, the config says {shape}")
+        check_weight(name, a)  # NaN or inf: refused, naming the file's tensor
+        return a
+
+    def check_all_used(self) -> None:
+        extra = sorted(set(self.tensors) - self.used)
+        if extra:
+            raise UnsupportedConfig(
+                f"{len(extra)} tensors the model does not use (biases? more layers?), "
+                f"e.g. {extra[:3]}"
+            )
+
+
+def gguf_model(
+    reader: Any,
+    config: LlamaConfig,
+    params: Params,
+    tokenizer: Any,
+    special_tokens: dict[str, int],
+    *,
+    add_bos: bool = False,
+) -> GGUFModel:
+    """The model a file holds, whatever its architecture: its vocabulary must
+    have a row of the model's embedding per token; the BOS and EOS ids, chat
+    template and metadata come from the file."""
+    if tokenizer.get_vocab_size() != config.vocab_size:
+        raise UnsupportedConfig(
+            f"the vocabulary has {tokenizer.get_vocab_size()} tokens, the model "
+            f"{config.vocab_size} rows"
+        )
+
+    def token_id(key: str) -> int | None:
+        v = _field(reader, key)
+        return None if v is None else int(v)
+
+    return GGUFModel(
+        config=config,
+        params=params,
+        tokenizer=tokenizer,
+        chat_template=_field(reader, "tokenizer.chat_template"),
+        bos_token_id=token_id("tokenizer.ggml.bos_token_id"),
+        eos_token_id=token_id("tokenizer.ggml.eos_token_id"),
+        special_tokens=special_tokens,
+        metadata=read_metadata(reader),
+        add_bos=add_bos,
+    )
 
 
 def read_metadata(reader: Any) -> dict[str, Any]:

@@ -35,11 +35,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from kvsched.engine.loaders import model_file
-from kvsched.engine.loaders.gguf_file import GGUFModel, _dequantize, _field, read_metadata
-from kvsched.engine.model import Params, check_weight, make_params
+from kvsched.engine.loaders.gguf_file import GGUFModel, TensorReader, _field, gguf_model
+from kvsched.engine.model import Params, make_params
 from kvsched.engine.model_config import Gemma3Config, UnsupportedConfig
 
 ARCH = "gemma3"
@@ -155,7 +153,6 @@ def config_from_gguf_gemma3(
 def load_gguf_gemma3_params(reader: Any, config: Gemma3Config) -> Params:
     """Dequantized weights in the engine's layout; every tensor in the file must
     be one the model uses, with the shape the config implies."""
-    tensors = {t.name: t for t in reader.tensors}
     c = config
     q_out, kv_out = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     shapes = {  # [out, in] as stored
@@ -173,17 +170,7 @@ def load_gguf_gemma3_params(reader: Any, config: Gemma3Config) -> Params:
         "w_down": (c.dim, c.ffn_dim),
         "post_mlp_norm": (c.dim,),
     }
-    used: set[str] = set()
-
-    def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
-        if name not in tensors:
-            raise UnsupportedConfig(f"the GGUF file has no tensor {name!r}")
-        used.add(name)
-        a = _dequantize(tensors[name])
-        if a.shape != shape:
-            raise UnsupportedConfig(f"{name} has shape {a.shape}, the config says {shape}")
-        check_weight(name, a)  # NaN or inf: refused, naming the file's tensor
-        return a
+    get = TensorReader(reader)
 
     layers = []
     for i in range(c.n_layers):
@@ -195,13 +182,9 @@ def load_gguf_gemma3_params(reader: Any, config: Gemma3Config) -> Params:
             layer[key] = a if a.ndim == 1 else a.T  # [out, in] -> [in, out]
         layers.append(layer)
     embed = get("token_embd.weight", (c.vocab_size, c.dim))
-    head = get("output.weight", (c.vocab_size, c.dim)).T if "output.weight" in tensors else None
+    head = get("output.weight", (c.vocab_size, c.dim)).T if "output.weight" in get else None
     final_norm = get("output_norm.weight", (c.dim,)) - 1.0
-    extra = sorted(set(tensors) - used)
-    if extra:
-        raise UnsupportedConfig(
-            f"{len(extra)} tensors the model does not use (biases? more layers?), e.g. {extra[:3]}"
-        )
+    get.check_all_used()
     return make_params(c, embed=embed, layers=layers, final_norm=final_norm, lm_head=head)
 
 
@@ -296,24 +279,5 @@ def load_gguf_gemma3(
     config = config_from_gguf_gemma3(reader, dtype=dtype, name=name)
     params = load_gguf_gemma3_params(reader, config)
     tokenizer, control, _ = load_gguf_spm_tokenizer(reader)
-    if tokenizer.get_vocab_size() != config.vocab_size:
-        raise UnsupportedConfig(
-            f"the vocabulary has {tokenizer.get_vocab_size()} tokens, the model "
-            f"{config.vocab_size} rows"
-        )
-
-    def token_id(key: str) -> int | None:
-        v = _field(reader, key)
-        return None if v is None else int(v)
-
-    return GGUFModel(
-        config=config,
-        params=params,
-        tokenizer=tokenizer,
-        chat_template=_field(reader, "tokenizer.chat_template"),
-        bos_token_id=token_id("tokenizer.ggml.bos_token_id"),
-        eos_token_id=token_id("tokenizer.ggml.eos_token_id"),
-        special_tokens=control,
-        metadata=read_metadata(reader),
-        add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token")),
-    )
+    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token"))
+    return gguf_model(reader, config, params, tokenizer, control, add_bos=add_bos)

@@ -26,14 +26,15 @@ import numpy as np
 from kvsched.engine.loaders import model_file
 from kvsched.engine.loaders.gguf_file import (
     GGUFModel,
-    _dequantize,
+    TensorReader,
     _field,
     encode_chat,
     encode_text,
+    gguf_model,
     read_metadata,
     render_chat_template,
 )
-from kvsched.engine.model import Params, check_weight, make_params
+from kvsched.engine.model import Params, make_params
 from kvsched.engine.model_config import LlamaConfig, UnsupportedConfig
 
 _LAYER_TENSORS = {
@@ -127,7 +128,6 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
 def load_gguf_params(reader: Any, config: LlamaConfig) -> Params:
     """Dequantized weights in the engine's layout; every tensor in the file must
     be one the model uses, with the shape the config implies."""
-    tensors = {t.name: t for t in reader.tensors}
     c = config
     q_out, kv_out = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     shapes = {  # [out, in] as stored
@@ -141,17 +141,7 @@ def load_gguf_params(reader: Any, config: LlamaConfig) -> Params:
         "w_up": (c.ffn_dim, c.dim),
         "w_down": (c.dim, c.ffn_dim),
     }
-    used: set[str] = set()
-
-    def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
-        if name not in tensors:
-            raise UnsupportedConfig(f"the GGUF file has no tensor {name!r}")
-        used.add(name)
-        a = _dequantize(tensors[name])
-        if a.shape != shape:
-            raise UnsupportedConfig(f"{name} has shape {a.shape}, the config says {shape}")
-        check_weight(name, a)  # NaN or inf: refused, naming the file's tensor
-        return a
+    get = TensorReader(reader)
 
     layers = []
     for i in range(c.n_layers):
@@ -165,15 +155,11 @@ def load_gguf_params(reader: Any, config: LlamaConfig) -> Params:
             layer[key] = a if a.ndim == 1 else a.T  # [out, in] -> [in, out]
         layers.append(layer)
     embed = get("token_embd.weight", (c.vocab_size, c.dim))
-    head = get("output.weight", (c.vocab_size, c.dim)) if "output.weight" in tensors else embed
+    head = get("output.weight", (c.vocab_size, c.dim)) if "output.weight" in get else embed
     final_norm = get("output_norm.weight", (c.dim,))
-    extra = sorted(set(tensors) - used - {"rope_freqs.weight"})
-    if "rope_freqs.weight" in tensors:
+    if "rope_freqs.weight" in get:
         raise UnsupportedConfig("rope_freqs.weight (scaled RoPE frequencies) is not implemented")
-    if extra:
-        raise UnsupportedConfig(
-            f"{len(extra)} tensors the model does not use (biases? more layers?), e.g. {extra[:3]}"
-        )
+    get.check_all_used()
     return make_params(c, embed=embed, layers=layers, final_norm=final_norm, lm_head=head.T)
 
 
@@ -234,26 +220,7 @@ def load_gguf(path: str | Path, *, dtype: str = "float32", name: str | None = No
     config = config_from_gguf(reader, dtype=dtype, name=name)
     params = load_gguf_params(reader, config)
     tokenizer, special = load_gguf_tokenizer(reader)
-    if tokenizer.get_vocab_size() != config.vocab_size:
-        raise UnsupportedConfig(
-            f"the vocabulary has {tokenizer.get_vocab_size()} tokens, the model "
-            f"{config.vocab_size} rows"
-        )
-
-    def token_id(key: str) -> int | None:
-        v = _field(reader, key)
-        return None if v is None else int(v)
-
-    return GGUFModel(
-        config=config,
-        params=params,
-        tokenizer=tokenizer,
-        chat_template=_field(reader, "tokenizer.chat_template"),
-        bos_token_id=token_id("tokenizer.ggml.bos_token_id"),
-        eos_token_id=token_id("tokenizer.ggml.eos_token_id"),
-        special_tokens=special,
-        metadata=read_metadata(reader),
-    )
+    return gguf_model(reader, config, params, tokenizer, special)
 
 
 __all__ = [
