@@ -44,6 +44,8 @@ struct Stream {
     /// Text held back because it may be the start of a stop.
     held: String,
     stops: Box<[String]>,
+    /// The longest stop's bytes.
+    longest: usize,
 }
 
 /// Many requests' text streams over one tokenizer's table of token bytes.
@@ -151,11 +153,13 @@ impl TextStreams {
                 unique.push(s);
             }
         }
+        let longest = unique.iter().map(String::len).max().unwrap_or(0);
         let stream = Stream {
             pending: Vec::new(),
             run: Vec::new(),
             held: String::new(),
             stops: unique.into(),
+            longest,
         };
         self.streams.insert(id, stream);
         Ok(())
@@ -302,11 +306,10 @@ impl Stream {
 
     /// Bytes in the longest suffix of `buf` that is a proper prefix of a stop.
     fn partial_len(&self, buf: &str) -> usize {
-        let longest = self.stops.iter().map(String::len).max().unwrap_or(0);
         let mut best = 0;
         for (i, _) in buf.char_indices().rev() {
             let tail = &buf[i..];
-            if tail.len() >= longest {
+            if tail.len() >= self.longest {
                 break;
             }
             if self
@@ -325,15 +328,20 @@ impl Stream {
 mod tests {
     use super::*;
 
-    /// A table from each token's bytes.
-    fn streams(tokens: &[&[u8]]) -> TextStreams {
+    /// Streams over a table of each token's bytes, with its byte-fallback
+    /// and skipped tokens.
+    fn streams_with(tokens: &[&[u8]], byte_tokens: &[u32], skipped: &[u32]) -> TextStreams {
         let mut bytes = Vec::new();
         let mut offsets = vec![0];
         for t in tokens {
             bytes.extend_from_slice(t);
             offsets.push(bytes.len());
         }
-        TextStreams::new(bytes, offsets, &[], &[]).unwrap()
+        TextStreams::new(bytes, offsets, byte_tokens, skipped).unwrap()
+    }
+
+    fn streams(tokens: &[&[u8]]) -> TextStreams {
+        streams_with(tokens, &[], &[])
     }
 
     fn run(s: &mut TextStreams, id: u64, tokens: &[u32]) -> (String, bool) {
@@ -375,13 +383,7 @@ mod tests {
     fn a_byte_fallback_run_shows_characters_as_they_complete() {
         // Tokens: 0 "x", 1 <0xE2>, 2 <0x82>, 3 <0xAC>, 4 <0x41> ("A"), 5 a skipped special.
         let tokens: &[&[u8]] = &[b"x", b"\xe2", b"\x82", b"\xac", b"A", b""];
-        let mut bytes = Vec::new();
-        let mut offsets = vec![0];
-        for t in tokens {
-            bytes.extend_from_slice(t);
-            offsets.push(bytes.len());
-        }
-        let mut s = TextStreams::new(bytes, offsets, &[1, 2, 3, 4], &[5]).unwrap();
+        let mut s = streams_with(tokens, &[1, 2, 3, 4], &[5]);
         s.add(1, vec![]).unwrap();
         // A valid run, a special token inside it: "€".
         assert_eq!(run(&mut s, 1, &[1, 5, 2, 3, 0]), ("€x".into(), false));

@@ -70,7 +70,6 @@ class RequestState:
     detok: IncrementalDetokenizer | None
     stops: StopStringMatcher | None
     generated: int = 0
-    native: bool = False  # text and stop strings in the processor's TextStreams
 
 
 # The sampler's logprob outputs for a step's rows, on the host: the chosen
@@ -113,7 +112,7 @@ class OutputProcessor:
         """Start serving an admitted request."""
         if self._streams is not None:
             self._streams.add(request_id, list(params.stop or ()))
-            self._states[request_id] = RequestState(params, len(prompt), None, None, native=True)
+            self._states[request_id] = RequestState(params, len(prompt), None, None)
             return
         detok = None
         if self.tokenizer is not None:
@@ -135,8 +134,7 @@ class OutputProcessor:
         state = self._states.pop(request_id, None)
         if state is None:
             return None
-        if state.native:
-            assert self._streams is not None
+        if self._streams is not None:
             text = self._streams.finish(request_id) or ""
         else:
             text = state.stops.flush() if state.stops is not None else ""

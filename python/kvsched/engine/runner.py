@@ -368,8 +368,10 @@ class Engine:
         # The plan dispatched and not resolved yet (overlap); the stand-in for
         # a previous step's sampled tokens when there is none is set apart.
         self._inflight: _Launched | None = None
-        # Each live request's sampling row, made once (see `_sampling_batch`).
+        # Each live request's sampling row, made once (see `_sampling_batch`),
+        # and how many may be kept (see `_ended`).
         self._sampling_rows: dict[int, SamplingRow] = {}
+        self._sampling_rows_limit = 4 * self.scheduler.plan_shape["max_seqs"] + 64
 
     def _sampling_batch(self, plan: kvsched.StepPlan, *, keep: bool = True) -> SamplingBatch:
         """The plan's sampling arrays. `keep`: the plan is this engine's
@@ -393,10 +395,7 @@ class Engine:
         limit, the rows are made again as plans need them."""
         for r in request_ids:
             self._sampling_rows.pop(r, None)
-        if (
-            len(self._sampling_rows) > 64
-            and len(self._sampling_rows) > 4 * self.scheduler.plan_shape["max_seqs"]
-        ):
+        if len(self._sampling_rows) > self._sampling_rows_limit:
             self._sampling_rows.clear()
 
     def _run(self, inputs: StepInputs[HostArray], batch: SamplingBatch) -> Sampled:

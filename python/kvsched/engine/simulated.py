@@ -567,26 +567,13 @@ def smollm2_tokenizer(name: str = "simulated") -> SimulatedTokenizer:
     from gguf import GGUFReader
 
     from kvsched import model_files
-    from kvsched.engine.loaders.gguf_llama import (
-        GGUFModel,
-        _field,
-        config_from_gguf,
-        load_gguf_tokenizer,
-    )
+    from kvsched.engine.loaders.gguf_file import gguf_model
+    from kvsched.engine.loaders.gguf_llama import config_from_gguf, load_gguf_tokenizer
 
     reader = GGUFReader(str(model_files.fetch()))
     config = dataclasses.replace(config_from_gguf(reader), name=name)
     tokenizer, special = load_gguf_tokenizer(reader)
-
-    def token_id(key: str) -> int | None:
-        v = _field(reader, key)
-        return None if v is None else int(v)
-
-    gg = GGUFModel(config=config, params=cast(Any, {}), tokenizer=tokenizer,
-                   chat_template=_field(reader, "tokenizer.chat_template"),
-                   bos_token_id=token_id("tokenizer.ggml.bos_token_id"),
-                   eos_token_id=token_id("tokenizer.ggml.eos_token_id"),
-                   special_tokens=special)  # fmt: skip
+    gg = gguf_model(reader, config, cast(Any, {}), tokenizer, special)
     eos = () if gg.eos_token_id is None else (gg.eos_token_id,)
     return SimulatedTokenizer(tokenizer, gg.encode_chat if gg.chat_template else None, eos,
                               config)  # fmt: skip
