@@ -9,16 +9,18 @@ The tiers (markers registered in pyproject.toml; --strict-markers refuses others
 
     pytest -m "not slow" tests benches      # the quick tier
     pytest -m "not slow and not model and not subprocess" tests benches
-    pytest tests benches --benchmark-disable  # everything, as .ci/run runs it
+    pytest tests benches --benchmark-disable -n 2  # everything, as .ci/run runs it
 
 `slow` tests take more than a few seconds each (4 s or more in a full run on a
 shared 2-core machine); `model` tests need the real SmolLM2 GGUF; `subprocess`
-tests start other processes.
+tests start other processes; an `alone` test times the machine, and under
+pytest-xdist (.ci/run runs two workers) no other test runs beside it.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -70,3 +72,37 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         names = SLOW_ELSEWHERE.get(item.path.name)
         if names and (item.name in names or getattr(item, "originalname", None) in names):
             item.add_marker(pytest.mark.slow)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # With workers (pytest-xdist, .ci/run's -n 2, handing out one test at a
+        # time), the longest tests start first, so none starts last on one worker
+        # while the other idles: slow tests of the real models (the peer checks,
+        # the examples), then the other slow ones, then the rest, each group in
+        # file order (a stable sort). The workers collect, and sort alike.
+        items.sort(key=_weight)
+
+
+def _weight(item: pytest.Item) -> int:
+    marks = {m.name for m in item.iter_markers()}
+    if "slow" not in marks:
+        return 2
+    return 0 if marks & {"model", "gemma"} else 1
+
+
+@pytest.fixture(autouse=True)
+def _share_the_machine(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Under pytest-xdist, a test marked `alone` (one that times the machine:
+    calibration, the overlap benchmark's idle shares) runs while no other worker
+    runs a test: every test holds a shared lock on one file of this run, an
+    `alone` test the exclusive one. Without workers, nothing to do."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    import fcntl  # POSIX, as the machines this suite runs on are
+
+    # The workers' temporary folders share this run's parent (pytest removes old ones).
+    factory: pytest.TempPathFactory = request.getfixturevalue("tmp_path_factory")
+    lock = factory.getbasetemp().parent / "alone.lock"
+    alone = request.node.get_closest_marker("alone") is not None
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        yield

@@ -72,9 +72,10 @@ def cut_to_tokens(model, text: str, n: int, start: int) -> str:
     make at least n tokens."""
     lines = text[text.index("\n", start) + 1 :].splitlines(keepends=True)
     for i in range(1, len(lines) + 1):
-        out = "".join(lines[:i])
+        # Counted as returned (without the trailing newlines, which are tokens too).
+        out = "".join(lines[:i]).rstrip("\n")
         if len(model.encode_prompt(out)) >= n:
-            return out.rstrip("\n")
+            return out
     raise ValueError(f"the manual has fewer than {n} tokens from {start}")
 
 

@@ -19,7 +19,7 @@ pytest.importorskip("gguf")
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = [pytest.mark.slow, pytest.mark.subprocess, pytest.mark.model]
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess, pytest.mark.model, pytest.mark.alone]
 
 COMMON = {"part", "seqs", "step_ms", "overlap", "device_idle", "host_ms_per_step",
           "device_step_ms", "wall_ms_per_step", "steps", "wall_s", "requests_ended",

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.model, pytest.mark.subprocess]
+pytestmark = [pytest.mark.model, pytest.mark.subprocess, pytest.mark.slow]
 
 for name in ("torch", "transformers", "accelerate", "gguf", "jax"):
     pytest.importorskip(name, reason=f"the peer check needs {name}")
