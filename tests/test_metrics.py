@@ -134,3 +134,44 @@ def test_every_family_has_one_name_and_openmetrics_parses_it(served):
     assert len(names) == len(set(names)), "a family name appears twice"
     families = list(om_parse(om_latest(registry).decode()))
     assert len(families) == len(names)
+
+
+def test_the_gauges_routers_read_carry_vllms_names_and_the_schedulers_figures():
+    """vllm:num_requests_waiting / _running / kv_cache_usage_perc and
+    vllm:cache_config_info (what the Gateway API Inference Extension's endpoint
+    picker and llm-d read by default), scraped after every step of a load with a
+    queue: each is the scheduler's own figure at that moment, labelled as vLLM
+    labels it; without a model name, none of them."""
+    cfg = kvsched.SchedulerConfig(
+        num_blocks=65, block_size=BS, max_num_seqs=2, max_batched_tokens=32, max_seq_len=128,
+        overhead_reserve=0.0, max_waiting=8,
+    )  # fmt: skip
+    sched = kvsched.Scheduler(cfg)
+    sched.add_tenant(kvsched.TenantConfig("gold", tier=0))
+    eng = FakeEngine(sched, 65, BS)
+    registry = CollectorRegistry()
+    registry.register(SchedulerCollector(sched, vllm_model_name="smollm2-135m-instruct"))
+    plain = CollectorRegistry()
+    plain.register(SchedulerCollector(sched))
+    for k in range(5):
+        eng.submit("gold", ids(20, start=30 * k), 12, now=0.0)
+    lab = (("engine", "0"), ("model_name", "smollm2-135m-instruct"))
+    seen = []
+    now = 0.0
+    while sched.live_requests:
+        eng.step(now)
+        now += 0.01
+        got, st = scrape(registry), sched.stats()
+        assert got[("vllm:num_requests_waiting", lab)] == st["waiting"]
+        assert got[("vllm:num_requests_running", lab)] == st["running"]
+        usage = got[("vllm:kv_cache_usage_perc", lab)]
+        assert usage == pytest.approx(st["pool"]["used"] / st["pool"]["total"])
+        assert 0.0 <= usage <= 1.0
+        info = {k: v for (name, k), v in got.items() if name == "vllm:cache_config_info"}
+        assert info == {(("block_size", str(BS)), ("enable_prefix_caching", "True"),
+                         ("engine", "0"), ("num_gpu_blocks", "65")): 1.0}  # fmt: skip
+        assert not any(name.startswith("vllm:") for name, _ in scrape(plain))
+        seen.append((st["running"], st["waiting"], usage))
+    # Mid-load: running and waiting at once, and pages in use.
+    assert any(r == 2 and w > 0 and u > 0 for r, w, u in seen), seen
+    assert seen[-1] == (0, 0, 0.0)

@@ -189,6 +189,45 @@ def test_left_out_sampling_is_openais_unless_the_model_sets_its_own(tiny):
         greedy_model.stop()
 
 
+def test_metrics_carry_the_gauges_routers_read_under_vllms_names_unless_turned_off(tiny):
+    """/metrics has vLLM's names for what the Gateway API Inference Extension and
+    llm-d scrape (kvsched.metrics), labelled with the served model name, beside
+    kvsched's own figures from the same scrape; `vllm_metrics=False`
+    (`kvsched serve --no-vllm-metrics`) leaves them out."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvsched.cli import build_parser
+
+    def scrape(url: str) -> dict[str, dict[tuple, float]]:
+        out: dict[str, dict[tuple, float]] = {}
+        for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+            for s in fam.samples:
+                out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+        return out
+
+    tiny.client().completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=2)
+    got = scrape(tiny.url)
+    lab = (("engine", "0"), ("model_name", "tiny-llama"))
+    assert got["vllm:num_requests_running"] == {lab: got["kvsched_running"][()]}
+    assert got["vllm:num_requests_waiting"] == {lab: got["kvsched_waiting"][()]}
+    used, total = got["kvsched_pool_used_blocks"][()], got["kvsched_pool_total_blocks"][()]
+    assert got["vllm:kv_cache_usage_perc"] == {lab: used / total}
+    cfg = tiny.server.scheduler.config
+    [(labels, one)] = got["vllm:cache_config_info"].items()
+    assert one == 1.0 and dict(labels) == {
+        "block_size": str(cfg.block_size), "num_gpu_blocks": str(cfg.num_blocks),
+        "enable_prefix_caching": str(cfg.prefix_caching), "engine": "0"}  # fmt: skip
+    off = tiny_server(vllm_metrics=False)
+    try:
+        assert "kvsched_running" in scrape(off.url)
+        assert not [n for n in scrape(off.url) if n.startswith("vllm:")]
+    finally:
+        off.stop()
+    serve = ["serve", "--tenants", "tenants.toml"]
+    assert build_parser().parse_args([*serve, "--no-vllm-metrics"]).no_vllm_metrics
+    assert not build_parser().parse_args(serve).no_vllm_metrics
+
+
 def test_generation_config_sampling_defaults_are_read_and_checked(tmp_path):
     from kvsched.engine.loaders.hf_dir import sampling_defaults
 

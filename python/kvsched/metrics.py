@@ -12,6 +12,19 @@ with a prometheus_client registry::
 
 Every metric is prefixed `kvsched_`; per-tenant ones carry a `tenant` label.
 The engine reports what only it knows with `record_recompiles(n)`.
+
+With `vllm_model_name`, the collector also exports, from the same snapshot, the
+gauges that routers scrape from vLLM by default (the Gateway API Inference
+Extension's endpoint picker, llm-d's inference scheduler), under vLLM's names
+and with their meaning: `vllm:num_requests_waiting` (admitted, not running),
+`vllm:num_requests_running` (sequences in the running set) and
+`vllm:kv_cache_usage_perc` (a fraction 0-1, despite the name: pages referenced
+by a request over allocatable pages; cached pages nobody references count as
+free, as in vLLM), each labelled `model_name` and `engine` ("0"), and
+`vllm:cache_config_info` (value 1; labels `block_size`, `num_gpu_blocks`,
+`enable_prefix_caching`, `engine`). What admission has promised beyond the
+pages in use (kvsched reserves each request's final length) is
+`kvsched_pool_committed_blocks`, which no router reads.
 """
 
 from __future__ import annotations
@@ -104,10 +117,12 @@ class SchedulerCollector(Collector):
         *,
         model: Mapping[str, str] | None = None,
         prefix: str = "kvsched",
+        vllm_model_name: str | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.model = dict(model or {})
         self.prefix = prefix
+        self.vllm_model_name = vllm_model_name
         self._recompiles = 0
         self._lock = threading.Lock()
 
@@ -234,6 +249,34 @@ class SchedulerCollector(Collector):
             )  # fmt: skip
             info.add_metric([self.model[k] for k in sorted(self.model)], 1.0)
             yield info
+        if self.vllm_model_name is not None:
+            yield from self._vllm(st)
+
+    def _vllm(self, st: Mapping[str, Any]) -> Iterator[Metric]:
+        """vLLM's names for what routers read (see the module), from stats `st`."""
+        labels, values = ["model_name", "engine"], [self.vllm_model_name or "", "0"]
+        pool: Mapping[str, Any] = st["pool"]
+        for name, doc, value in (
+            ("num_requests_waiting", "Admitted requests not running (vLLM's name).",
+             st["waiting"]),
+            ("num_requests_running", "Sequences in the running set (vLLM's name).",
+             st["running"]),
+            ("kv_cache_usage_perc",
+             "KV-cache usage as a fraction 0-1 (1 is 100%): pages referenced / allocatable "
+             "pages (vLLM's name).", pool["used"] / pool["total"]),
+        ):  # fmt: skip
+            g = GaugeMetricFamily(f"vllm:{name}", doc, labels=labels)
+            g.add_metric(values, value)
+            yield g
+        cfg = self.scheduler.config
+        info = {"block_size": str(cfg.block_size), "num_gpu_blocks": str(cfg.num_blocks),
+                "enable_prefix_caching": str(cfg.prefix_caching), "engine": "0"}  # fmt: skip
+        g = GaugeMetricFamily(
+            "vllm:cache_config_info", "The KV cache's configuration (vLLM's name).",
+            labels=list(info),
+        )  # fmt: skip
+        g.add_metric(list(info.values()), 1.0)
+        yield g
 
 
 class EngineLoopCollector(Collector):

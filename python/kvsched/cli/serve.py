@@ -207,7 +207,8 @@ def _load(args: argparse.Namespace, tenants: Any, end_at: float | None,
                           aliases=names[1:], max_body_bytes=args.max_body_bytes,
                           drain_seconds=args.drain_seconds, end_at=end_at,
                           sampling_defaults=defaults, read_timeout_s=args.read_timeout,
-                          max_connections=args.max_connections or None)  # fmt: skip
+                          max_connections=args.max_connections or None,
+                          vllm_metrics=not args.no_vllm_metrics)  # fmt: skip
     device = getattr(m.engine, "device", None)
     if args.model == "simulated" and device is not None:
         from kvsched.engine.simulated import SimulatedDeviceCollector, describe_step_time
@@ -382,6 +383,11 @@ def add_parsers(sub: Any) -> None:
                    help="control tokens written in a chat message's content (<|im_end|>...) "
                    "act as control tokens, as transformers does; default: they are text, so "
                    "a user cannot end their turn and fake a system one")  # fmt: skip
+    v.add_argument("--no-vllm-metrics", action="store_true",
+                   help="leave out of /metrics the gauges routers read from vLLM, under "
+                   "vLLM's names (vllm:num_requests_waiting, vllm:num_requests_running, "
+                   "vllm:kv_cache_usage_perc, vllm:cache_config_info; default: exported)",
+                   )  # fmt: skip
     v.add_argument("--access-log-probes", action="store_true",
                    help="access-log /health, /ready and /metrics too (default: not)")  # fmt: skip
     v.add_argument("--log-level", default="info",

@@ -169,7 +169,8 @@ class OpenAIServer(ServerLifecycle):
     endpoint is refused, "no tokenizer"); `encode_prompt(text) -> token ids` a
     completion's text as the model reads it (None: the text's tokens alone, no
     BOS). `aliases` are other names clients may give as `model`. `end_at` is a
-    Unix time.
+    Unix time. `vllm_metrics`: /metrics also has the gauges routers read from
+    vLLM, under vLLM's names (kvsched.metrics).
     """
 
     def __init__(
@@ -188,6 +189,7 @@ class OpenAIServer(ServerLifecycle):
         sampling_defaults: Mapping[str, float] | None = None,
         read_timeout_s: float = 30.0,
         max_connections: int | None = 1024,
+        vllm_metrics: bool = True,
     ) -> None:
         self.engine = engine
         self.scheduler = engine.scheduler
@@ -233,7 +235,10 @@ class OpenAIServer(ServerLifecycle):
         self.scheduler_table: dict[str, Any] | None = None
         self.registry = CollectorRegistry()
         info = {**engine.engine.model_info(), "name": model_name}
-        self.registry.register(SchedulerCollector(self.scheduler, model=info))
+        # vLLM's gauge names beside ours, for routers that scrape them (kvsched.metrics).
+        vllm_name = model_name if vllm_metrics else None
+        self.registry.register(SchedulerCollector(self.scheduler, model=info,
+                                                  vllm_model_name=vllm_name))  # fmt: skip
         self.registry.register(EngineLoopCollector(engine))
         self.tenants.apply(self.scheduler)  # the file's tenants, before any request
         self.app = self._build_app()
