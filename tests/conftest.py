@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -67,18 +68,29 @@ SLOW_ELSEWHERE: dict[str, set[str]] = {
 }
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         names = SLOW_ELSEWHERE.get(item.path.name)
         if names and (item.name in names or getattr(item, "originalname", None) in names):
             item.add_marker(pytest.mark.slow)
-    if os.environ.get("PYTEST_XDIST_WORKER"):
+    if _is_worker(config):
         # With workers (pytest-xdist, .ci/run's -n 2, handing out one test at a
         # time), the longest tests start first, so none starts last on one worker
-        # while the other idles: slow tests of the real models (the peer checks,
-        # the examples), then the other slow ones, then the rest, each group in
-        # file order (a stable sort). The workers collect, and sort alike.
-        items.sort(key=_weight)
+        # while the other idles: files with slow tests of the real models (the
+        # peer checks, the examples), then files with other slow tests, then the
+        # rest. A file keeps its tests together (its module fixtures are made
+        # once per worker), in file order (a stable sort). The workers collect,
+        # and sort alike.
+        first: dict[Path, int] = {}
+        for item in items:
+            first[item.path] = min(first.get(item.path, 2), _weight(item))
+        items.sort(key=lambda item: first[item.path])
+
+
+def _is_worker(config: pytest.Config) -> bool:
+    """A pytest-xdist worker's session (not one a test started: the variable
+    pytest-xdist sets is inherited by child processes, its config entry not)."""
+    return hasattr(config, "workerinput")
 
 
 def _weight(item: pytest.Item) -> int:
@@ -88,21 +100,25 @@ def _weight(item: pytest.Item) -> int:
     return 0 if marks & {"model", "gemma"} else 1
 
 
-@pytest.fixture(autouse=True)
-def _share_the_machine(request: pytest.FixtureRequest) -> Iterator[None]:
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[object]:
     """Under pytest-xdist, a test marked `alone` (one that times the machine:
     calibration, the overlap benchmark's idle shares) runs while no other worker
-    runs a test: every test holds a shared lock on one file of this run, an
-    `alone` test the exclusive one. Without workers, nothing to do."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        yield
-        return
+    runs a test: every test (benches' included), from its fixtures' set-up to
+    their teardown, holds a shared lock on one file of this run, an `alone` test
+    the exclusive one. A second file is a turnstile each test passes through
+    exclusively to ask for its lock, so a waiting `alone` test is not starved by
+    other workers' shared locks overlapping. Without workers, nothing to do."""
+    if not _is_worker(item.config):
+        return (yield)
     import fcntl  # POSIX, as the machines this suite runs on are
 
     # The workers' temporary folders share this run's parent (pytest removes old ones).
-    factory: pytest.TempPathFactory = request.getfixturevalue("tmp_path_factory")
-    lock = factory.getbasetemp().parent / "alone.lock"
-    alone = request.node.get_closest_marker("alone") is not None
-    with open(lock, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        yield
+    factory: pytest.TempPathFactory = item.config._tmp_path_factory  # type: ignore[attr-defined]
+    run = factory.getbasetemp().parent
+    alone = item.get_closest_marker("alone") is not None
+    with open(run / "alone.lock", "a") as lock:
+        with open(run / "alone.turnstile", "a") as turnstile:
+            fcntl.flock(turnstile, fcntl.LOCK_EX)
+            fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        return (yield)

@@ -157,7 +157,7 @@ def test_calibration_on_cpu_predicts_held_out_steps(tmp_path):
     doc). Three token buckets compile (most of the test's time)."""
     pytest.importorskip("jax")
     path = tmp_path / "tiny.json"
-    one_thread = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    one_thread = "--xla_cpu_multi_thread_eigen=false"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": one_thread}
     done = subprocess.run([sys.executable, "-c", _CALIBRATE, str(path)], env=env,
                           capture_output=True, text=True, timeout=600)  # fmt: skip

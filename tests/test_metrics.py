@@ -167,6 +167,7 @@ def test_the_gauges_routers_read_carry_vllms_names_and_the_schedulers_figures():
         usage = got[("vllm:kv_cache_usage_perc", lab)]
         assert usage == pytest.approx(st["pool"]["used"] / st["pool"]["total"])
         assert 0.0 <= usage <= 1.0
+        assert got[("vllm:gpu_cache_usage_perc", lab)] == usage  # the older name
         info = {k: v for (name, k), v in got.items() if name == "vllm:cache_config_info"}
         assert info == {(("block_size", str(BS)), ("enable_prefix_caching", "True"),
                          ("engine", "0"), ("num_gpu_blocks", "65")): 1.0}  # fmt: skip

@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("xdist", reason="the parallel run needs pytest-xdist (the test extra)")
 
-pytestmark = [pytest.mark.subprocess]
+pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
 
 TESTS = Path(__file__).resolve().parent
 
@@ -26,10 +26,10 @@ spec = importlib.util.spec_from_file_location("kvsched_conftest", {str(TESTS / "
 ours = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(ours)
 pytest_collection_modifyitems = ours.pytest_collection_modifyitems
-_share_the_machine = ours._share_the_machine
+pytest_runtest_protocol = ours.pytest_runtest_protocol
 """
 
-SUITE = """
+RECORD = """
 import json, os, time
 import pytest
 
@@ -38,11 +38,17 @@ def record(name, seconds):
     time.sleep(seconds)
     with open(os.environ["RUNS"], "a") as f:
         f.write(json.dumps([name, start, time.time()]) + "\\n")
+"""
 
+# Collected first (file order): ten quick tests.
+QUICK = """
 @pytest.mark.parametrize("i", range(10))
 def test_quick(i):
     record(f"quick{i}", 0.15)
+"""
 
+# Collected last: the slow ones.
+SLOW = """
 @pytest.mark.slow
 @pytest.mark.alone
 def test_times_the_machine():
@@ -56,12 +62,13 @@ def test_long():
 
 def test_an_alone_test_runs_with_no_other_beside_it_and_slow_tests_start_first(tmp_path):
     (tmp_path / "conftest.py").write_text(CONFTEST)
-    (tmp_path / "test_suite.py").write_text(SUITE)
+    (tmp_path / "test_a_quick.py").write_text(RECORD + QUICK)
+    (tmp_path / "test_b_slow.py").write_text(RECORD + SLOW)
     runs = tmp_path / "runs.jsonl"
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
          "--dist", "load", "--maxschedchunk", "1", "-W", "ignore::pytest.PytestUnknownMarkWarning",
-         "--basetemp", str(tmp_path / "base"), str(tmp_path / "test_suite.py")],
+         "--basetemp", str(tmp_path / "base"), "test_a_quick.py", "test_b_slow.py"],
         cwd=tmp_path, capture_output=True, text=True, timeout=120,
         env={**os.environ, "RUNS": str(runs)},
     )  # fmt: skip
@@ -72,8 +79,8 @@ def test_an_alone_test_runs_with_no_other_beside_it_and_slow_tests_start_first(t
     a0, a1 = when["alone"]
     beside = [n for n, (s, e) in when.items() if n != "alone" and s < a1 and e > a0]
     assert beside == [], f"ran beside the alone test: {beside}"
-    # The slow tests were handed out first: in file order six or more quick
-    # ones would have started before the last of them.
+    # The slow file's tests were handed out first: in file order six or more
+    # quick ones would have started before the last of them.
     last_slow = max(a0, when["long"][0])
     before = [n for n, (s, _) in when.items() if n.startswith("quick") and s < last_slow]
     assert len(before) <= 3, before

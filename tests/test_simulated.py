@@ -190,6 +190,7 @@ def test_the_walk_reads_as_the_text():
         TokenWalk([1, 99], 64)
 
 
+@pytest.mark.alone  # times the machine (tests/conftest.py)
 def test_the_device_takes_its_step_time():
     """Serial steps of 30 ms take at least that each; the device counts that
     much busy time a step; three times the step time is about three times the
@@ -231,6 +232,7 @@ def test_a_step_cost_charges_each_plan_by_its_tokens_and_kv():
     assert eng.device.stats()["busy_s"] - before["busy_s"] == pytest.approx(short, rel=1e-6)
 
 
+@pytest.mark.alone  # times the machine (tests/conftest.py)
 def test_overlap_hides_the_host_behind_the_device():
     """The same workload at 5 ms a step: with overlap the device idles less."""
 

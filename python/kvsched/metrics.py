@@ -20,7 +20,8 @@ and with their meaning: `vllm:num_requests_waiting` (admitted, not running),
 `vllm:num_requests_running` (sequences in the running set) and
 `vllm:kv_cache_usage_perc` (a fraction 0-1, despite the name: pages referenced
 by a request over allocatable pages; cached pages nobody references count as
-free, as in vLLM), each labelled `model_name` and `engine` ("0"), and
+free, as in vLLM; also as `vllm:gpu_cache_usage_perc`, the older name early
+endpoint pickers read), each labelled `model_name` and `engine` ("0"), and
 `vllm:cache_config_info` (value 1; labels `block_size`, `num_gpu_blocks`,
 `enable_prefix_caching`, `engine`). What admission has promised beyond the
 pages in use (kvsched reserves each request's final length) is
@@ -264,6 +265,9 @@ class SchedulerCollector(Collector):
             ("kv_cache_usage_perc",
              "KV-cache usage as a fraction 0-1 (1 is 100%): pages referenced / allocatable "
              "pages (vLLM's name).", pool["used"] / pool["total"]),
+            ("gpu_cache_usage_perc",
+             "The same as vllm:kv_cache_usage_perc, under the older name the Gateway API "
+             "Inference Extension's first endpoint pickers read.", pool["used"] / pool["total"]),
         ):  # fmt: skip
             g = GaugeMetricFamily(f"vllm:{name}", doc, labels=labels)
             g.add_metric(values, value)

@@ -384,10 +384,8 @@ def add_parsers(sub: Any) -> None:
                    "act as control tokens, as transformers does; default: they are text, so "
                    "a user cannot end their turn and fake a system one")  # fmt: skip
     v.add_argument("--no-vllm-metrics", action="store_true",
-                   help="leave out of /metrics the gauges routers read from vLLM, under "
-                   "vLLM's names (vllm:num_requests_waiting, vllm:num_requests_running, "
-                   "vllm:kv_cache_usage_perc, vllm:cache_config_info; default: exported)",
-                   )  # fmt: skip
+                   help="leave out of /metrics the vllm:* gauges: what routers read from "
+                   "vLLM, under vLLM's names (default: exported)")  # fmt: skip
     v.add_argument("--access-log-probes", action="store_true",
                    help="access-log /health, /ready and /metrics too (default: not)")  # fmt: skip
     v.add_argument("--log-level", default="info",
