@@ -79,18 +79,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         # while the other idles: files with slow tests of the real models (the
         # peer checks, the examples), then files with other slow tests, then the
         # rest. A file keeps its tests together (its module fixtures are made
-        # once per worker), in file order (a stable sort). The workers collect,
-        # and sort alike.
+        # once per worker), in file order (a stable sort). Tests marked `alone`
+        # come last: one waits for the other worker's current test to end, short
+        # by then (first, it waited minutes behind a peer check, idle).
+        # The workers collect, and sort alike.
         first: dict[Path, int] = {}
         for item in items:
             first[item.path] = min(first.get(item.path, 2), _weight(item))
-        items.sort(key=lambda item: first[item.path])
+        items.sort(key=lambda item: 3 if _alone(item) else first[item.path])
 
 
 def _is_worker(config: pytest.Config) -> bool:
     """A pytest-xdist worker's session (not one a test started: the variable
     pytest-xdist sets is inherited by child processes, its config entry not)."""
     return hasattr(config, "workerinput")
+
+
+def _alone(item: pytest.Item) -> bool:
+    return item.get_closest_marker("alone") is not None
 
 
 def _weight(item: pytest.Item) -> int:
@@ -116,7 +122,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     # The workers' temporary folders share this run's parent (pytest removes old ones).
     factory: pytest.TempPathFactory = item.config._tmp_path_factory  # type: ignore[attr-defined]
     run = factory.getbasetemp().parent
-    alone = item.get_closest_marker("alone") is not None
+    alone = _alone(item)
     with open(run / "alone.lock", "a") as lock:
         with open(run / "alone.turnstile", "a") as turnstile:
             fcntl.flock(turnstile, fcntl.LOCK_EX)

@@ -694,6 +694,7 @@ def steps_to_first_token(running: Running, key: str, prompt: list[int]) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # counts steps while a client reads: load beside it adds some
 def test_tier_zero_waits_at_most_two_steps_more_than_idle_while_tier_two_floods():
     """Eight long tier-2 streams fill the running set (4) and its queue; a
     tier-0 request still gets its first token within 2 steps of its idle
