@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -76,17 +75,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if _is_worker(config):
         # With workers (pytest-xdist, .ci/run's -n 2, handing out one test at a
         # time), the longest tests start first, so none starts last on one worker
-        # while the other idles: files with slow tests of the real models (the
-        # peer checks, the examples), then files with other slow tests, then the
-        # rest. A file keeps its tests together (its module fixtures are made
-        # once per worker), in file order (a stable sort). Tests marked `alone`
-        # come last: one waits for the other worker's current test to end, short
-        # by then (first, it waited minutes behind a peer check, idle).
-        # The workers collect, and sort alike.
-        first: dict[Path, int] = {}
-        for item in items:
-            first[item.path] = min(first.get(item.path, 2), _weight(item))
-        items.sort(key=lambda item: 3 if _alone(item) else first[item.path])
+        # while the other idles: slow tests of the real models (the peer checks,
+        # the examples), then other slow tests, then the rest, each group in
+        # file order (a stable sort). Tests marked `alone` come last: one waits
+        # for the other worker's current test to end, short by then (first, it
+        # waited minutes behind a peer check, idle). Keeping a file's tests
+        # together (its module fixtures made once) made the run slower: 31 min
+        # against 27, the real-model tests overlapping longer. The workers
+        # collect, and sort alike.
+        items.sort(key=lambda item: 3 if _alone(item) else _weight(item))
 
 
 def _is_worker(config: pytest.Config) -> bool:
