@@ -119,6 +119,31 @@ def test_temperature_sampling_is_seeded():
     assert sample(0) != [greedy_dense(PARAMS, MODEL, [1, 2, 3, 4, 5], 10)]
 
 
+def test_setting_the_seed_is_reseeding_even_for_a_request_under_way():
+    """`engine.seed = 7` and `engine.reseed(7)` are one act: a request without a
+    seed of their own draws from 7 from the next step on, though its sampling
+    row (the old seed mixed in) was made and kept at its first step."""
+
+    def sample(change) -> list[int]:
+        cfg = kvsched.SchedulerConfig(num_blocks=96, block_size=4, max_num_seqs=4,
+                                      max_batched_tokens=32, max_seq_len=96)  # fmt: skip
+        eng = Engine.create(MODEL, PARAMS, cfg, temperature=1.0, seed=0)
+        eng.warmup(progress=False)
+        eng.scheduler.add_tenant(kvsched.TenantConfig("t"))
+        eng.scheduler.submit("t", np.asarray([1, 2, 3, 4, 5], np.int32), 16, now=0.0)
+        for _ in range(3):
+            eng.step(now=0.0)
+        change(eng)
+        out: list[int] = []
+        while eng.scheduler.live_requests:
+            for f in eng.step(now=0.0).events.finished:
+                out = f.output_ids.tolist()
+        return out
+
+    assigned = sample(lambda e: setattr(e, "seed", 7))
+    assert assigned == sample(lambda e: e.reseed(7)) != sample(lambda e: None)
+
+
 def test_a_llama_checkpoint_round_trips_and_bad_shapes_are_refused(tmp_path):
     path = tmp_path / "model.safetensors"
     save_llama_safetensors(PARAMS, path)

@@ -576,10 +576,24 @@ class Engine:
             outputs += self.outputs.endings(events.finished)
         return outputs
 
+    @property
+    def seed(self) -> int:
+        """The seed requests without one of their own draw from (mixed with each
+        request's id). Setting it is `reseed`: the next step draws from it."""
+        return self._seed
+
+    @seed.setter
+    def seed(self, seed: int) -> None:
+        self._seed = seed
+        # Each request's sampling row is made once and kept (its seed mixed in):
+        # those made with the old seed go. (None while __init__ runs.)
+        rows: dict[int, SamplingRow] | None = getattr(self, "_sampling_rows", None)
+        if rows is not None:
+            rows.clear()
+
     def reseed(self, seed: int) -> None:
         """Requests without a seed of their own now draw from `seed`."""
         self.seed = seed
-        self._sampling_rows.clear()
 
     def compiled_programs(self) -> int:
         """Programs the step function compiled so far (one per bucket after warmup)."""
