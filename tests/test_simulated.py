@@ -350,3 +350,7 @@ def test_kvsched_serve_simulated_streams_a_chat(tmp_path, smollm2_tok):
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+    log = proc.stdout.read()
+    # Its warmup says what it does: one step, nothing compiled.
+    assert "one step through the simulated device (nothing to compile)" in log, log[-2000:]
+    assert "programs to compile" not in log

@@ -576,6 +576,8 @@ class Engine:
             outputs += self.outputs.endings(events.finished)
         return outputs
 
+    compiles = True  # warmup compiles a program per token bucket (the stand-in: False)
+
     @property
     def seed(self) -> int:
         """The seed requests without one of their own draw from (mixed with each

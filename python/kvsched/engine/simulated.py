@@ -485,6 +485,8 @@ class SimulatedEngine(Engine):
     def _dispatch(self, inputs: StepInputs[HostArray], batch: SamplingBatch, prev: Any) -> _Outputs:
         return _Outputs(*cast(Any, self.device.dispatch(inputs, batch, prev)))
 
+    compiles = False  # its warmup is one step through the device (see `warmup`)
+
     def compiled_programs(self) -> int:
         """No programs: the stand-in compiles nothing."""
         return 0

@@ -96,10 +96,15 @@ class ServerLifecycle:
 
     def _warm(self) -> None:
         t0 = time.perf_counter()
-        parts = len(self.scheduler.token_buckets) + 1
+        if getattr(self.engine.engine, "compiles", True):
+            parts = len(self.scheduler.token_buckets) + 1
+            log.info("warming up: %d programs to compile (one per token bucket), then one "
+                     "synthetic request; /ready answers 200 once warm", parts - 1)  # fmt: skip
+        else:  # the stand-in model (kvsched.engine.simulated): one step, nothing compiled
+            parts = 1
+            log.info("warming up: one step through the simulated device (nothing to "
+                     "compile); /ready answers 200 once warm")  # fmt: skip
         self.warmup_progress = {"done": 0, "total": parts, "elapsed_s": 0.0}
-        log.info("warming up: %d programs to compile (one per token bucket), then one "
-                 "synthetic request; /ready answers 200 once warm", parts - 1)  # fmt: skip
 
         def progress(done: int, total: int, what: str) -> None:
             elapsed = round(time.perf_counter() - t0, 1)
