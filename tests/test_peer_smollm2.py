@@ -23,8 +23,10 @@ def test_kvsched_serves_smollm2_as_transformers_computes_it():
     smollm2()  # skips with the reason when the model cannot be fetched
     script = Path(__file__).parent / "peer_smollm2.py"
     done = subprocess.run(
-        [sys.executable, str(script), "--runs",
-         "reference:reserve,reference:overcommit,pallas:reserve", "--pallas-prompts", "2"],
+        # The Pallas kernel is checked against the reference elsewhere
+        # (test_engine_attention, test_engine): here the reference against
+        # transformers, in CI's time (`--runs pallas:reserve` by hand).
+        [sys.executable, str(script), "--runs", "reference:reserve,reference:overcommit"],
         capture_output=True, text=True, timeout=1500,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -40,7 +42,5 @@ def test_kvsched_serves_smollm2_as_transformers_computes_it():
     over = by[("reference", "overcommit")]
     assert all(over["greedy_identical"]), over["first_divergence"]
     assert over["preemptions"] > 0, "the pool was short: requests were preempted and recomputed"
-    pallas = by[("pallas", "reserve")]
-    assert all(pallas["greedy_identical"]), pallas["first_divergence"]
     for run in r["runs"]:
         assert run["programs"] == run["buckets"], "nothing compiled after warmup"
