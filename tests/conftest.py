@@ -9,12 +9,13 @@ The tiers (markers registered in pyproject.toml; --strict-markers refuses others
 
     pytest -m "not slow" tests benches      # the quick tier
     pytest -m "not slow and not model and not subprocess" tests benches
-    pytest tests benches --benchmark-disable -n 2  # everything, as .ci/run runs it
+    pytest tests benches --benchmark-disable -n 2 -m "not alone"  # .ci/run: everything,
+    pytest tests benches --benchmark-disable -m alone              # in two passes
 
 `slow` tests take more than a few seconds each (4 s or more in a full run on a
 shared 2-core machine); `model` tests need the real SmolLM2 GGUF; `subprocess`
-tests start other processes; an `alone` test times the machine, and under
-pytest-xdist (.ci/run runs two workers) no other test runs beside it.
+tests start other processes; an `alone` test times the machine: .ci/run runs
+those in a pass of their own, and under pytest-xdist none runs beside another test.
 """
 
 from __future__ import annotations

@@ -255,8 +255,9 @@ class SchedulerCollector(Collector):
 
     def _vllm(self, st: Mapping[str, Any]) -> Iterator[Metric]:
         """vLLM's names for what routers read (see the module), from stats `st`."""
-        labels, values = ["model_name", "engine"], [self.vllm_model_name or "", "0"]
+        labels, values = ["model_name", "engine"], [str(self.vllm_model_name), "0"]
         pool: Mapping[str, Any] = st["pool"]
+        usage = pool["used"] / pool["total"]
         for name, doc, value in (
             ("num_requests_waiting", "Admitted requests not running (vLLM's name).",
              st["waiting"]),
@@ -264,10 +265,10 @@ class SchedulerCollector(Collector):
              st["running"]),
             ("kv_cache_usage_perc",
              "KV-cache usage as a fraction 0-1 (1 is 100%): pages referenced / allocatable "
-             "pages (vLLM's name).", pool["used"] / pool["total"]),
+             "pages (vLLM's name).", usage),
             ("gpu_cache_usage_perc",
              "The same as vllm:kv_cache_usage_perc, under the older name the Gateway API "
-             "Inference Extension's first endpoint pickers read.", pool["used"] / pool["total"]),
+             "Inference Extension's first endpoint pickers read.", usage),
         ):  # fmt: skip
             g = GaugeMetricFamily(f"vllm:{name}", doc, labels=labels)
             g.add_metric(values, value)
