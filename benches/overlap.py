@@ -98,7 +98,8 @@ def window(before: dict[str, float], after: dict[str, float]) -> dict[str, float
 
 
 def engine_cell(n: int, step_ms: float, overlap: bool, *, warm_steps: int, measure_steps: int,
-                seed: int = 0, profile: Any = None) -> dict[str, Any]:  # fmt: skip
+                seed: int = 0, profile: Any = None,
+                per_row: bool = False) -> dict[str, Any]:  # fmt: skip
     import kvsched
     from kvsched.engine.sampling import SamplingParams
     from kvsched.engine.simulated import simulated_engine, smollm2_tokenizer
@@ -140,11 +141,19 @@ def engine_cell(n: int, step_ms: float, overlap: bool, *, warm_steps: int, measu
             if res is None:
                 continue
             done += res.plan is not None
-            for out in res.outputs:
-                tokens += len(out.token_ids)
-                if out.finished:
-                    ended += 1
-                    submit()
+            if per_row:  # a RequestOutput per row, as a per-stream server reads them
+                for out in res.outputs:
+                    tokens += len(out.token_ids)
+                    if out.finished:
+                        ended += 1
+                        submit()
+                continue
+            # The step's outputs as columns (a server that handles a step
+            # whole reads them so).
+            tokens += res.outputs.num_tokens
+            for _ in res.outputs.finished_ids():
+                ended += 1
+                submit()
 
     run(warm_steps)
     ended = tokens = 0
@@ -156,7 +165,8 @@ def engine_cell(n: int, step_ms: float, overlap: bool, *, warm_steps: int, measu
         profile.disable()
     after = eng.device.stats()
     eng.close()
-    cell: dict[str, Any] = {"part": "engine", "seqs": n, "step_ms": step_ms, "overlap": overlap}
+    cell: dict[str, Any] = {"part": "engine", "seqs": n, "step_ms": step_ms, "overlap": overlap,
+                            "outputs": "per_row" if per_row else "columns"}  # fmt: skip
     cell.update(window(before, after))
     cell["requests_ended"] = ended
     cell["tokens_per_step"] = round(tokens / max(cell["steps"], 1), 1)
@@ -438,6 +448,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm-s", type=float, help="serve: seconds before the window (default 4)")
     ap.add_argument("--measure-s", type=float, help="serve: the window (seconds; default 6)")
     ap.add_argument("--out", help="also write the JSON here")
+    ap.add_argument("--per-row", action="store_true",
+                    help="engine: read each step's outputs as a RequestOutput per row "
+                    "(default: as columns, StepOutputs)")  # fmt: skip
     ap.add_argument("--profile", metavar="N:MS", help="profile the engine loop instead")
     ap.add_argument("--profile-steps", type=int, default=300)
     ap.add_argument("--profiler", choices=["cprofile", "pyinstrument"], default="cprofile")
@@ -483,7 +496,8 @@ def main(argv: list[str] | None = None) -> int:
                     load = os.getloadavg()[0]
                     if part == "engine":
                         warm = max(40, 3 * -(-n * 40 // (n + 512)))
-                        cell = engine_cell(n, ms, ov, warm_steps=warm, measure_steps=measure_steps)
+                        cell = engine_cell(n, ms, ov, warm_steps=warm, measure_steps=measure_steps,
+                                           per_row=args.per_row)  # fmt: skip
                     else:
                         cell = serve_cell(n, ms, ov, warm_s=warm_s, measure_s=measure_s)
                     cell["loadavg_1m"] = round(load, 2)

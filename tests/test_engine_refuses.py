@@ -160,7 +160,7 @@ def test_an_overlapped_step_never_resolves_a_sampled_id_outside_the_vocabulary()
         eng.scheduler.stats(now=1.0)["tenants"]["t"]["tokens_out"]
         == before["tenants"]["t"]["tokens_out"]
     )
-    assert rid in eng.outputs and eng.outputs._states[rid].generated == 0
+    assert rid in eng.outputs and eng.outputs.generated(rid) == 0
 
 
 # -- weights and logits that are not finite -------------------------------------------------

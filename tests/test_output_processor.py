@@ -123,3 +123,37 @@ def test_the_finish_reasons_are_one_vocabulary():
 
     assert typing.get_args(kvsched.FinishReason) == kvsched.FINISH_REASONS
     assert "error" in kvsched.FINISH_REASONS
+
+
+def test_a_steps_columns_say_what_its_outputs_say(tok, processor):
+    """StepOutputs: the columns a server reads a step by (`token_ids`,
+    `texts`, `finished`, `finished_ids()`, the counts) say what the
+    RequestOutputs made from them say; a row of a request the processor does
+    not serve is left out; the endings come after the token rows."""
+    p = processor()
+    for rid in (1, 2, 3, 4):
+        p.add(rid, SamplingParams(max_tokens=9, stop=("world",) if rid == 3 else ()),
+              ids(tok, "hi"))  # fmt: skip
+    text = ids(tok, "hello world")
+    for t in text[:-1]:
+        p.process([1, 2, 3, 4], [t] * 4, [], {}, no_logprobs)
+    outs, stopped = p.process([9, 2, 1, 3, 4], [5, text[-1], text[-1], text[-1], text[-1]],
+                              [Ended(1, "length"), Ended(4, "stop")], {}, no_logprobs)  # fmt: skip
+    assert stopped == [3], "the stop string matched for 3"
+    outs.endings += p.endings([Ended(2, "cancelled")])
+    rows = list(outs)
+    assert [o.request_id for o in rows] == [2, 1, 3, 4, 2], "9 is not served; the ending last"
+    assert outs.request_ids.tolist() == [2, 1, 3, 4] and outs.num_tokens == 4 and len(outs) == 5
+    assert outs.token_ids.tolist() == [o.token_ids[0] for o in rows[:4]]
+    assert outs.texts == [o.text for o in rows[:4]]
+    assert outs.finished.tolist() == [False, True, True, True] == [o.finished for o in rows[:4]]
+    assert [outs.finish_reason(i) for i in range(4)] == [None, "length", "stop", "stop"]
+    assert [o.finish_reason for o in rows] == [None, "length", "stop", "stop", "cancelled"]
+    assert outs.finished_ids() == [1, 3, 4, 2]
+    assert outs.completion_tokens.tolist() == [len(text)] * 4
+    assert [o.completion_tokens for o in rows] == [len(text)] * 4 + [len(text)]
+    assert rows[3].text == "", "a stop token is not text"
+    assert outs == rows and outs[1:3] == rows[1:3] and outs[-1] is rows[-1]
+    assert len(p) == 0
+    empty = type(outs).empty()
+    assert empty == [] and empty.finished_ids() == [] and empty.num_tokens == 0

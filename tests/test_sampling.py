@@ -17,10 +17,13 @@ from kvsched.engine.sampling import (
     MAX_LOGPROBS,
     SamplingBatch,
     SamplingParams,
+    SamplingRow,
+    SamplingTable,
     filter_logits,
     mix_seed,
     sample,
     sample_jit,
+    sampling_row,
 )
 
 V = 64
@@ -155,6 +158,53 @@ def test_batch_builder_errors():
     # Greedy rows need no seed at all.
     b = SamplingBatch.build([None, GREEDY], np.arange(2), 4)
     assert not b.any_sampled and not b.seeds.any()
+
+
+def test_the_sampling_table_gathers_what_build_makes_row_by_row():
+    """An engine keeps each live request's row in a SamplingTable (slots
+    reused as requests end, the matrix grown past its capacity): every step's
+    batch equals SamplingBatch.build on the same requests' parameters, made
+    afresh row by row."""
+    rng = np.random.default_rng(7)
+    params: dict[int, SamplingParams] = {}
+    table, made = SamplingTable(capacity=2), []
+    live: list[int] = []
+    next_id, held = 100, 0
+    for _step in range(60):
+        for _ in range(int(rng.integers(0, 4))):  # arrivals
+            seed = None if rng.random() < 0.5 else int(rng.integers(0, 2**62))
+            top_n = None if rng.random() < 0.7 else int(rng.integers(0, 5))
+            p = SamplingParams(temperature=float(rng.choice([0.0, 0.7, 1.3])),
+                               top_p=float(rng.choice([1.0, 0.9])), top_k=int(rng.integers(0, 9)),
+                               seed=seed, logprobs=top_n)  # fmt: skip
+            params[next_id] = p
+            live.append(next_id)
+            next_id += 1
+        rng.shuffle(live)
+        rows = live[:8]
+        pos = rng.integers(0, 500, len(rows))
+
+        def make_row(r: int) -> SamplingRow:
+            made.append(r)
+            return sampling_row(params[r], mix_seed(3, r))
+
+        got = table.batch(rows, pos, 8, make_row)
+        held = max(held, len(table))
+        want = SamplingBatch.build([params[r] for r in rows], pos, 8,
+                                   default_seeds=[mix_seed(3, r) for r in rows])  # fmt: skip
+        for a, b in zip(got.arrays(), want.arrays(), strict=True):
+            np.testing.assert_array_equal(a, b)
+        assert (got.num_rows, got.max_logprobs, got.any_sampled) == (
+            want.num_rows, want.max_logprobs, want.any_sampled)  # fmt: skip
+        for r in list(live):  # departures
+            if rng.random() < 0.25:
+                live.remove(r)
+                table.drop(r)
+    assert len(made) == len(set(made)), "each request's row is made once"
+    assert held > 2, "the table grew past its capacity"
+    assert len(table) <= len(live), "ended requests' rows are gone"
+    table.clear()
+    assert len(table) == 0 and live[0] not in table
 
 
 def test_mix_seed_in_range_and_spread():

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -43,7 +43,13 @@ from kvsched.engine.model import (
     forward_paged,
     weights_checksum,
 )
-from kvsched.engine.outputs import Logprobs, OutputProcessor, RequestOutput, TokenLogprob
+from kvsched.engine.outputs import (
+    Logprobs,
+    OutputProcessor,
+    RequestOutput,
+    StepOutputs,
+    TokenLogprob,
+)
 from kvsched.engine.pool_sizing import (
     PoolSizing,
     kv_bytes_per_block,
@@ -55,6 +61,7 @@ from kvsched.engine.sampling import (
     SamplingBatch,
     SamplingParams,
     SamplingRow,
+    SamplingTable,
     mix_seed,
     sample,
     sampling_row,
@@ -66,6 +73,7 @@ __all__ = [
     "Engine",
     "PoolSizing",
     "RequestOutput",
+    "StepOutputs",
     "StepResult",
     "TokenLogprob",
     "kv_bytes_per_block",
@@ -79,12 +87,32 @@ class StepResult:
     plan: kvsched.StepPlan | None  # None: no plan ran, only endings to report
     events: kvsched.StepEvents | _NoEvents
     seconds: float  # the whole step: plan, model, commit, outputs
-    outputs: list[RequestOutput] = field(default_factory=list)
+    outputs: StepOutputs = field(default_factory=StepOutputs.empty)
     model_seconds: float = 0.0  # of which the jitted model step and sampling
     # Requests this step ended because the engine could not serve them (request
     # id -> why; the core's terminal event says "error" with the same words),
     # also those submitted to the scheduler directly.
     errors: dict[int, str] = field(default_factory=dict)
+
+
+class _PlanRows(Mapping[int, int]):
+    """A plan's row of each request, looked up only for the requests that
+    need it (logprobs): no dictionary of every row a step."""
+
+    def __init__(self, request_ids: npt.NDArray[Any]) -> None:
+        self._ids = request_ids
+
+    def __getitem__(self, request_id: int) -> int:
+        at = np.flatnonzero(self._ids == request_id)
+        if not at.size:
+            raise KeyError(request_id)
+        return int(at[0])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._ids.tolist())
+
+    def __len__(self) -> int:
+        return len(self._ids)
 
 
 class _Outputs(NamedTuple):
@@ -370,7 +398,7 @@ class Engine:
         self._inflight: _Launched | None = None
         # Each live request's sampling row, made once (see `_sampling_batch`),
         # and how many may be kept (see `_ended`).
-        self._sampling_rows: dict[int, SamplingRow] = {}
+        self._sampling_rows = SamplingTable(self.scheduler.plan_shape["max_seqs"] + 64)
         self._sampling_rows_limit = 4 * self.scheduler.plan_shape["max_seqs"] + 64
 
     def _sampling_batch(self, plan: kvsched.StepPlan, *, keep: bool = True) -> SamplingBatch:
@@ -378,23 +406,23 @@ class Engine:
         scheduler's, so each request's row is kept for its next plans (and
         forgotten when it ends: `_ended`)."""
         rids = plan.request_ids.tolist()
-        rows, cache = [], self._sampling_rows if keep else {}
-        for r in rids:
-            row = cache.get(r)
-            if row is None:
-                # A request's first plan (or a request the core serves without
-                # this engine's parameters: the engine's default).
-                row = sampling_row(self.outputs.params(r) or self._default, mix_seed(self.seed, r))
-                cache[r] = row
-            rows.append(row)
-        return SamplingBatch.from_rows(rows, plan.kv_lens[: len(rids)], len(plan.kv_lens))
+
+        def make_row(r: int) -> SamplingRow:
+            # A request's first plan (or a request the core serves without
+            # this engine's parameters: the engine's default).
+            return sampling_row(self.outputs.params(r) or self._default, mix_seed(self.seed, r))
+
+        positions, max_seqs = plan.kv_lens[: len(rids)], len(plan.kv_lens)
+        if not keep:
+            return SamplingBatch.from_rows([make_row(r) for r in rids], positions, max_seqs)
+        return self._sampling_rows.batch(rids, positions, max_seqs, make_row)
 
     def _ended(self, request_ids: Iterable[int]) -> None:
         """Forget ended requests' sampling rows. Whatever may end without an
         event (a drain deadline) is bounded: past a few times the running
         limit, the rows are made again as plans need them."""
         for r in request_ids:
-            self._sampling_rows.pop(r, None)
+            self._sampling_rows.drop(r)
         if len(self._sampling_rows) > self._sampling_rows_limit:
             self._sampling_rows.clear()
 
@@ -508,7 +536,7 @@ class Engine:
         endings = self.outputs.endings(finished)
         if not endings:
             return None
-        return StepResult(None, _NO_EVENTS, time.perf_counter() - t0, endings)
+        return StepResult(None, _NO_EVENTS, time.perf_counter() - t0, StepOutputs.empty(endings))
 
     def _finish(self, launched: _Launched, now: float | None, t0: float) -> StepResult:
         """Resolve a plan dispatched and advanced: wait for its tokens, end the
@@ -558,22 +586,21 @@ class Engine:
         sampled: Sampled,
         events: kvsched.StepEvents,
         now: float | None,
-    ) -> list[RequestOutput]:
+    ) -> StepOutputs:
         """Each request's output of a committed (or resolved) step: its new
         text, stop strings (a match ends it in the core), logprobs, endings."""
-        outputs: list[RequestOutput] = []
         self._ended(f.request_id for f in events.finished)
-        if len(self.outputs):
-            rows = {r: i for i, r in enumerate(plan.request_ids.tolist())}
-            outputs, stopped = self.outputs.process(
-                events.request_ids.tolist(), events.tokens.tolist(), events.finished, rows,
-                lambda: sampled.logprobs(len(plan)),
-            )  # fmt: skip
-            for rid in stopped:  # a stop string: finished, reason "stop"
-                self.scheduler.stop(rid, now=now)
-            self._ended(stopped)
-            # Requests that ended with no token this step (cancel, drain, error).
-            outputs += self.outputs.endings(events.finished)
+        if not len(self.outputs):
+            return StepOutputs.empty()
+        outputs, stopped = self.outputs.process(
+            events.request_ids, events.tokens, events.finished, _PlanRows(plan.request_ids),
+            lambda: sampled.logprobs(len(plan)),
+        )  # fmt: skip
+        for rid in stopped:  # a stop string: finished, reason "stop"
+            self.scheduler.stop(rid, now=now)
+        self._ended(stopped)
+        # Requests that ended with no token this step (cancel, drain, error).
+        outputs.endings += self.outputs.endings(events.finished)
         return outputs
 
     compiles = True  # warmup compiles a program per token bucket (the stand-in: False)
@@ -589,7 +616,7 @@ class Engine:
         self._seed = seed
         # Each request's sampling row is made once and kept (its seed mixed in):
         # those made with the old seed go. (None while __init__ runs.)
-        rows: dict[int, SamplingRow] | None = getattr(self, "_sampling_rows", None)
+        rows: SamplingTable | None = getattr(self, "_sampling_rows", None)
         if rows is not None:
             rows.clear()
 

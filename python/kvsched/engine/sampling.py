@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
 
 import kvsched
 
@@ -233,17 +234,25 @@ class SamplingBatch:
         pos = np.asarray(positions)
         if pos.ndim != 1 or pos.shape[0] < n:
             raise ValueError(f"positions must be 1-D with at least {n} entries")
+        # float64 holds every field exactly (seed words < 2**32; temperature
+        # and top_p become float32 as they would from a Python float).
+        a = np.array(rows, dtype=np.float64).reshape(n, len(SamplingRow._fields))
+        return cls._from_matrix(a, pos, max_seqs)
+
+    @classmethod
+    def _from_matrix(
+        cls, a: npt.NDArray[np.float64], positions: npt.NDArray[Any], max_seqs: int
+    ) -> SamplingBatch:
+        """The batch from rows as a float64 matrix [n, len(SamplingRow._fields)]."""
+        n = a.shape[0]
         temperature = np.zeros(max_seqs, np.float32)
         top_p = np.ones(max_seqs, np.float32)
         top_k = np.zeros(max_seqs, np.int32)
         seeds = np.zeros((max_seqs, 2), np.uint32)
         out_pos = np.zeros(max_seqs, np.int32)
-        out_pos[:n] = pos[:n]
+        out_pos[:n] = positions[:n]
         max_lp, any_sampled = 0, False
         if n:
-            # float64 holds every field exactly (seed words < 2**32; temperature
-            # and top_p become float32 as they would from a Python float).
-            a = np.array(rows, dtype=np.float64).reshape(n, len(SamplingRow._fields))
             temperature[:n], top_p[:n], top_k[:n] = a[:, 0], a[:, 1], a[:, 2]
             seeds[:n, 0], seeds[:n, 1] = a[:, 3], a[:, 4]
             max_lp, any_sampled = int(a[:, 5].max()), bool(a[:, 6].any())
@@ -252,6 +261,73 @@ class SamplingBatch:
     def arrays(self) -> tuple[np.ndarray, ...]:
         """(temperature, top_p, top_k, seeds, positions): `sample`'s array arguments."""
         return (self.temperature, self.top_p, self.top_k, self.seeds, self.positions)
+
+
+class SamplingTable:
+    """Each live request's `SamplingRow`, made once and kept as a row of one
+    float64 matrix (at the request's slot; freed slots are reused), so that
+    a step's `SamplingBatch` is a gather of its rows: a dictionary lookup per
+    row and array operations, no Python object per row."""
+
+    _WIDTH = len(SamplingRow._fields)
+
+    def __init__(self, capacity: int = 64) -> None:
+        self._slot: dict[int, int] = {}
+        self._rows = np.zeros((max(capacity, 1), self._WIDTH), np.float64)
+        self._free = list(range(len(self._rows) - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self._slot)
+
+    def __contains__(self, request_id: int) -> bool:
+        return request_id in self._slot
+
+    def put(self, request_id: int, row: SamplingRow) -> int:
+        """Keep (or replace) a request's row; returns its slot."""
+        slot = self._slot.get(request_id)
+        if slot is None:
+            if not self._free:
+                old = len(self._rows)
+                self._rows = np.concatenate([self._rows, np.zeros_like(self._rows)])
+                self._free.extend(range(2 * old - 1, old - 1, -1))
+            slot = self._slot[request_id] = self._free.pop()
+        self._rows[slot] = row
+        return slot
+
+    def drop(self, request_id: int) -> None:
+        """Forget a request's row (nothing if it has none)."""
+        slot = self._slot.pop(request_id, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def clear(self) -> None:
+        """Forget every row."""
+        self._free.extend(self._slot.values())
+        self._slot.clear()
+
+    def batch(
+        self,
+        request_ids: Sequence[int],
+        positions: npt.NDArray[Any],
+        max_seqs: int,
+        make_row: Callable[[int], SamplingRow],
+    ) -> SamplingBatch:
+        """The step's batch for plan rows `request_ids` (`positions` as in
+        `SamplingBatch.build`); a request without a row yet gets
+        `make_row(request_id)`, kept."""
+        n = len(request_ids)
+        if n > max_seqs:
+            raise ValueError(f"{n} rows do not fit max_seqs={max_seqs}")
+        pos = np.asarray(positions)
+        if pos.ndim != 1 or pos.shape[0] < n:
+            raise ValueError(f"positions must be 1-D with at least {n} entries")
+        get = self._slot.get
+        slots = [get(r, -1) for r in request_ids]
+        if -1 in slots:
+            for i, r in enumerate(request_ids):
+                if slots[i] < 0:
+                    slots[i] = self.put(r, make_row(r))
+        return SamplingBatch._from_matrix(self._rows[slots], pos, max_seqs)
 
 
 def row_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
