@@ -62,6 +62,35 @@ def test_concurrent_streams_each_end_once_with_the_models_tokens():
     assert ae.scheduler.live_requests == 0
 
 
+def test_a_step_reaches_its_streams_in_one_call_onto_their_loop():
+    """Each hand-over onto a consumer's event loop wakes it through a pipe:
+    the engine thread makes one per loop per step, not one per stream."""
+    ae = make()
+    handed: list[int] = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        real = loop.call_soon_threadsafe
+
+        def counting(callback, *args, **kw):
+            if getattr(callback, "__name__", "") in ("_put_all", "put_nowait"):
+                handed.append(len(args[0]) if args and isinstance(args[0], list) else 1)
+            return real(callback, *args, **kw)
+
+        loop.call_soon_threadsafe = counting
+        streams = [await ae.generate("t", p, SamplingParams(max_tokens=6)) for p in prompts(4)]
+        return await asyncio.gather(*(s.collect() for s in streams))
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        ae.stop()
+    assert all(len(ids) == 6 and last.finished for ids, _, last in results)
+    assert sum(handed) == 4 * 6, "every output handed over, once"
+    assert len(handed) <= ae.steps < 4 * 6, (len(handed), ae.steps)
+    assert max(handed) > 1, "several streams' outputs in one hand-over"
+
+
 @pytest.mark.slow
 def test_submits_from_other_threads_and_their_own_loops():
     ae = make()

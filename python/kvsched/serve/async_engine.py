@@ -29,7 +29,7 @@ import concurrent.futures
 import gc
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypedDict
 
 import kvsched
@@ -121,6 +121,12 @@ class RequestStream:
             last = out
         assert last is not None
         return ids, "".join(text), last
+
+
+def _put_all(batch: list[tuple[RequestStream, RequestOutput]]) -> None:
+    """On a consumer's event loop: a step's outputs into their streams' queues."""
+    for stream, out in batch:
+        stream._queue.put_nowait(out)
 
 
 class AsyncEngine:
@@ -318,13 +324,7 @@ class AsyncEngine:
                         self.steps += 1
                         self.busy_s += time.perf_counter() - t0
                         self.model_s += res.model_seconds
-                        for out in res.outputs:
-                            stream = self._streams.get(out.request_id)
-                            if stream is None:
-                                continue
-                            if out.finished:
-                                del self._streams[out.request_id]
-                            stream._deliver(out)
+                        self._deliver_step(res.outputs)
                         continue
                     idle_but_live = self.scheduler.live_requests > 0
                     if not idle_but_live:
@@ -340,6 +340,28 @@ class AsyncEngine:
         except BaseException as e:  # noqa: BLE001 - every stream must hear of it
             self._error = e
             self._close_all("error", lambda: RuntimeError("the engine loop died"))
+
+    def _deliver_step(self, outputs: Iterable[RequestOutput]) -> None:
+        """Under the lock: hand a step's outputs to their streams, in one
+        call onto each consumer's event loop (not one per stream: each such
+        call wakes the loop through its self-pipe)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+        streams = self._streams
+        for out in outputs:
+            stream = streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del streams[out.request_id]
+            batch = by_loop.get(stream._loop)
+            if batch is None:
+                batch = by_loop[stream._loop] = []
+            batch.append((stream, out))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # the loop is closed: its consumers are gone
+                pass
 
     def _has_work(self) -> bool:
         # Read without the engine lock: the scheduler's count is thread-safe, and
