@@ -68,6 +68,27 @@ SLOW_ELSEWHERE: dict[str, set[str]] = {
 }
 
 
+@pytest.hookimpl(trylast=True)  # after the tmp_path plugin's
+def pytest_configure(config: pytest.Config) -> None:
+    """One persistent JAX compilation cache for the whole run, unless the caller
+    set one: many tests build engines of the same shapes, and each Engine jits
+    its own step, so without it every one compiles the same programs again.
+    pytest-xdist's workers, and the processes tests start, inherit it from
+    this process's environment. A size limit makes JAX lock the folder around
+    each read and write (filelock), so that workers never read an entry half
+    written. It lives in this run's temporary folder."""
+    if _is_worker(config) or "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        return
+    try:
+        import filelock  # noqa: F401 - what JAX locks the folder with
+    except ImportError:
+        return
+    factory: pytest.TempPathFactory = config._tmp_path_factory  # type: ignore[attr-defined]
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(factory.getbasetemp() / "jax-cache")
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         names = SLOW_ELSEWHERE.get(item.path.name)
