@@ -48,6 +48,25 @@ def _load_real(dtype: str):
     return load_gguf_gemma3(path, dtype=dtype), None
 
 
+@functools.cache
+def _fetch():
+    from kvsched import model_files
+
+    try:
+        return model_files.fetch(model_files.GEMMA3_270M, quiet=True), None
+    except model_files.ModelFetchError as e:
+        return None, str(e)
+
+
+def gemma3_file():
+    """The GGUF file's path, fetched, not loaded (for tests that start a process
+    that loads it), or a skip saying why it cannot be fetched."""
+    path, why = _fetch()
+    if path is None:
+        pytest.skip(f"gemma-3-270m cannot be fetched: {why}")
+    return path
+
+
 def gemma3_270m(dtype: str = "float32"):
     """The loaded Gemma 3 270M (GGUFModel), or a skip saying why it is not here."""
     model, why = _load_real(dtype)

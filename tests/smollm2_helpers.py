@@ -26,3 +26,22 @@ def smollm2():
     if model is None:
         pytest.skip(f"SmolLM2-135M-Instruct cannot be fetched: {why}")
     return model
+
+
+@functools.cache
+def _fetch():
+    from kvsched import model_files
+
+    try:
+        return model_files.fetch(quiet=True), None
+    except model_files.ModelFetchError as e:
+        return None, str(e)
+
+
+def smollm2_file():
+    """The GGUF file's path, fetched, not loaded (for tests that start a process
+    that loads it), or a skip saying why it cannot be fetched."""
+    path, why = _fetch()
+    if path is None:
+        pytest.skip(f"SmolLM2-135M-Instruct cannot be fetched: {why}")
+    return path

@@ -81,9 +81,9 @@ def test_the_main_job_serves_the_real_model_in_real_text_and_prints_what_the_rea
 
     pytest.importorskip("jax")
     pytest.importorskip("gguf")
-    from smollm2_helpers import smollm2
+    from smollm2_helpers import smollm2_file
 
-    smollm2()  # skips with the reason when the model cannot be fetched
+    smollm2_file()  # skips with the reason when the model cannot be fetched
     table = load("engine").main([])
     assert_shows(text_block("loaded SmolLM2"), capsys.readouterr().out)
     run = table.pop("_run")
@@ -110,9 +110,9 @@ def test_the_main_job_serves_gemma3_in_kv_cache_groups():
 
     pytest.importorskip("jax")
     pytest.importorskip("gguf")
-    from gemma3_helpers import gemma3_270m
+    from gemma3_helpers import gemma3_file
 
-    gemma3_270m()  # skips with the reason when the model cannot be fetched
+    gemma3_file()  # skips with the reason when the model cannot be fetched
     table = load("engine").main(["--model", "gemma3", "--requests", "4", "--quiet"])
     run = table.pop("_run")
     ended = sum(row["finished"] + sum(row["rejected"].values()) for row in table.values())
@@ -152,9 +152,9 @@ def test_the_embedding_example_streams_real_answers_over_its_socket():
 
     pytest.importorskip("jax")
     pytest.importorskip("gguf")
-    from smollm2_helpers import smollm2
+    from smollm2_helpers import smollm2_file
 
-    smollm2()  # skips with the reason when the model cannot be fetched
+    smollm2_file()  # skips with the reason when the model cannot be fetched
     example = load("embed_async")
     ae, gg = example.build("smollm2")
 

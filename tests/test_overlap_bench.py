@@ -29,9 +29,9 @@ SERVE = {"itl_p50_ms", "itl_p99_ms", "itl_p50_x", "itl_p99_x", "client_tokens_pe
 
 
 def test_the_small_benchmark_runs_and_overlap_idles_the_device_less(tmp_path):
-    from smollm2_helpers import smollm2
+    from smollm2_helpers import smollm2_file
 
-    smollm2()  # skips with the reason when the model's file cannot be fetched
+    smollm2_file()  # skips with the reason when the model's file cannot be fetched
     out = tmp_path / "overlap.json"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT / "python")}
     done = subprocess.run([sys.executable, str(ROOT / "benches" / "overlap.py"), "--small",

@@ -16,11 +16,11 @@ pytestmark = [pytest.mark.model, pytest.mark.subprocess, pytest.mark.slow]
 for name in ("torch", "transformers", "accelerate", "gguf", "jax"):
     pytest.importorskip(name, reason=f"the peer check needs {name}")
 
-from smollm2_helpers import smollm2  # noqa: E402
+from smollm2_helpers import smollm2_file  # noqa: E402
 
 
 def test_kvsched_serves_smollm2_as_transformers_computes_it():
-    smollm2()  # skips with the reason when the model cannot be fetched
+    smollm2_file()  # skips with the reason when the model cannot be fetched
     script = Path(__file__).parent / "peer_smollm2.py"
     done = subprocess.run(
         # The Pallas kernel is checked against the reference elsewhere

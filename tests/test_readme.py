@@ -164,9 +164,9 @@ def start_readme_server(tmp_path, doc):
     for name in ("fastapi", "uvicorn", "openai", "gguf"):
         pytest.importorskip(name)
     from serve_helpers import start_serve
-    from smollm2_helpers import smollm2
+    from smollm2_helpers import smollm2_file
 
-    smollm2()  # skips with the reason when the model cannot be fetched
+    smollm2_file()  # skips with the reason when the model cannot be fetched
     (toml,) = blocks("toml", doc)
     (tmp_path / "tenants.toml").write_text(toml)
     return start_serve(
@@ -198,9 +198,9 @@ def test_the_eval_kv_output_is_what_kvsched_eval_kv_prints(tmp_path):
         pytest.importorskip(name)
     from kvsched import model_files
 
-    from smollm2_helpers import smollm2
+    from smollm2_helpers import smollm2_file
 
-    smollm2()  # skips with the reason when the model cannot be fetched
+    smollm2_file()  # skips with the reason when the model cannot be fetched
     cache = tmp_path / ".cache" / "kvsched"
     cache.mkdir(parents=True)
     (cache / model_files.SMOLLM2_135M.name).symlink_to(model_files.fetch(quiet=True))
