@@ -24,6 +24,11 @@
    tests/test_gemma3_golden.py, so CI without torch still checks the model
    against transformers' numbers.
 
+`--against-golden tests/data/gemma3_golden.json` runs transformers alone and
+checks it still computes what that file says (1-4 against the file's ids,
+logits and greedy tokens): what tests/test_gemma3_peer.py runs in CI, where
+tests/test_gemma3_golden.py checks kvsched against the same file.
+
 Prints a summary and, last, one JSON line (what tests/test_gemma3_peer.py reads).
 Needs torch, transformers and accelerate (not kvsched dependencies).
 """
@@ -89,7 +94,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--lengths", default="600,1200,2000", help="long prompts' token counts")
     ap.add_argument("--chunk", type=int, default=200, help="prefill chunk (< the window)")
     ap.add_argument("--golden", type=Path, default=None, help="write the golden file here")
+    ap.add_argument("--against-golden", type=Path, default=None, metavar="PATH",
+                    help="check only that transformers computes what the golden file "
+                    "says (tests/test_gemma3_golden.py checks kvsched against it)")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.against_golden is not None:
+        return against_golden(args.against_golden, args.tokens)
 
     import jax.numpy as jnp
     import numpy as np
@@ -214,6 +224,85 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"greedy {args.tokens} tokens through forward_paged ({len(plan.layout.groups)} KV "
           f"groups, chunk {args.chunk}): {sum(agree)}/{len(agree)} identical, first "
           f"divergence {first_diff}; {paged_s:.0f} s (transformers {hf_s:.0f} s)")  # fmt: skip
+    print(json.dumps(result))
+    return result
+
+
+def against_golden(path: Path, tokens: int) -> dict:
+    """Half of the peer check, in CI's time: transformers, run now on the same
+    GGUF file, computes what the golden file says (the layer pattern of the
+    config kvsched derives, every token id, the logits rows, the first
+    `tokens` greedy tokens). tests/test_gemma3_golden.py checks kvsched
+    against the same file, so kvsched agrees with transformers through it."""
+    import numpy as np
+    import torch
+    from gguf import GGUFReader
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvsched import model_files
+    from kvsched.engine.loaders.gguf_gemma3 import config_from_gguf_gemma3
+
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    golden = json.loads(path.read_text(encoding="utf-8"))
+    t_start = time.perf_counter()
+    gguf = model_files.fetch(model_files.GEMMA3_270M)
+    if golden["sha256"] != model_files.GEMMA3_270M.sha256:
+        raise SystemExit(f"{path} is for another model file")
+    c = config_from_gguf_gemma3(GGUFReader(str(gguf)))
+    hf_tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
+    hf_kinds = ["full" if t == "full_attention" else f"sliding_window:{hf.config.sliding_window}"
+                for t in hf.config.layer_types]  # fmt: skip
+    say(f"loaded ({time.perf_counter() - t_start:.0f} s)")
+    cases = golden["awkward"] + golden["prompts"]
+    token_mismatch = [x["text"] for x in cases if hf_tok(x["text"])["input_ids"] != x["ids"]]
+    fixed = np.asarray(golden["fixed_ids"])
+    diffs, scales, top_same = [], [], []
+    greedy_same, first_diff = [], []
+    for p in golden["prompts"]:
+        ids = p["ids"]
+        rows = [r["position"] for r in p["logits"]]
+        with torch.no_grad():
+            got = hf(torch.tensor([ids])).logits[0].float().numpy()[rows]
+            out = hf.generate(
+                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+            )  # fmt: skip
+        for row, want in zip(got, p["logits"], strict=True):
+            top_same.append(int(np.argmax(row)) == want["top_ids"][0])
+            d = np.concatenate([row[want["top_ids"]] - want["top_logits"],
+                                row[fixed] - want["fixed_logits"]])  # fmt: skip
+            diffs.append(float(np.abs(d).max()))
+            scales.append(float(np.abs(want["top_logits"]).max()))
+        new, want_greedy = out[0, len(ids) :].tolist(), p["greedy"][:tokens]
+        greedy_same.append(new == want_greedy)
+        pairs = enumerate(zip(new, want_greedy, strict=False))
+        first_diff.append(next((i for i, (a, b) in pairs if a != b), None))
+    result = {
+        "mode": "against_golden",
+        "model": c.name,
+        "layer_kinds_match": list(c.layer_kinds) == hf_kinds,
+        "hf_sliding_window": hf.config.sliding_window,
+        "tokenizer_strings": len(cases),
+        "tokenizer_mismatches": token_mismatch,
+        "prompt_lengths": [len(p["ids"]) for p in golden["prompts"]],
+        "top_ids_match": all(top_same),
+        "max_abs_logit_diff": max(diffs),
+        "rel_logit_diff": max(d / s for d, s in zip(diffs, scales, strict=True)),
+        "greedy_tokens": tokens,
+        "greedy_identical": greedy_same,
+        "first_divergence": first_diff,
+        "golden_transformers": golden.get("transformers"),
+        "transformers": __import__("transformers").__version__,
+        "seconds": time.perf_counter() - t_start,
+    }
+    print(f"transformers {result['transformers']} against the golden file (written with "
+          f"{result['golden_transformers']}): layer kinds {result['layer_kinds_match']}, "
+          f"{len(token_mismatch)} token mismatches over {len(cases)} strings, logits max |diff| "
+          f"{result['max_abs_logit_diff']:.2e}, greedy {sum(greedy_same)}/{len(greedy_same)} "
+          f"identical")  # fmt: skip
     print(json.dumps(result))
     return result
 
