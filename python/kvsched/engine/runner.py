@@ -96,17 +96,17 @@ class StepResult:
 
 
 class _PlanRows(Mapping[int, int]):
-    """A plan's row of each request, looked up only for the requests that
-    need it (logprobs): no dictionary of every row a step."""
+    """A plan's row of each request, made only in a step where some request
+    needs it (logprobs), on its first lookup."""
 
     def __init__(self, request_ids: npt.NDArray[Any]) -> None:
         self._ids = request_ids
+        self._rows: dict[int, int] | None = None
 
     def __getitem__(self, request_id: int) -> int:
-        at = np.flatnonzero(self._ids == request_id)
-        if not at.size:
-            raise KeyError(request_id)
-        return int(at[0])
+        if self._rows is None:
+            self._rows = {r: i for i, r in enumerate(self._ids.tolist())}
+        return self._rows[request_id]
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._ids.tolist())
