@@ -54,13 +54,17 @@ def test_quickstart_says_which_rungs_of_the_ladder_engaged_and_if_they_were_rele
 
 
 @pytest.mark.slow
-def test_the_example_engine_accounts_for_every_request_and_never_recompiles():
+@pytest.mark.parametrize("overlap", ["auto", "on"])
+def test_the_example_engine_accounts_for_every_request_and_never_recompiles(overlap):
+    """On CPU the example runs its steps in turn unless asked (`--overlap
+    auto`: the model step runs on the host's own cores); overlapped, alike."""
     import pytest
 
     pytest.importorskip("jax")
     table = load("engine").main(["--model", "tiny", "--requests", "40", "--seconds", "1.5",
-                                 "--quiet"])  # fmt: skip
+                                 "--overlap", overlap, "--quiet"])  # fmt: skip
     run = table.pop("_run")
+    assert run["overlap"] == (overlap == "on")
     ended = sum(row["finished"] + sum(row["rejected"].values()) for row in table.values())
     assert ended == 40
     assert run["programs_after"] == run["programs"], "nothing compiled after warmup"
