@@ -177,6 +177,17 @@ def sampling_row(params: SamplingParams | None, default_seed: int | None = None)
     return SamplingRow(p.temperature, p.top_p, p.top_k, hi, lo, p.logprobs or 0, not p.greedy)
 
 
+def _checked_positions(n: int, positions: npt.ArrayLike, max_seqs: int) -> npt.NDArray[Any]:
+    """`positions` as an array, for a batch of `n` rows (ValueError: too many
+    rows for `max_seqs`, or positions not 1-D with at least `n` entries)."""
+    if n > max_seqs:
+        raise ValueError(f"{n} rows do not fit max_seqs={max_seqs}")
+    pos = np.asarray(positions)
+    if pos.ndim != 1 or pos.shape[0] < n:
+        raise ValueError(f"positions must be 1-D with at least {n} entries")
+    return pos
+
+
 @dataclass(frozen=True)
 class SamplingBatch:
     """Fixed-shape [max_seqs] arrays for `sample`, one row per sequence in plan order.
@@ -229,11 +240,7 @@ class SamplingBatch:
         engine keeps per request between steps: a step's batch is then one
         array conversion, not Python per row); `positions` as in `build`."""
         n = len(rows)
-        if n > max_seqs:
-            raise ValueError(f"{n} rows do not fit max_seqs={max_seqs}")
-        pos = np.asarray(positions)
-        if pos.ndim != 1 or pos.shape[0] < n:
-            raise ValueError(f"positions must be 1-D with at least {n} entries")
+        pos = _checked_positions(n, positions, max_seqs)
         # float64 holds every field exactly (seed words < 2**32; temperature
         # and top_p become float32 as they would from a Python float).
         a = np.array(rows, dtype=np.float64).reshape(n, len(SamplingRow._fields))
@@ -315,12 +322,7 @@ class SamplingTable:
         """The step's batch for plan rows `request_ids` (`positions` as in
         `SamplingBatch.build`); a request without a row yet gets
         `make_row(request_id)`, kept."""
-        n = len(request_ids)
-        if n > max_seqs:
-            raise ValueError(f"{n} rows do not fit max_seqs={max_seqs}")
-        pos = np.asarray(positions)
-        if pos.ndim != 1 or pos.shape[0] < n:
-            raise ValueError(f"positions must be 1-D with at least {n} entries")
+        pos = _checked_positions(len(request_ids), positions, max_seqs)
         get = self._slot.get
         slots = [get(r, -1) for r in request_ids]
         if -1 in slots:
