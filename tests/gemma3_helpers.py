@@ -38,13 +38,11 @@ def tiny_gemma3(**kw) -> Gemma3Config:
 
 @functools.cache
 def _load_real(dtype: str):
-    from kvsched import model_files
     from kvsched.engine.loaders.gguf_gemma3 import load_gguf_gemma3
 
-    try:
-        path = model_files.fetch(model_files.GEMMA3_270M, quiet=True)
-    except model_files.ModelFetchError as e:
-        return None, str(e)
+    path, why = _fetch()
+    if path is None:
+        return None, why
     return load_gguf_gemma3(path, dtype=dtype), None
 
 

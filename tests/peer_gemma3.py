@@ -88,6 +88,34 @@ def say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def load_transformers(gguf: Path):
+    """transformers' tokenizer and model (float32) from the GGUF file, and its
+    layer pattern in kvsched's words."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf_tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
+    hf_kinds = ["full" if t == "full_attention" else f"sliding_window:{hf.config.sliding_window}"
+                for t in hf.config.layer_types]  # fmt: skip
+    return hf_tok, hf, hf_kinds
+
+
+def hf_greedy(hf, ids: list[int], tokens: int) -> list[int]:
+    """transformers' greedy generation of exactly `tokens` tokens after `ids`
+    (no EOS stop: a fixed number compares more)."""
+    import torch
+
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+        )  # fmt: skip
+    return out[0, len(ids) :].tolist()
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=24, help="greedy tokens per prompt")
@@ -105,7 +133,6 @@ def main(argv: list[str] | None = None) -> dict:
     import numpy as np
     import torch
     from gemma3_helpers import HandPlan
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kvsched import model_files
     from kvsched.engine.loaders.gguf_llama import load_gguf
@@ -118,12 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
     ours = load_gguf(path)
     load_s = time.perf_counter() - t0
     c = ours.config
-    hf_tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    hf = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
-    hf_kinds = ["full" if t == "full_attention" else f"sliding_window:{hf.config.sliding_window}"
-                for t in hf.config.layer_types]  # fmt: skip
+    hf_tok, hf, hf_kinds = load_transformers(path)
 
     say(f"loaded ({time.perf_counter() - t_start:.0f} s)")
     text = long_text()
@@ -163,12 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     want_out = []
     for ids in prompts:
-        with torch.no_grad():
-            out = hf.generate(
-                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False,
-            )  # fmt: skip
-        want_out.append(out[0, len(ids) :].tolist())
+        want_out.append(hf_greedy(hf, ids, args.tokens))
     hf_s = time.perf_counter() - t0
 
     say(f"forward_paged ... ({time.perf_counter() - t_start:.0f} s)")
@@ -237,7 +254,6 @@ def against_golden(path: Path, tokens: int) -> dict:
     import numpy as np
     import torch
     from gguf import GGUFReader
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kvsched import model_files
     from kvsched.engine.loaders.gguf_gemma3 import config_from_gguf_gemma3
@@ -249,12 +265,7 @@ def against_golden(path: Path, tokens: int) -> dict:
     if golden["sha256"] != model_files.GEMMA3_270M.sha256:
         raise SystemExit(f"{path} is for another model file")
     c = config_from_gguf_gemma3(GGUFReader(str(gguf)))
-    hf_tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    hf = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-    ).eval()
-    hf_kinds = ["full" if t == "full_attention" else f"sliding_window:{hf.config.sliding_window}"
-                for t in hf.config.layer_types]  # fmt: skip
+    hf_tok, hf, hf_kinds = load_transformers(gguf)
     say(f"loaded ({time.perf_counter() - t_start:.0f} s)")
     cases = golden["awkward"] + golden["prompts"]
     token_mismatch = [x["text"] for x in cases if hf_tok(x["text"])["input_ids"] != x["ids"]]
@@ -266,17 +277,14 @@ def against_golden(path: Path, tokens: int) -> dict:
         rows = [r["position"] for r in p["logits"]]
         with torch.no_grad():
             got = hf(torch.tensor([ids])).logits[0].float().numpy()[rows]
-            out = hf.generate(
-                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
-            )  # fmt: skip
+        new = hf_greedy(hf, ids, tokens)
         for row, want in zip(got, p["logits"], strict=True):
             top_same.append(int(np.argmax(row)) == want["top_ids"][0])
             d = np.concatenate([row[want["top_ids"]] - want["top_logits"],
                                 row[fixed] - want["fixed_logits"]])  # fmt: skip
             diffs.append(float(np.abs(d).max()))
             scales.append(float(np.abs(want["top_logits"]).max()))
-        new, want_greedy = out[0, len(ids) :].tolist(), p["greedy"][:tokens]
+        want_greedy = p["greedy"][:tokens]
         greedy_same.append(new == want_greedy)
         pairs = enumerate(zip(new, want_greedy, strict=False))
         first_diff.append(next((i for i, (a, b) in pairs if a != b), None))

@@ -13,10 +13,9 @@ def _load():
     from kvsched import model_files
     from kvsched.engine.loaders.gguf_llama import load_gguf
 
-    try:
-        path = model_files.fetch(quiet=True)
-    except model_files.ModelFetchError as e:
-        return None, str(e)
+    path, why = _fetch()
+    if path is None:
+        return None, why
     return load_gguf(path, name=model_files.SMOLLM2_135M.model_name), None
 
 
