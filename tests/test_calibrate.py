@@ -122,10 +122,18 @@ def test_simulate_uses_the_file_and_refuses_another_models(tmp_path, capsys):
 def test_calibration_on_cpu_predicts_held_out_steps(tmp_path):
     """The tiny model on CPU: fitted on steps of 16, 64 and 128 tokens, the
     step cost predicts the engine's own measured step times on held-out mixes
-    of decodes and prefill it was not fitted on within 20% (on this project's
-    shared machine, 5 runs at a load of ~5: held-out max 4.7-15.2%; with the
-    small mixed fit point and 5 passes, 5 runs: 4.4-15.1%). Three
-    token buckets compile (most of the test's time)."""
+    of decodes and prefill it was not fitted on: their median within 20%, each
+    within 50%. Three token buckets compile (most of the test's time).
+
+    The bound is on the median because one point's time is noisy on a shared
+    2-core machine even as the lowest of 5 pass medians: the same point
+    measured 1.77-2.06 ms in 4 runs in a row here, and CI's run of 8d66659 had
+    one held-out point 25.6% off (median 9.1%); 7 runs here gave held-out
+    medians 1.5-19.9%, maxima 3.9-22.2%. How close one machine's fit is,
+    `kvsched calibrate` prints (a timing figure, not a unit test's). A broken
+    fit still fails: the best constant cost on the same figures is 24% off in
+    median, and it cannot charge a 128-token step 1.5x a 16-token one (the
+    fits here and on CI: 2.1-2.6x, as measured)."""
     pytest.importorskip("jax")
     from kvsched.engine.model import LlamaConfig, init_params
     from kvsched.sim.calibrate import Point, calibrate
@@ -143,9 +151,11 @@ def test_calibration_on_cpu_predicts_held_out_steps(tmp_path):
                     clock="cpu")  # fmt: skip
     report = cal.report()
     errors = [abs(m.error) for m in cal.held_out]
-    assert max(errors) < 0.20, report
-    assert cal.fit_error["points"] == 8 and cal.held_out_error["points"] == 4
+    assert cal.held_out_error["median"] < 0.20, report
+    assert max(errors) < 0.50, report
     c = cal.cost
+    assert c.seconds(128, 512) > 1.5 * c.seconds(16, 64), report
+    assert cal.fit_error["points"] == 8 and cal.held_out_error["points"] == 4
     assert c.overhead_s >= 0 and c.flop_rate and c.byte_rate
     meta = c.calibration
     assert meta is not None
