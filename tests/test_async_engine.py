@@ -261,3 +261,52 @@ def test_the_loop_reports_its_step_and_model_time_to_prometheus():
     assert values["kvsched_engine_steps_total"] == ae.steps >= 5
     assert 0 < values["kvsched_engine_model_seconds_total"] <= values[
         "kvsched_engine_step_seconds_total"]  # fmt: skip
+
+
+def test_a_reader_that_falls_behind_gets_what_waits_merged():
+    """`RequestStream.coalesced()`: outputs already queued when one is read
+    come as one (tokens, text and logprobs in order, the last one's ending
+    and counts); a reader that keeps up gets them one by one; cancelling
+    the reader cancels the request, as plain iteration does."""
+    from kvsched.engine.outputs import RequestOutput, TokenLogprob
+    from kvsched.serve.async_engine import RequestStream
+
+    class Owner:
+        cancelled: list[int] = []
+
+        def _cancel(self, rid: int) -> None:
+            self.cancelled.append(rid)
+
+    def out(tok, text, *, lp=None, done=False, n=0):
+        return RequestOutput(7, [tok], text, lp, done, "length" if done else None, 3, n)
+
+    async def run() -> None:
+        owner = Owner()
+        stream = RequestStream(owner, 7, 3, asyncio.get_running_loop())  # type: ignore[arg-type]
+        lp = [TokenLogprob(11, -0.5, [(11, -0.5)])]
+        for o in (out(10, "a", n=1), out(11, "b", lp=lp, n=2), out(12, "c", n=3)):
+            stream._queue.put_nowait(o)
+        reader = stream.coalesced()
+        first = await reader.__anext__()
+        assert (first.token_ids, first.text, first.completion_tokens) == ([10, 11, 12], "abc", 3)
+        assert first.logprobs == lp and not first.finished
+        stream._queue.put_nowait(out(13, "d", n=4))
+        second = await reader.__anext__()
+        assert second.token_ids == [13]  # nothing waited: one output, unmerged
+        stream._queue.put_nowait(out(14, "e", n=5))
+        stream._queue.put_nowait(out(15, "", done=True, n=6))
+        last = await reader.__anext__()
+        assert last.token_ids == [14, 15] and last.finished and last.finish_reason == "length"
+        assert stream.finished and stream.finish_reason == "length"
+        with pytest.raises(StopAsyncIteration):
+            await reader.__anext__()
+        # A reader cancelled while waiting cancels its request.
+        other = RequestStream(owner, 8, 3, asyncio.get_running_loop())  # type: ignore[arg-type]
+        task = asyncio.ensure_future(other.coalesced().__anext__())
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert owner.cancelled == [8]
+
+    asyncio.run(run())

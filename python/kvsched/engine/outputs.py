@@ -62,6 +62,17 @@ class RequestOutput:
     retry_after: float | None = None  # seconds, when finish_reason is "shed"
 
 
+def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """One request's two consecutive outputs as one: `a`'s tokens, text and
+    logprobs followed by `b`'s, and `b`'s ending and counts (a stream that
+    reads several outputs at once hands them on in one event)."""
+    logprobs = None if a.logprobs is None and b.logprobs is None else [
+        *(a.logprobs or ()), *(b.logprobs or ())]  # fmt: skip
+    return RequestOutput(a.request_id, [*a.token_ids, *b.token_ids], a.text + b.text, logprobs,
+                         b.finished, b.finish_reason, b.prompt_tokens, b.completion_tokens,
+                         b.error, b.retry_after)  # fmt: skip
+
+
 @dataclass
 class RequestState:
     """The processor's state of one request (its counters live in the

@@ -33,6 +33,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypedDict
 
 import kvsched
+from kvsched.engine.outputs import merge_outputs
 from kvsched.engine.runner import Engine, RequestOutput
 from kvsched.engine.sampling import SamplingParams
 
@@ -92,6 +93,21 @@ class RequestStream:
         if out.finished:
             self.finished, self.finish_reason = True, out.finish_reason
         return out
+
+    async def coalesced(self) -> AsyncIterator[RequestOutput]:
+        """The stream's outputs as iterating it gives them, except that the
+        outputs already waiting when one is read come merged into it
+        (`merge_outputs`): a reader that keeps up gets one output per token;
+        one that falls behind (a server writing an event per output to
+        hundreds of streams) catches up in fewer, larger ones, without
+        a timer adding latency to any token."""
+        queue = self._queue
+        async for out in self:
+            while not out.finished and not queue.empty():
+                out = merge_outputs(out, queue.get_nowait())
+                if out.finished:
+                    self.finished, self.finish_reason = True, out.finish_reason
+            yield out
 
     async def aclose(self) -> None:
         await self.cancel()
