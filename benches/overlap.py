@@ -23,12 +23,20 @@ in the engine's process; through /metrics for the server):
   per step ((wall - host blocked on the device) / steps).
 - `device_step_ms`: the device's mean step (the nominal step plus sleep's
   overshoot).
-- serve only: client-side inter-token latency p50/p99 (between a stream's
-  consecutive token events inside the window), in ms and as a multiple of
-  the nominal step (`itl_p50_x`, `itl_p99_x`), the tokens/s the clients
-  saw, and the sequences running at the window's start and end (the window
+- serve only: client-side inter-token latency p50/p99 (per token, inside
+  the window: the gap since the stream's previous event for an event's
+  first token, 0 for the others an event carries when the server merged
+  what waited), in ms and as a multiple of the nominal step (`itl_p50_x`,
+  `itl_p99_x`), the gap between a stream's events (`event_gap_p50_ms`,
+  `event_gap_p99_ms`) and the tokens an event carried (`tokens_per_event`),
+  the tokens/s and events/s the clients saw (token ids are asked for and
+  counted), and the sequences running at the window's start
+  and end (the window
   opens once 95% of the clients' requests run, or after RAMP_S: a server
   that cannot keep N running is measured as it is).
+
+`--engine-process on,off` runs each serve cell with the engine in its own
+process (the default) and on a thread of the server's.
 
 `--small` (about a minute): 64 sequences, steps of 2 and 10 ms, both parts.
 JSON on stdout (and in --out); a table on stderr. `--profile N:MS` runs the
@@ -183,7 +191,8 @@ def free_port() -> int:
         return port
 
 
-def start_server(n: int, step_ms: float, overlap: bool, workdir: Path) -> tuple[Any, str]:
+def start_server(n: int, step_ms: float, overlap: bool, workdir: Path,
+                 split: bool = True) -> tuple[Any, str]:  # fmt: skip
     toml = workdir / "tenants.toml"
     toml.write_text(f'[[tenant]]\nname = "bench"\napi_key = "{KEY}"\n')
     port = free_port()
@@ -193,7 +202,8 @@ def start_server(n: int, step_ms: float, overlap: bool, workdir: Path) -> tuple[
            "--max-seq-len", str(MAX_SEQ_LEN), "--max-num-seqs", str(n),
            "--max-batched-tokens", str(knobs["max_batched_tokens"]),
            "--max-waiting", str(n), "--max-connections", "0", "--drain-seconds", "0",
-           "--log-level", "warning", "--overlap" if overlap else "--no-overlap"]  # fmt: skip
+           "--log-level", "warning", "--overlap" if overlap else "--no-overlap",
+           "--engine-process" if split else "--no-engine-process"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT / "python")}
     proc = subprocess.Popen(cmd, cwd=workdir, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, env=env)  # fmt: skip
@@ -214,11 +224,11 @@ def start_server(n: int, step_ms: float, overlap: bool, workdir: Path) -> tuple[
     raise RuntimeError("kvsched serve was not ready in 180 s")
 
 
-def serve_cell(n: int, step_ms: float, overlap: bool, *, warm_s: float,
-               measure_s: float) -> dict[str, Any]:  # fmt: skip
+def serve_cell(n: int, step_ms: float, overlap: bool, *, warm_s: float, measure_s: float,
+               split: bool = True) -> dict[str, Any]:  # fmt: skip
     t_start = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
-        proc, url = start_server(n, step_ms, overlap, Path(tmp))
+        proc, url = start_server(n, step_ms, overlap, Path(tmp), split)
         t_ready = time.monotonic()
         try:
             cmd = [sys.executable, __file__, "--client", url, "--clients", str(n),
@@ -237,7 +247,8 @@ def serve_cell(n: int, step_ms: float, overlap: bool, *, warm_s: float,
                 proc.wait()
     running = (got["before"].pop("running"), got["after"].pop("running"))
     waiting = (got["before"].pop("waiting"), got["after"].pop("waiting"))
-    cell: dict[str, Any] = {"part": "serve", "seqs": n, "step_ms": step_ms, "overlap": overlap}
+    cell: dict[str, Any] = {"part": "serve", "seqs": n, "step_ms": step_ms, "overlap": overlap,
+                            "engine_process": split}  # fmt: skip
     cell.update(window(got["before"], got["after"]))
     cell["running"], cell["waiting"] = running, waiting  # at the window's start and end
     cell["ramp_s"], cell["server_start_s"] = got["ramp_s"], round(t_ready - t_start, 1)
@@ -246,7 +257,12 @@ def serve_cell(n: int, step_ms: float, overlap: bool, *, warm_s: float,
     cell["itl_p99_ms"] = round(1000 * percentile(itl, 99), 3)
     cell["itl_p50_x"] = round(cell["itl_p50_ms"] / step_ms, 3)
     cell["itl_p99_x"] = round(cell["itl_p99_ms"] / step_ms, 3)
-    cell["client_tokens_per_s"] = round(got["events"] / got["window_s"], 1)
+    events = sorted(got["event_gaps"])
+    cell["event_gap_p50_ms"] = round(1000 * percentile(events, 50), 3)
+    cell["event_gap_p99_ms"] = round(1000 * percentile(events, 99), 3)
+    cell["tokens_per_event"] = round(got["tokens"] / max(1, got["events"]), 2)
+    cell["client_tokens_per_s"] = round(got["tokens"] / got["window_s"], 1)
+    cell["client_events_per_s"] = round(got["events"] / got["window_s"], 1)
     cell["requests_ended"] = got["ended"]
     cell["http_errors"] = got["errors"]
     cell["client_cpu_s"] = got["cpu_s"]
@@ -282,7 +298,8 @@ async def clients(url: str, n: int, warm_s: float, measure_s: float) -> dict[str
     host, port = url.removeprefix("http://").split(":")
     rng = random.Random(1)
     gaps: list[float] = []
-    stats = {"events": 0, "ended": 0, "errors": 0}
+    event_gaps: list[float] = []
+    stats = {"events": 0, "tokens": 0, "ended": 0, "errors": 0}
     t_start = time.monotonic()
     win = [float("inf"), float("inf")]  # the measurement window, once the ramp is over
     stop = asyncio.Event()
@@ -298,6 +315,7 @@ async def clients(url: str, n: int, warm_s: float, measure_s: float) -> dict[str
                 "model": "simulated", "stream": True, "stop": STOP,
                 "max_tokens": rng.randint(*MAX_TOKENS),
                 "messages": [{"role": "user", "content": rng.choice(QUESTIONS)}], **SAMPLING,
+                "return_token_ids": True,
             }).encode()  # fmt: skip
             writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\n"
                          b"Authorization: Bearer " + KEY.encode() + b"\r\n"
@@ -327,10 +345,18 @@ async def clients(url: str, n: int, warm_s: float, measure_s: float) -> dict[str
                     event, buf = buf.split(b"\n\n", 1)
                     now = time.monotonic()
                     if b'"delta":{"content":' in event and b'"finish_reason":null' in event:
+                        # An event may carry several tokens (a server that
+                        # fell behind merges what waits): the first came after
+                        # the gap, the others with it (gaps of 0).
+                        ids = event.partition(b'"token_ids":[')[2].partition(b"]")[0]
+                        k = ids.count(b",") + 1 if ids else 1
                         if last is not None and win[0] <= last and now <= win[1]:
                             gaps.append(now - last)
+                            gaps.extend([0.0] * (k - 1))
+                            event_gaps.append(now - last)
                         if win[0] <= now <= win[1]:
                             stats["events"] += 1
+                            stats["tokens"] += k
                         last = now
                     elif b'"finish_reason":"' in event and win[0] <= now <= win[1]:
                         stats["ended"] += 1
@@ -361,7 +387,8 @@ async def clients(url: str, n: int, warm_s: float, measure_s: float) -> dict[str
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    return {"gaps": gaps, "before": before, "after": after, "window_s": t1 - t0,
+    return {"gaps": gaps, "event_gaps": event_gaps, "before": before, "after": after,
+            "window_s": t1 - t0,
             "ramp_s": round(t0 - t_start, 2), "cpu_s": round(time.process_time(), 2),
             **stats}  # fmt: skip
 
@@ -424,13 +451,14 @@ def profile(n: int, step_ms: float, steps: int, tool: str = "cprofile") -> dict[
 
 
 def table(cells: list[dict[str, Any]]) -> str:
-    head = (f"{'part':6} {'seqs':>5} {'step':>5} {'overlap':>7} {'idle':>7} {'host ms':>8} "
+    head = (f"{'part':9} {'seqs':>5} {'step':>5} {'overlap':>7} {'idle':>7} {'host ms':>8} "
             f"{'dev ms':>7} {'ITL p50':>8} {'ITL p99':>8} {'tok/s':>8}")  # fmt: skip
     lines = [head]
     for c in cells:
         itl = (f"{c['itl_p50_x']:>7.2f}x {c['itl_p99_x']:>7.2f}x {c['client_tokens_per_s']:>8.0f}"
                if c["part"] == "serve" else f"{'':>8} {'':>8} {'':>8}")  # fmt: skip
-        lines.append(f"{c['part']:6} {c['seqs']:>5} {c['step_ms']:>5g} "
+        part = c["part"] + ("" if c.get("engine_process", True) else "/1p")
+        lines.append(f"{part:9} {c['seqs']:>5} {c['step_ms']:>5g} "
                      f"{'on' if c['overlap'] else 'off':>7} {c['device_idle']:>7.1%} "
                      f"{c['host_ms_per_step']:>8.2f} {c['device_step_ms']:>7.2f} "
                      f"{itl}")  # fmt: skip
@@ -444,6 +472,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-ms", default="2,10,20", help="device steps (ms, comma-separated)")
     ap.add_argument("--parts", default="engine,serve", help="engine, serve or engine,serve")
     ap.add_argument("--overlap", default="on,off", help="on, off or on,off (both)")
+    ap.add_argument("--engine-process", default="on",
+                    help="serve: the engine in its own process (on), on a thread of the "
+                    "server's (off), or on,off (both; default on)")  # fmt: skip
     ap.add_argument("--measure-steps", type=int, help="engine: steps measured (default 300)")
     ap.add_argument("--warm-s", type=float, help="serve: seconds before the window (default 4)")
     ap.add_argument("--measure-s", type=float, help="serve: the window (seconds; default 6)")
@@ -484,6 +515,10 @@ def main(argv: list[str] | None = None) -> int:
     if not set(names) <= {"on", "off"}:
         ap.error(f"--overlap: on, off or on,off, not {args.overlap!r}")
     overlaps = [o == "on" for o in names]
+    splits_named = args.engine_process.split(",")
+    if not set(splits_named) <= {"on", "off"}:
+        ap.error(f"--engine-process: on, off or on,off, not {args.engine_process!r}")
+    splits = [x == "on" for x in splits_named]
     parts = args.parts.split(",")
     meta = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count(),
             "loadavg_before": os.getloadavg(), "small": args.small,
@@ -493,16 +528,19 @@ def main(argv: list[str] | None = None) -> int:
         for n in seqs:
             for ms in steps:
                 for ov in overlaps:
-                    load = os.getloadavg()[0]
-                    if part == "engine":
-                        warm = max(40, 3 * -(-n * 40 // (n + 512)))
-                        cell = engine_cell(n, ms, ov, warm_steps=warm, measure_steps=measure_steps,
-                                           per_row=args.per_row)  # fmt: skip
-                    else:
-                        cell = serve_cell(n, ms, ov, warm_s=warm_s, measure_s=measure_s)
-                    cell["loadavg_1m"] = round(load, 2)
-                    cells.append(cell)
-                    print(table([cell]).splitlines()[1], file=sys.stderr, flush=True)
+                    for split in splits if part == "serve" else [True]:
+                        load = os.getloadavg()[0]
+                        if part == "engine":
+                            warm = max(40, 3 * -(-n * 40 // (n + 512)))
+                            cell = engine_cell(n, ms, ov, warm_steps=warm,
+                                               measure_steps=measure_steps,
+                                               per_row=args.per_row)  # fmt: skip
+                        else:
+                            cell = serve_cell(n, ms, ov, warm_s=warm_s, measure_s=measure_s,
+                                              split=split)  # fmt: skip
+                        cell["loadavg_1m"] = round(load, 2)
+                        cells.append(cell)
+                        print(table([cell]).splitlines()[1], file=sys.stderr, flush=True)
     meta["loadavg_after"] = os.getloadavg()
     out = {"meta": meta, "cells": cells}
     print(table(cells), file=sys.stderr)

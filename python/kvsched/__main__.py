@@ -4,4 +4,5 @@ import sys
 
 from kvsched.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not when a spawned process (the engine's) imports it
+    sys.exit(main())

@@ -163,9 +163,52 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _load(args: argparse.Namespace, tenants: Any, end_at: float | None,
           checkpoint: Path | None, log: Any) -> Any:  # fmt: skip
-    """The OpenAIServer over the loaded model (cold: it warms up once serving)."""
-    from kvsched.serve import AsyncEngine
-    from kvsched.serve.server import OpenAIServer, load_model
+    """The OpenAIServer over the loaded model (cold: it warms up once serving):
+    the engine in its own process (kvsched.serve.engine_process), or with
+    --no-engine-process on a thread of this one."""
+    from kvsched.serve.server import OpenAIServer
+    from kvsched.serve.tenants import load_scheduler_table
+
+    keep = None if checkpoint is None else str(checkpoint)
+    engine: Any
+    if args.engine_process:
+        from kvsched.serve.engine_process import EngineClient
+
+        engine = EngineClient(functools.partial(load_engine_process, args), checkpoint_path=keep,
+                              log_level=args.log_level)  # fmt: skip
+        card = engine.card
+        names = [card.model_name, *card.aliases]
+        encode_chat, encode_prompt = card.encode_chat, card.encode_prompt
+        defaults = card.sampling_defaults
+    else:
+        from kvsched.serve import AsyncEngine
+
+        m, names, encode_chat = _load_model(args, log)
+        encode_prompt, defaults = m.encode_prompt, m.sampling_defaults
+        engine = AsyncEngine(m.engine, checkpoint_path=keep, freeze_gc=True)
+    server = OpenAIServer(engine, tenants, model_name=names[0], encode_chat=encode_chat,
+                          encode_prompt=encode_prompt,
+                          aliases=names[1:], max_body_bytes=args.max_body_bytes,
+                          drain_seconds=args.drain_seconds, end_at=end_at,
+                          sampling_defaults=defaults, read_timeout_s=args.read_timeout,
+                          max_connections=args.max_connections or None,
+                          vllm_metrics=not args.no_vllm_metrics)  # fmt: skip
+    if not args.engine_process:
+        for collector in _engine_collectors(args, m.engine):
+            server.registry.register(collector)
+    server.scheduler_table = load_scheduler_table(args.tenants)
+    kept = "" if checkpoint is None else f" (checkpoint {checkpoint})"
+    server.listening_message = (
+        f"serving {names[0]} to {len(tenants.names)} tenant(s) on "
+        f"http://{args.host}:{args.port}/v1{kept}; warming up, /ready answers 200 once warm"
+    )
+    return server
+
+
+def _load_model(args: argparse.Namespace, log: Any) -> tuple[Any, list[str], Any]:
+    """The cold model (kvsched.serve.engine_setup.LoadedModel), the names it is
+    served under, and its chat encoder, with what the log says of them."""
+    from kvsched.serve.server import load_model
     from kvsched.serve.tenants import load_scheduler_table
 
     # The scheduler: the tenants file's [scheduler] table, under the flags given.
@@ -200,20 +243,10 @@ def _load(args: argparse.Namespace, tenants: Any, end_at: float | None,
              ", ".join(f"{k} {v}" for k, v in {**OPENAI_SAMPLING, **defaults}.items()),
              "the model's generation_config.json" if defaults
              else "OpenAI's: the model sets none")  # fmt: skip
-    engine = AsyncEngine(m.engine, checkpoint_path=None if checkpoint is None else str(checkpoint),
-                         freeze_gc=True)  # fmt: skip
-    server = OpenAIServer(engine, tenants, model_name=names[0], encode_chat=encode_chat,
-                          encode_prompt=m.encode_prompt,
-                          aliases=names[1:], max_body_bytes=args.max_body_bytes,
-                          drain_seconds=args.drain_seconds, end_at=end_at,
-                          sampling_defaults=defaults, read_timeout_s=args.read_timeout,
-                          max_connections=args.max_connections or None,
-                          vllm_metrics=not args.no_vllm_metrics)  # fmt: skip
     device = getattr(m.engine, "device", None)
     if args.model == "simulated" and device is not None:
-        from kvsched.engine.simulated import SimulatedDeviceCollector, describe_step_time
+        from kvsched.engine.simulated import describe_step_time
 
-        server.registry.register(SimulatedDeviceCollector(device))
         log.info("simulated device: %s, end of text at rate %g; overlap %s",
                  describe_step_time(device.step_time), args.sim_eos_rate,
                  "on" if args.overlap else "off")  # fmt: skip
@@ -222,13 +255,49 @@ def _load(args: argparse.Namespace, tenants: Any, end_at: float | None,
         print(f"tensor parallel over {args.devices} {m.engine.mesh.devices.flat[0].platform} "
               f"devices{f', each KV head on {replicas}' if replicas > 1 else ''}",
               flush=True)  # fmt: skip
-    server.scheduler_table = load_scheduler_table(args.tenants)
-    kept = "" if checkpoint is None else f" (checkpoint {checkpoint})"
-    server.listening_message = (
-        f"serving {names[0]} to {len(tenants.names)} tenant(s) on "
-        f"http://{args.host}:{args.port}/v1{kept}; warming up, /ready answers 200 once warm"
-    )
-    return server
+    return m, list(names), encode_chat
+
+
+def _engine_collectors(args: argparse.Namespace, engine: Any) -> list[Any]:
+    """Collectors of what only the engine's process knows, beyond the
+    scheduler's: the stand-in device's clock (--model simulated)."""
+    device = getattr(engine, "device", None)
+    if args.model != "simulated" or device is None:
+        return []
+    from kvsched.engine.simulated import SimulatedDeviceCollector
+
+    return [SimulatedDeviceCollector(device)]
+
+
+def load_engine_process(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """In the engine process (kvsched.serve.engine_process): the cold Engine,
+    the card the front end builds its server from, and the registry of the
+    engine's collectors (its /metrics families)."""
+    import logging
+
+    from prometheus_client import CollectorRegistry
+
+    from kvsched.metrics import SchedulerCollector
+    from kvsched.serve.engine_process import EngineCard, config_view, without_weights
+
+    m, names, encode_chat = _load_model(args, logging.getLogger("kvsched.serve"))
+    engine = m.engine
+    info = {**engine.model_info(), "name": names[0]}
+    card = EngineCard(
+        model_name=names[0], aliases=tuple(names[1:]), tokenizer=engine.tokenizer,
+        encode_chat=without_weights(encode_chat), encode_prompt=without_weights(m.encode_prompt),
+        sampling_defaults=dict(m.sampling_defaults), vocab_size=int(engine.model.vocab_size),
+        model_info=info, compiles=bool(getattr(engine, "compiles", True)),
+        config=config_view(engine.scheduler.config),
+        token_buckets=list(engine.scheduler.token_buckets),
+    )  # fmt: skip
+    registry = CollectorRegistry()
+    registry.register(SchedulerCollector(engine.scheduler, model=info,
+                                         vllm_model_name=None if args.no_vllm_metrics
+                                         else names[0]))  # fmt: skip
+    for collector in _engine_collectors(args, engine):
+        registry.register(collector)
+    return engine, card, registry
 
 
 def _check_simulated(args: argparse.Namespace) -> None:
@@ -359,6 +428,9 @@ def add_parsers(sub: Any) -> None:
         "default reference",
     )  # fmt: skip
     v.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    v.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine (model, scheduler, step loop) in its own process, "
+                   "off the HTTP front end's interpreter (default: on)")  # fmt: skip
     v.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                    help="overlapped scheduling: the host plans step N+1 while the device "
                    "runs step N (default: on)")  # fmt: skip

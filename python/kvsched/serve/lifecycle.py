@@ -182,10 +182,16 @@ class ServerLifecycle:
         return report.summary()
 
     def _reload_logged(self) -> None:
+        if self._drain_task is not None and self._drain_task.done():
+            log.info("SIGHUP after the drain: the engine has stopped, nothing to reload")
+            return
         try:
             report = self.tenants.reload(self.scheduler)
         except TenantsError as e:
             log.error("tenants not reloaded (the old ones stay): %s", e)
+            return
+        except RuntimeError as e:  # the engine's process is gone
+            log.error("tenants not reloaded: %s", e)
             return
         if report.errors:  # the rest was applied: say loudly what was not
             log.warning("tenants reloaded in part: %s", report.summary())

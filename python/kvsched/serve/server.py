@@ -237,9 +237,16 @@ class OpenAIServer(ServerLifecycle):
         info = {**engine.engine.model_info(), "name": model_name}
         # vLLM's gauge names beside ours, for routers that scrape them (kvsched.metrics).
         vllm_name = model_name if vllm_metrics else None
-        self.registry.register(SchedulerCollector(self.scheduler, model=info,
-                                                  vllm_model_name=vllm_name))  # fmt: skip
-        self.registry.register(EngineLoopCollector(engine))
+        # The engine in its own process (kvsched.serve.engine_process) collects
+        # its families there; /metrics adds them to this registry's.
+        self._remote_engine = bool(getattr(engine, "remote", False))
+        if self._remote_engine:
+            client: Any = engine  # an EngineClient
+            client.on_death = self._on_engine_death
+        else:
+            self.registry.register(SchedulerCollector(self.scheduler, model=info,
+                                                      vllm_model_name=vllm_name))  # fmt: skip
+            self.registry.register(EngineLoopCollector(engine))
         self.tenants.apply(self.scheduler)  # the file's tenants, before any request
         self.app = self._build_app()
 
@@ -299,7 +306,11 @@ class OpenAIServer(ServerLifecycle):
 
         @app.get("/metrics")
         async def metrics() -> Response:
-            return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+            body = generate_latest(self.registry)
+            if self._remote_engine:
+                client: Any = self.engine  # an EngineClient
+                body += await asyncio.to_thread(client.metrics_text)
+            return Response(body, media_type=CONTENT_TYPE_LATEST)
 
         @app.get("/v1/models")
         async def models(request: Request) -> JSONResponse:
@@ -328,6 +339,21 @@ class OpenAIServer(ServerLifecycle):
         )  # fmt: skip
         app.add_middleware(HTTPMetrics, requests=requests, latency=latency)
         return app
+
+    def _on_engine_death(self, error: BaseException) -> None:
+        """The engine process died (every stream was told): exit, status 1."""
+        loop = self._loop
+        if loop is None:
+            return
+
+        def exit_now() -> None:
+            log.error("the engine process is gone (%s): exiting", error)
+            self.exit_code = 1
+            if self._uvicorn is not None:
+                self._uvicorn.should_exit = True
+
+        with contextlib.suppress(RuntimeError):  # the loop has closed: exiting already
+            loop.call_soon_threadsafe(exit_now)
 
     def _model_card(self) -> dict[str, Any]:
         return {"id": self.model_name, "object": "model", "created": self.created,
@@ -592,7 +618,7 @@ class OpenAIServer(ServerLifecycle):
                 tg.cancel_scope.cancel()
 
             tg.start_soon(watch)
-            async for out in job.stream:
+            async for out in job.stream.coalesced():
                 self._observe(rid, out, got)
             tg.cancel_scope.cancel()
         return None if gone else got
@@ -634,7 +660,7 @@ class OpenAIServer(ServerLifecycle):
             first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                      "finish_reason": None}  # fmt: skip
             yield sse_event({**base, "choices": [first]})
-        async for out in job.stream:
+        async for out in job.stream.coalesced():
             self._observe(rid, out, got)
             if out.finished:
                 break
