@@ -64,7 +64,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str, port: int, workdir: str) -> subprocess.Popen:
+def start_server(model: str, port: int, workdir: str,
+                 engine_process: bool = True) -> subprocess.Popen:  # fmt: skip
     toml = Path(workdir) / "tenants.toml"
     toml.write_text("".join(
         f'[[tenant]]\nname = "{n}"\napi_key = "{k}"\ntier = {t}\n\n' for n, t, k in TENANTS
@@ -73,7 +74,8 @@ def start_server(model: str, port: int, workdir: str) -> subprocess.Popen:
     # max_seq_len, so a CPU serves these short requests fastest with short rows.
     cmd = [sys.executable, "-m", "kvsched", "serve", "--model", model, "--tenants", str(toml),
            "--host", "127.0.0.1", "--port", str(port), "--max-seq-len", "256",
-           "--max-batched-tokens", "128"]  # fmt: skip
+           "--max-batched-tokens", "128",
+           "--engine-process" if engine_process else "--no-engine-process"]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -142,6 +144,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--slo-ttft", type=float, default=2.0)
     ap.add_argument("--slo-itl", type=float, default=0.5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the server's engine in its own process (default; as kvsched serve)",
+    )
     args = ap.parse_args(argv)
     import openai
 
@@ -150,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
     url = args.url
     if url is None:
         port = free_port()
-        proc = start_server(args.model, port, workdir)
+        proc = start_server(args.model, port, workdir, args.engine_process)
         url = f"http://127.0.0.1:{port}"
     model = json.load(_models(url, TENANTS[0][2]))["data"][0]["id"]
     clients: dict[str, openai.AsyncOpenAI] = {}
