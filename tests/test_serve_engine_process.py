@@ -201,3 +201,29 @@ def test_kvsched_main_runs_only_as_main():
     r = subprocess.run([sys.executable, "-c", "import kvsched.__main__"], capture_output=True,
                        text=True, timeout=60)  # fmt: skip
     assert r.returncode == 0 and r.stdout == "", (r.stdout, r.stderr)
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_a_failed_drain_still_ends_both_processes(tmp_path):
+    """The checkpoint cannot be written (its path is a directory): the drain
+    fails, the server exits 1, and its engine process is gone with it (it
+    used to be left waiting for a pipe the exiting front end still held,
+    and the front end waiting for it)."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    proc, url = start_serve(["--model", "simulated", "--tenants", str(_tenants(tmp_path)),
+                             "--checkpoint", str(ckpt), "--drain-seconds", "1"])  # fmt: skip
+    engine = _engine_pid(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        assert proc.wait(timeout=40) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "the drain failed" in proc.stdout.read()
+    deadline = time.monotonic() + 10
+    while _alive(engine) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(engine)

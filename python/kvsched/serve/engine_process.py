@@ -39,6 +39,7 @@ calls `on_death` (the server then exits with status 1).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import contextlib
 import copyreg
@@ -48,6 +49,7 @@ import gc
 import itertools
 import logging
 import multiprocessing
+import os
 import queue
 import signal
 import sys
@@ -68,7 +70,13 @@ log = logging.getLogger("kvsched.serve")
 # and the tenant registry: nothing else crosses).
 SCHEDULER_CALLS = frozenset({"rate_wait", "charge_rate", "add_tenant", "update_tenant",
                              "remove_tenant", "tenant", "drain", "ready", "live"})  # fmt: skip
-_CORE_CALLS = frozenset({"stats", "checkpoint", "metrics", "lifecycle", "live_requests"})
+_CORE_CALLS = frozenset({"stats", "checkpoint", "metrics", "lifecycle", "live_requests",
+                         "begin_drain"})  # fmt: skip
+
+
+class EngineGone(RuntimeError):
+    """The engine process has stopped or died: nothing more can be asked of it
+    (the server answers 503 engine_down)."""
 
 
 # -- what crosses the pipe -------------------------------------------------------------------
@@ -79,7 +87,8 @@ def _tenant_config(name: str, fields: dict[str, Any]) -> kvsched.TenantConfig:
 
 
 def _reduce_tenant_config(t: kvsched.TenantConfig) -> tuple[Any, ...]:
-    fields = {a: getattr(t, a) for a in dir(t) if not a.startswith("_") and a != "name"}
+    fields = {a: v for a in dir(t) if not a.startswith("_") and a != "name"
+              and not callable(v := getattr(t, a))}  # fmt: skip
     return _tenant_config, (t.name, fields)
 
 
@@ -205,10 +214,24 @@ class _EngineCore:
         self.steps = 0
         self.busy_s = 0.0
         self.model_s = 0.0
+        # Replies go out on their own thread: the receiving thread must never
+        # block on a write (with both pipes full, each side would wait on the
+        # other's reader).
+        self._replies: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
 
     def send(self, msg: tuple[Any, ...]) -> None:
         with self._send_lock:
             self.conn.send(msg)
+
+    def _send_replies(self) -> None:
+        while (msg := self._replies.get()) is not None:
+            try:
+                self.send(msg)
+            except OSError:
+                return  # the front end is gone
+            except Exception as e:  # noqa: BLE001 - a value that does not pickle
+                with contextlib.suppress(Exception):
+                    self.send(("reply", msg[1], False, RuntimeError(f"reply: {e}")))
 
     # The receiving thread: calls answered at once, commands queued for the loop.
     def receive(self) -> None:
@@ -247,11 +270,9 @@ class _EngineCore:
             else:
                 raise AttributeError(f"{name!r} is not an engine call")
         except BaseException as e:  # noqa: BLE001 - the caller gets it
-            with contextlib.suppress(OSError):
-                self.send(("reply", cid, False, _portable(e)))
+            self._replies.put(("reply", cid, False, _portable(e)))
             return
-        with contextlib.suppress(OSError):
-            self.send(("reply", cid, True, value))
+        self._replies.put(("reply", cid, True, value))
 
     def _call_stats(self) -> dict[str, Any]:
         loop = {"steps": self.steps, "busy_s": self.busy_s, "model_s": self.model_s,
@@ -270,12 +291,23 @@ class _EngineCore:
     def _call_lifecycle(self) -> str:
         return str(self.scheduler.lifecycle)
 
+    def _call_begin_drain(self, deadline: float) -> str:
+        """Drain until `deadline` unless a drain has begun (one call: a second
+        signal's `drain(now)` cannot fall between a read and a write)."""
+        if self.scheduler.lifecycle not in ("draining", "drained"):
+            self.scheduler.drain(deadline)
+        with self._wake:
+            self._wake.notify()
+        return str(self.scheduler.lifecycle)
+
     def _call_live_requests(self) -> int:
         return int(self.scheduler.live_requests)
 
     # The main thread.
     def serve(self) -> None:
         threading.Thread(target=self.receive, name="kvsched-engine-calls", daemon=True).start()
+        threading.Thread(target=self._send_replies, name="kvsched-engine-replies",
+                         daemon=True).start()  # fmt: skip
         with self._wake:
             while self._start is None and not self._stopping:
                 self._wake.wait()
@@ -327,10 +359,11 @@ class _EngineCore:
                     self.busy_s += time.perf_counter() - t0
                     self.model_s += res.model_seconds
                     outputs: StepOutputs = res.outputs
-                    ended = outputs.finished_ids()
-                    if ended:
-                        self._open.difference_update(ended)
-                    self.send(("step", outputs))
+                    if len(outputs):
+                        ended = outputs.finished_ids()
+                        if ended:
+                            self._open.difference_update(ended)
+                        self.send(("step", outputs))
                     continue
                 idle_but_live = self.scheduler.live_requests > 0
                 if not idle_but_live and self._open:
@@ -385,7 +418,24 @@ def _portable(e: BaseException) -> BaseException:
     return e
 
 
-def run_engine_process(conn: Any, load: Callable[[], Any], *, log_level: str = "info") -> None:
+def _die_with_parent(parent: int) -> None:
+    """Linux: the kernel kills this process when the front end dies, whatever
+    it is doing (loading a model takes minutes, and holds an accelerator's
+    memory, with nobody left to serve). Elsewhere the closed pipe ends it,
+    once loaded."""
+    import ctypes
+    import os
+
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if parent and os.getppid() != parent:  # it died before the line above
+        os._exit(1)
+
+
+def run_engine_process(conn: Any, load: Callable[[], Any], *, log_level: str = "info",
+                       parent: int = 0) -> None:  # fmt: skip
     """The engine process's body: `load()` returns (the cold Engine, its
     EngineCard, the Prometheus registry of its collectors); then the step loop
     until the front end says stop or goes away."""
@@ -393,6 +443,7 @@ def run_engine_process(conn: Any, load: Callable[[], Any], *, log_level: str = "
         # The front end takes the signals (a Ctrl-C reaches the whole process
         # group) and tells this process what to do.
         signal.signal(sig, signal.SIG_IGN)
+    _die_with_parent(parent)
     from kvsched.serve import process
 
     process.configure_logging(log_level)
@@ -428,10 +479,15 @@ class EngineClient:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe(duplex=True)
         self._proc = ctx.Process(target=run_engine_process, args=(child, load),
-                                 kwargs={"log_level": log_level}, name="kvsched-engine",
-                                 daemon=True)  # fmt: skip
+                                 kwargs={"log_level": log_level, "parent": os.getpid()},
+                                 name="kvsched-engine", daemon=True)  # fmt: skip
         self._proc.start()
         child.close()
+        # At exit, however it comes (a failed drain, an exception), close the
+        # pipe first: the engine process exits on it. (multiprocessing's own
+        # exit handler, which runs after this one, would send it a SIGTERM it
+        # ignores and wait for it forever.)
+        atexit.register(self._at_exit)
         self.checkpoint_path = checkpoint_path
         self.on_death: Callable[[BaseException], None] | None = None
         self._send_lock = threading.Lock()
@@ -444,6 +500,8 @@ class EngineClient:
         self._events: queue.Queue[tuple[Any, ...]] = queue.Queue()  # start()'s
         self._started = False
         self._stopping = False
+        self._closed = False  # the reader has ended: no reply will come
+        self._end_drain_now = False
         self._error: BaseException | None = None
         msg = self._recv_startup(load_timeout_s)
         if msg[0] == "load_failed":
@@ -476,16 +534,29 @@ class EngineClient:
 
     # -- the pipe ---------------------------------------------------------------------------
 
+    def _at_exit(self) -> None:
+        with contextlib.suppress(OSError):
+            self._conn.close()
+        self._proc.join(timeout=10)
+        if self._proc.is_alive():
+            self._proc.kill()
+
     def _send(self, msg: tuple[Any, ...]) -> None:
         if self._error is not None:
-            raise RuntimeError("the engine process is gone") from self._error
+            raise EngineGone("the engine process is gone") from self._error
         with self._send_lock:
             self._conn.send(msg)
 
-    def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+    def call(self, name: str, *args: Any, timeout: float | None = 30.0, **kwargs: Any) -> Any:
         """Call `name` in the engine process and wait for its answer (it is
-        answered between two of the step loop's bytecodes, not after a step)."""
-        return self._call_future(name, args, kwargs).result()
+        answered between two of the step loop's bytecodes, not after a step).
+        EngineGone when the engine process has stopped, died, or not answered
+        within `timeout` seconds."""
+        fut = self._call_future(name, args, kwargs)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise EngineGone(f"the engine process did not answer {name!r} in {timeout} s") from None
 
     async def acall(self, name: str, *args: Any, **kwargs: Any) -> Any:
         return await asyncio.wrap_future(self._call_future(name, args, kwargs))
@@ -496,20 +567,22 @@ class EngineClient:
         cid = next(self._ids)
         with self._lock:
             if self._error is not None:
-                raise RuntimeError("the engine process is gone") from self._error
-            if self._stopping and not self._proc.is_alive():
-                raise RuntimeError("the engine process has stopped")
+                raise EngineGone("the engine process is gone") from self._error
+            if self._closed:
+                raise EngineGone("the engine process has stopped")
             self._calls[cid] = fut
         try:
             self._send(("call", cid, name, args, kwargs))
         except (OSError, RuntimeError) as e:
             with self._lock:
                 self._calls.pop(cid, None)
-            raise RuntimeError("the engine process is gone") from e
+            raise EngineGone("the engine process is gone") from e
         return fut
 
     def _read(self) -> None:
-        """The reader thread: every message from the engine process, in order."""
+        """The reader thread: every message from the engine process, in order.
+        It never writes to the pipe (a reader blocked on a write, with the
+        engine blocked writing to it, would hang both)."""
         try:
             while True:
                 msg = self._conn.recv()
@@ -521,11 +594,12 @@ class EngineClient:
                 elif kind == "reply":
                     with self._lock:
                         fut = self._calls.pop(msg[1], None)
-                    if fut is not None:
-                        if msg[2]:
-                            fut.set_result(msg[3])
-                        else:
-                            fut.set_exception(msg[3])
+                    if fut is not None and not fut.done():  # done: its caller cancelled
+                        with contextlib.suppress(concurrent.futures.InvalidStateError):
+                            if msg[2]:
+                                fut.set_result(msg[3])
+                            else:
+                                fut.set_exception(msg[3])
                 elif kind == "died":
                     self._die(RuntimeError(f"the engine loop died: {msg[1]}"))
                     return
@@ -535,27 +609,50 @@ class EngineClient:
                     self._events.put(msg)
         except (EOFError, OSError):
             if not self._stopping:
-                self._proc.join(timeout=5)
+                self._proc.join(timeout=1)
                 self._die(RuntimeError(f"the engine process exited (exit code "
                                        f"{self._proc.exitcode})"))  # fmt: skip
+        except BaseException as e:  # noqa: BLE001 - no stream may wait on a dead reader
+            log.exception("reading from the engine process failed")
+            self._die(RuntimeError(f"reading from the engine process failed: {e!r}"))
+        finally:
+            self._close_reader()
+
+    def _close_reader(self) -> None:
+        """No reply will come any more: calls still waiting, and later ones,
+        get EngineGone; start() hears of it."""
+        with self._lock:
+            self._closed = True
+            calls, self._calls = self._calls, {}
+        for fut in calls.values():
+            if not fut.done():
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    fut.set_exception(EngineGone("the engine process has stopped"))
+        self._events.put(("closed",))
 
     def _admitted(self, replies: list[tuple[int, bool, Any]], ends: list[RequestOutput]) -> None:
         cancels = []
         with self._lock:
             for cid, ok, value in replies:
-                stream, fut = self._submits.pop(cid)
+                entry = self._submits.pop(cid, None)
+                abandoned = cid in self._abandoned
+                self._abandoned.discard(cid)
+                if entry is None:  # refused already (stop() emptied the table)
+                    continue
+                stream, fut = entry
                 if ok:
                     stream.request_id = value
-                    if cid in self._abandoned:
-                        self._abandoned.discard(cid)
-                        cancels.append(value)
+                    if abandoned:
+                        cancels.append((stream._loop, value))
                     else:
                         self._streams[value] = stream
                     _resolve(fut, value, None)
                 else:
                     _resolve(fut, None, value)
-        for rid in cancels:
-            self._cancel(rid)
+        for loop, rid in cancels:
+            # Sent from the caller's loop, not this thread (see _read).
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._cancel, rid)
         self._deliver(ends)
 
     def _deliver(self, outputs: Any) -> None:
@@ -584,7 +681,7 @@ class EngineClient:
             return
         self._error = error
         log.error("%s: ending every stream", error)
-        self._close_all("error", lambda: RuntimeError(str(error)))
+        self._close_all("error", lambda: EngineGone(str(error)))
         self._events.put(("died", error))
         if self.on_death is not None:
             self.on_death(error)
@@ -595,6 +692,7 @@ class EngineClient:
             streams, self._streams = self._streams, {}
             submits, self._submits = self._submits, {}
             calls, self._calls = self._calls, {}
+            self._abandoned.clear()
         self._deliver_to(streams, reason)
         for _stream, fut in submits.values():
             _resolve(fut, None, refusal())
@@ -636,12 +734,14 @@ class EngineClient:
                 raise stopped or RuntimeError("the warmup was stopped")
             elif kind in ("warmup_failed", "died"):
                 raise msg[1]
+            elif kind == "closed":
+                raise EngineGone("the engine process stopped during the warmup")
 
     def ready(self) -> bool:
         if not self._started or self._error is not None or self._stopping:
             return False
         try:
-            return bool(self.call("ready"))
+            return bool(self.call("ready", timeout=5))
         except RuntimeError:
             return False
 
@@ -649,7 +749,7 @@ class EngineClient:
         if self._error is not None or not self._proc.is_alive():
             return False
         try:
-            return bool(self.call("live"))
+            return bool(self.call("live", timeout=5))
         except RuntimeError:
             return False
 
@@ -667,8 +767,9 @@ class EngineClient:
         """As AsyncEngine.shutdown: drain, wait for every stream to end (the
         deadline hands back the rest), write the checkpoint, stop the engine."""
         t0 = time.monotonic() if now is None else now
-        if await self.acall("lifecycle") not in ("draining", "drained"):
-            await self.acall("drain", t0 + deadline_s)
+        await self.acall("begin_drain", t0 + deadline_s)
+        if self._end_drain_now:  # a second signal came while that call was out
+            await self.acall("drain", time.monotonic())
         while self._error is None:
             if not self._streams and await self.acall("live_requests") == 0:
                 break
@@ -682,6 +783,7 @@ class EngineClient:
     def end_drain_now(self) -> None:
         if self._stopping or self._error is not None:
             return  # drained and stopped already, or gone
+        self._end_drain_now = True  # shutdown() reads it after its begin_drain
         with contextlib.suppress(RuntimeError):
             if self.call("lifecycle") == "draining":
                 self.call("drain", time.monotonic())
@@ -706,7 +808,7 @@ class EngineClient:
         """As AsyncEngine.generate: admit a request, its stream of outputs;
         kvsched.Rejected when it is refused."""
         if self._error is not None:
-            raise RuntimeError("the engine loop died") from self._error
+            raise EngineGone("the engine loop died") from self._error
         if not self._started:
             raise RuntimeError("EngineClient.start() first")
         if self._stopping:

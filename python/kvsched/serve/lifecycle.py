@@ -71,6 +71,10 @@ class ServerLifecycle:
     async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
         self._loop = asyncio.get_running_loop()
         self.drained = asyncio.Event()
+        if getattr(self.engine, "_error", None) is not None and self._uvicorn is not None:
+            log.error("the engine process died before the server started: exiting")
+            self.exit_code = 1
+            self._uvicorn.should_exit = True
         if not self.engine.ready():
             # Warm up in the background: /health answers at once, /ready once warm.
             self._warm_thread = threading.Thread(target=self._warm, name="kvsched-warmup",
@@ -168,6 +172,8 @@ class ServerLifecycle:
         except Exception:
             log.exception("the drain failed")
             self.exit_code = 1
+            with contextlib.suppress(Exception):  # end the engine all the same
+                await asyncio.to_thread(self.engine.stop)
         self.drain_summary = summary
         if self.drained is not None:
             self.drained.set()

@@ -115,6 +115,7 @@ from kvsched.serve.asgi import (
     sse_event,
 )
 from kvsched.serve.async_engine import AsyncEngine
+from kvsched.serve.engine_process import EngineGone
 from kvsched.serve.engine_setup import LoadedModel, load_model, parse_end_at
 from kvsched.serve.lifecycle import ServerLifecycle
 from kvsched.serve.logprob_tokens import TokenText
@@ -279,6 +280,11 @@ class OpenAIServer(ServerLifecycle):
             log.debug("client disconnected on %s", request.url.path)
             return Response(status_code=499)
 
+        @app.exception_handler(EngineGone)
+        async def engine_gone(request: Request, exc: EngineGone) -> JSONResponse:
+            err = APIError(503, f"the engine is not running: {exc}", code="engine_down")
+            return JSONResponse(err.body(), 503)
+
         @app.exception_handler(Exception)
         async def internal_error(request: Request, exc: Exception) -> JSONResponse:
             log.exception("internal error on %s", request.url.path)
@@ -343,7 +349,8 @@ class OpenAIServer(ServerLifecycle):
     def _on_engine_death(self, error: BaseException) -> None:
         """The engine process died (every stream was told): exit, status 1."""
         loop = self._loop
-        if loop is None:
+        if loop is None:  # not serving yet: the lifespan sees the dead engine
+            self.exit_code = 1
             return
 
         def exit_now() -> None:
@@ -667,6 +674,9 @@ class OpenAIServer(ServerLifecycle):
             if out.text or (out.token_ids and (job.token_ids or job.logprobs is not None)):
                 yield chunk(out, {})
         final = got.final
+        if final is not None and final.finish_reason in ("error", "shed") and final.text:
+            # Tokens merged into the ending (coalesced) reach the client first.
+            yield chunk(final, {})
         if final is not None and final.finish_reason == "error":
             err = APIError(500, "the engine failed while generating", code="engine_error")
             yield sse_event(err.body())
