@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import gc
 import threading
 import time
@@ -143,6 +144,27 @@ def _put_all(batch: list[tuple[RequestStream, RequestOutput]]) -> None:
     """On a consumer's event loop: a step's outputs into their streams' queues."""
     for stream, out in batch:
         stream._queue.put_nowait(out)
+
+
+def deliver(streams: dict[int, RequestStream], outputs: Iterable[RequestOutput]) -> None:
+    """Hand a step's outputs to their streams (`streams`: request id -> stream;
+    a stream whose output is its last is taken out of it), in one call onto
+    each consumer's event loop, not one per stream: each such call wakes the
+    loop through its self-pipe. The caller holds whatever guards `streams`."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+    for out in outputs:
+        stream = streams.get(out.request_id)
+        if stream is None:
+            continue
+        if out.finished:
+            del streams[out.request_id]
+        batch = by_loop.get(stream._loop)
+        if batch is None:
+            batch = by_loop[stream._loop] = []
+        batch.append((stream, out))
+    for loop, batch in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # the loop is closed: its consumers left
+            loop.call_soon_threadsafe(_put_all, batch)
 
 
 class AsyncEngine:
@@ -358,26 +380,8 @@ class AsyncEngine:
             self._close_all("error", lambda: RuntimeError("the engine loop died"))
 
     def _deliver_step(self, outputs: Iterable[RequestOutput]) -> None:
-        """Under the lock: hand a step's outputs to their streams, in one
-        call onto each consumer's event loop (not one per stream: each such
-        call wakes the loop through its self-pipe)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
-        streams = self._streams
-        for out in outputs:
-            stream = streams.get(out.request_id)
-            if stream is None:
-                continue
-            if out.finished:
-                del streams[out.request_id]
-            batch = by_loop.get(stream._loop)
-            if batch is None:
-                batch = by_loop[stream._loop] = []
-            batch.append((stream, out))
-        for loop, batch in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, batch)
-            except RuntimeError:  # the loop is closed: its consumers are gone
-                pass
+        """Under the lock: hand a step's outputs to their streams."""
+        deliver(self._streams, outputs)
 
     def _has_work(self) -> bool:
         # Read without the engine lock: the scheduler's count is thread-safe, and

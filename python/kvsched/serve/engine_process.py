@@ -62,7 +62,7 @@ from typing import Any
 import kvsched
 from kvsched.engine.outputs import RequestOutput, StepOutputs
 from kvsched.engine.sampling import SamplingParams
-from kvsched.serve.async_engine import RequestStream
+from kvsched.serve.async_engine import RequestStream, deliver
 
 log = logging.getLogger("kvsched.serve")
 
@@ -657,22 +657,8 @@ class EngineClient:
 
     def _deliver(self, outputs: Any) -> None:
         """A step's outputs to their streams: one call onto each consumer's loop."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
         with self._lock:
-            streams = self._streams
-            for out in outputs:
-                stream = streams.get(out.request_id)
-                if stream is None:
-                    continue
-                if out.finished:
-                    del streams[out.request_id]
-                batch = by_loop.get(stream._loop)
-                if batch is None:
-                    batch = by_loop[stream._loop] = []
-                batch.append((stream, out))
-        for loop, batch in by_loop.items():
-            with contextlib.suppress(RuntimeError):  # the loop is closed: its consumers left
-                loop.call_soon_threadsafe(_put_all, batch)
+            deliver(self._streams, outputs)
 
     def _die(self, error: BaseException) -> None:
         """The engine process is gone: every stream ends with "error", every
@@ -862,11 +848,6 @@ def _resolve(fut: asyncio.Future[Any], value: Any, error: BaseException | None) 
 
     with contextlib.suppress(RuntimeError):
         fut.get_loop().call_soon_threadsafe(settle)
-
-
-def _put_all(batch: list[tuple[RequestStream, RequestOutput]]) -> None:
-    for stream, out in batch:
-        stream._queue.put_nowait(out)
 
 
 __all__ = [
