@@ -25,7 +25,9 @@ COMMON = {"part", "seqs", "step_ms", "overlap", "device_idle", "host_ms_per_step
           "device_step_ms", "wall_ms_per_step", "steps", "wall_s", "requests_ended",
           "loadavg_1m"}  # fmt: skip
 SERVE = {"itl_p50_ms", "itl_p99_ms", "itl_p50_x", "itl_p99_x", "client_tokens_per_s",
-         "http_errors", "client_cpu_s", "running", "waiting", "ramp_s"}  # fmt: skip
+         "http_errors", "client_cpu_s", "running", "waiting", "ramp_s", "engine_process",
+         "event_gap_p50_ms", "event_gap_p99_ms", "tokens_per_event",
+         "client_events_per_s"}  # fmt: skip
 
 
 def test_the_small_benchmark_runs_and_overlap_idles_the_device_less(tmp_path):
@@ -55,7 +57,13 @@ def test_the_small_benchmark_runs_and_overlap_idles_the_device_less(tmp_path):
         assert c["device_step_ms"] == pytest.approx(c["step_ms"], rel=0.05)
     for c in serve:
         assert c["http_errors"] == 0 and c["client_tokens_per_s"] > 0
-        assert 0 < c["itl_p50_ms"] <= c["itl_p99_ms"]
+        # Per token, an event's later tokens arrive with its first (gap 0):
+        # the per-token median may be 0 when events carry several tokens; the
+        # gap between events never is.
+        assert 0 <= c["itl_p50_ms"] <= c["itl_p99_ms"]
+        assert 0 < c["event_gap_p50_ms"] <= c["event_gap_p99_ms"]
+        assert c["tokens_per_event"] >= 1 and c["engine_process"] is True
+        assert c["client_tokens_per_s"] >= c["client_events_per_s"] > 0
     for step in (2.0, 10.0):
         on, off = ([c for c in engine if c["step_ms"] == step and c["overlap"] is o][0]
                    for o in (True, False))  # fmt: skip

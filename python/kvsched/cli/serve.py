@@ -117,6 +117,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     lock = process.CheckpointLock(checkpoint).acquire() if checkpoint is not None else None
     sock = process.bind_socket(args.host, args.port)
     process.configure_logging(args.log_level)
+    # The engine process starts loading now, while this one imports the server.
+    spawned = (process.spawn_engine(functools.partial(load_engine_process, args),
+                                    log_level=args.log_level)
+               if args.engine_process else None)  # fmt: skip
     process.quiet_probes(not args.access_log_probes)
     log = logging.getLogger("kvsched.serve")
 
@@ -145,7 +149,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         signal.signal(sig, before_serving)
     try:
         with process.LoadingResponder(sock):  # answers "loading" until uvicorn takes over
-            server = _load(args, tenants, end_at, checkpoint, log)
+            server = _load(args, tenants, end_at, checkpoint, log, spawned)
         serving[0] = True
         try:
             return int(server.run(args.host, args.port, sock=sock, log_level=args.log_level))
@@ -162,7 +166,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _load(args: argparse.Namespace, tenants: Any, end_at: float | None,
-          checkpoint: Path | None, log: Any) -> Any:  # fmt: skip
+          checkpoint: Path | None, log: Any, spawned: Any = None) -> Any:  # fmt: skip
     """The OpenAIServer over the loaded model (cold: it warms up once serving):
     the engine in its own process (kvsched.serve.engine_process), or with
     --no-engine-process on a thread of this one."""
@@ -174,8 +178,8 @@ def _load(args: argparse.Namespace, tenants: Any, end_at: float | None,
     if args.engine_process:
         from kvsched.serve.engine_process import EngineClient
 
-        engine = EngineClient(functools.partial(load_engine_process, args), checkpoint_path=keep,
-                              log_level=args.log_level)  # fmt: skip
+        engine = EngineClient(functools.partial(load_engine_process, args), spawned=spawned,
+                              checkpoint_path=keep, log_level=args.log_level)  # fmt: skip
         card = engine.card
         names = [card.model_name, *card.aliases]
         encode_chat, encode_prompt = card.encode_chat, card.encode_prompt

@@ -48,10 +48,8 @@ import functools
 import gc
 import itertools
 import logging
-import multiprocessing
 import os
 import queue
-import signal
 import sys
 import threading
 import time
@@ -418,32 +416,11 @@ def _portable(e: BaseException) -> BaseException:
     return e
 
 
-def _die_with_parent(parent: int) -> None:
-    """Linux: the kernel kills this process when the front end dies, whatever
-    it is doing (loading a model takes minutes, and holds an accelerator's
-    memory, with nobody left to serve). Elsewhere the closed pipe ends it,
-    once loaded."""
-    import ctypes
-    import os
-
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-    if parent and os.getppid() != parent:  # it died before the line above
-        os._exit(1)
-
-
-def run_engine_process(conn: Any, load: Callable[[], Any], *, log_level: str = "info",
-                       parent: int = 0) -> None:  # fmt: skip
-    """The engine process's body: `load()` returns (the cold Engine, its
-    EngineCard, the Prometheus registry of its collectors); then the step loop
-    until the front end says stop or goes away."""
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        # The front end takes the signals (a Ctrl-C reaches the whole process
-        # group) and tells this process what to do.
-        signal.signal(sig, signal.SIG_IGN)
-    _die_with_parent(parent)
+def run_engine_process(conn: Any, load: Callable[[], Any], *, log_level: str = "info") -> None:
+    """The engine process's body (started by kvsched.serve.process.spawn_engine):
+    `load()` returns (the cold Engine, its EngineCard, the Prometheus registry
+    of its collectors); then the step loop until the front end says stop or
+    goes away."""
     from kvsched.serve import process
 
     process.configure_logging(log_level)
@@ -461,6 +438,12 @@ def run_engine_process(conn: Any, load: Callable[[], Any], *, log_level: str = "
     core.serve()
     with contextlib.suppress(OSError):
         core.send(("stopped",))
+    # Nothing is left to do (the checkpoint, if any, is written): skip the
+    # interpreter's teardown of JAX, which the front end would wait for.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # -- the front end ---------------------------------------------------------------------------
@@ -469,20 +452,18 @@ def run_engine_process(conn: Any, load: Callable[[], Any], *, log_level: str = "
 class EngineClient:
     """The engine process, driven from the server's process (see the module).
     `load` is a picklable callable the engine process calls to load the model
-    (kvsched.cli.serve's); construction returns once it has loaded, or raises
-    what loading raised."""
+    (kvsched.cli.serve's), or `spawned` an engine process already started with
+    one (kvsched.serve.process.spawn_engine); construction returns once it has
+    loaded, or raises what loading raised."""
 
     remote = True
 
-    def __init__(self, load: Callable[[], Any], *, checkpoint_path: str | None = None,
+    def __init__(self, load: Callable[[], Any] | None = None, *,
+                 spawned: tuple[Any, Any] | None = None, checkpoint_path: str | None = None,
                  log_level: str = "info", load_timeout_s: float | None = None) -> None:  # fmt: skip
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child = ctx.Pipe(duplex=True)
-        self._proc = ctx.Process(target=run_engine_process, args=(child, load),
-                                 kwargs={"log_level": log_level, "parent": os.getpid()},
-                                 name="kvsched-engine", daemon=True)  # fmt: skip
-        self._proc.start()
-        child.close()
+        from kvsched.serve.process import spawn_engine
+
+        self._proc, self._conn = spawned or spawn_engine(load, log_level=log_level)
         # At exit, however it comes (a failed drain, an exception), close the
         # pipe first: the engine process exits on it. (multiprocessing's own
         # exit handler, which runs after this one, would send it a SIGTERM it
