@@ -118,9 +118,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sock = process.bind_socket(args.host, args.port)
     process.configure_logging(args.log_level)
     # The engine process starts loading now, while this one imports the server.
-    spawned = (process.spawn_engine(functools.partial(load_engine_process, args),
-                                    log_level=args.log_level)
-               if args.engine_process else None)  # fmt: skip
+    spawned = None
+    if args.engine_process:
+        from kvsched.serve.engine_spawn import spawn_engine
+
+        spawned = spawn_engine(functools.partial(load_engine_process, args),
+                               log_level=args.log_level)  # fmt: skip
     process.quiet_probes(not args.access_log_probes)
     log = logging.getLogger("kvsched.serve")
 
@@ -178,8 +181,8 @@ def _load(args: argparse.Namespace, tenants: Any, end_at: float | None,
     if args.engine_process:
         from kvsched.serve.engine_process import EngineClient
 
-        engine = EngineClient(functools.partial(load_engine_process, args), spawned=spawned,
-                              checkpoint_path=keep, log_level=args.log_level)  # fmt: skip
+        assert spawned is not None  # cmd_serve started it, before this imported the server
+        engine = EngineClient(spawned, checkpoint_path=keep, log_level=args.log_level)
         card = engine.card
         names = [card.model_name, *card.aliases]
         encode_chat, encode_prompt = card.encode_chat, card.encode_prompt

@@ -417,7 +417,7 @@ def _portable(e: BaseException) -> BaseException:
 
 
 def run_engine_process(conn: Any, load: Callable[[], Any], *, log_level: str = "info") -> None:
-    """The engine process's body (started by kvsched.serve.process.spawn_engine):
+    """The engine process's body (started by kvsched.serve.engine_spawn):
     `load()` returns (the cold Engine, its EngineCard, the Prometheus registry
     of its collectors); then the step loop until the front end says stop or
     goes away."""
@@ -451,19 +451,17 @@ def run_engine_process(conn: Any, load: Callable[[], Any], *, log_level: str = "
 
 class EngineClient:
     """The engine process, driven from the server's process (see the module).
-    `load` is a picklable callable the engine process calls to load the model
-    (kvsched.cli.serve's), or `spawned` an engine process already started with
-    one (kvsched.serve.process.spawn_engine); construction returns once it has
-    loaded, or raises what loading raised."""
+    `spawned`: the engine process and this end of its pipe, as
+    kvsched.serve.engine_spawn.spawn_engine started it with a picklable
+    `load` (kvsched.cli.serve's; `engine_spawn.start_engine_client` does
+    both); construction returns once it has loaded, or raises what loading
+    raised."""
 
     remote = True
 
-    def __init__(self, load: Callable[[], Any] | None = None, *,
-                 spawned: tuple[Any, Any] | None = None, checkpoint_path: str | None = None,
+    def __init__(self, spawned: tuple[Any, Any], *, checkpoint_path: str | None = None,
                  log_level: str = "info", load_timeout_s: float | None = None) -> None:  # fmt: skip
-        from kvsched.serve.process import spawn_engine
-
-        self._proc, self._conn = spawned or spawn_engine(load, log_level=log_level)
+        self._proc, self._conn = spawned
         # At exit, however it comes (a failed drain, an exception), close the
         # pipe first: the engine process exits on it. (multiprocessing's own
         # exit handler, which runs after this one, would send it a SIGTERM it

@@ -262,9 +262,10 @@ def render_chat_template(
     for m in messages:
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise ValueError(f"a chat message needs 'role' and 'content', got {m!r}")
-    return _compiled_template(template).render(
+    text: str = _compiled_template(template).render(
         messages=messages, add_generation_prompt=add_generation_prompt, **kw
     )
+    return text
 
 
 @functools.lru_cache(maxsize=16)
