@@ -91,9 +91,16 @@ def say(msg: str) -> None:
 def load_transformers(gguf: Path):
     """transformers' tokenizer and model (float32) from the GGUF file, and its
     layer pattern in kvsched's words."""
+    import gguf as gguf_py
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from kvsched.engine.loaders.gguf_file import plain_gguf_reader
+
+    # transformers parses the file three times with gguf's reader (tokenizer,
+    # config, weights), 10 s each for this vocabulary; gguf's parser over a
+    # plain view of the map (open_gguf) reads the same values in a third of it.
+    gguf_py.GGUFReader = plain_gguf_reader()
     hf_tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     hf = AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
@@ -253,9 +260,9 @@ def against_golden(path: Path, tokens: int) -> dict:
     against the same file, so kvsched agrees with transformers through it."""
     import numpy as np
     import torch
-    from gguf import GGUFReader
 
     from kvsched import model_files
+    from kvsched.engine.loaders.gguf_file import open_gguf
     from kvsched.engine.loaders.gguf_gemma3 import config_from_gguf_gemma3
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -264,7 +271,7 @@ def against_golden(path: Path, tokens: int) -> dict:
     gguf = model_files.fetch(model_files.GEMMA3_270M)
     if golden["sha256"] != model_files.GEMMA3_270M.sha256:
         raise SystemExit(f"{path} is for another model file")
-    c = config_from_gguf_gemma3(GGUFReader(str(gguf)))
+    c = config_from_gguf_gemma3(open_gguf(gguf))
     hf_tok, hf, hf_kinds = load_transformers(gguf)
     say(f"loaded ({time.perf_counter() - t_start:.0f} s)")
     cases = golden["awkward"] + golden["prompts"]
@@ -276,7 +283,10 @@ def against_golden(path: Path, tokens: int) -> dict:
         ids = p["ids"]
         rows = [r["position"] for r in p["logits"]]
         with torch.no_grad():
-            got = hf(torch.tensor([ids])).logits[0].float().numpy()[rows]
+            # Only the rows the file holds: all of a 2,000-token prompt's
+            # would be 2 GB of logits and most of this check's time.
+            got = hf(torch.tensor([ids]), logits_to_keep=torch.tensor(rows)).logits[0]
+            got = got.float().numpy()
         new = hf_greedy(hf, ids, tokens)
         for row, want in zip(got, p["logits"], strict=True):
             top_same.append(int(np.argmax(row)) == want["top_ids"][0])

@@ -52,7 +52,7 @@ def byte_fallback() -> Tokenizer:
 
 
 def real(name: str) -> Tokenizer:
-    from gguf import GGUFReader
+    from kvsched.engine.loaders.gguf_file import open_gguf
 
     path = CACHE / name
     if not path.exists():
@@ -61,7 +61,7 @@ def real(name: str) -> Tokenizer:
         from kvsched.engine.loaders.gguf_gemma3 import load_gguf_spm_tokenizer as load
     else:
         from kvsched.engine.loaders.gguf_llama import load_gguf_tokenizer as load
-    tok: Tokenizer = load(GGUFReader(str(path)))[0]
+    tok: Tokenizer = load(open_gguf(path))[0]
     return tok
 
 

@@ -566,13 +566,11 @@ def smollm2_tokenizer(name: str = "simulated") -> SimulatedTokenizer:
     without loading the weights; read once a process."""
     import dataclasses
 
-    from gguf import GGUFReader
-
     from kvsched import model_files
-    from kvsched.engine.loaders.gguf_file import gguf_model
+    from kvsched.engine.loaders.gguf_file import gguf_model, open_gguf
     from kvsched.engine.loaders.gguf_llama import config_from_gguf, load_gguf_tokenizer
 
-    reader = GGUFReader(str(model_files.fetch()))
+    reader = open_gguf(model_files.fetch())
     config = dataclasses.replace(config_from_gguf(reader), name=name)
     tokenizer, special = load_gguf_tokenizer(reader)
     gg = gguf_model(reader, config, cast(Any, {}), tokenizer, special)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -146,6 +147,35 @@ def _plain_tokenizer(tokenizer: Any) -> Any:
         copy.encode_special_tokens = True
         held = _PLAIN[id(tokenizer)] = (tokenizer, copy)
     return held[1]
+
+
+def open_gguf(path: str | Path) -> Any:
+    """`gguf.GGUFReader` over the file at `path`, reading through a plain
+    ndarray view of its memory map. The reader slices its data once per
+    metadata value (twice per string: 262,144 of them in Gemma 3's vocabulary),
+    and numpy.memmap's Python-level slicing was two thirds of the time: 10 s
+    for Gemma 3 270M's file, 3.5 s this way (2.2 and 0.7 s for SmolLM2's).
+    Tensors' `data` are then ndarrays over the same map."""
+    return plain_gguf_reader()(str(path))
+
+
+@functools.cache
+def plain_gguf_reader() -> type:
+    """The reader class `open_gguf` uses: gguf's own parser, its data a plain
+    ndarray."""
+    from gguf import GGUFReader
+
+    class PlainGGUFReader(GGUFReader):  # type: ignore[misc]
+        @property  # type: ignore[override]
+        def data(self) -> Any:
+            return self._plain
+
+        @data.setter
+        def data(self, value: Any) -> None:
+            # The map stays open: the view's base holds it.
+            self._plain = value.view(np.ndarray)
+
+    return PlainGGUFReader
 
 
 def _field(reader: Any, key: str) -> Any:

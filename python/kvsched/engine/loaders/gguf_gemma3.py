@@ -36,7 +36,13 @@ from pathlib import Path
 from typing import Any
 
 from kvsched.engine.loaders import model_file
-from kvsched.engine.loaders.gguf_file import GGUFModel, TensorReader, _field, gguf_model
+from kvsched.engine.loaders.gguf_file import (
+    GGUFModel,
+    TensorReader,
+    _field,
+    gguf_model,
+    open_gguf,
+)
 from kvsched.engine.model import Params, make_params
 from kvsched.engine.model_config import Gemma3Config, UnsupportedConfig
 
@@ -273,9 +279,7 @@ def load_gguf_gemma3(
 ) -> GGUFModel:
     """Config, params and tokenizer from one Gemma 3 GGUF file."""
     if reader is None:
-        from gguf import GGUFReader
-
-        reader = GGUFReader(str(model_file(path, "GGUF", magic=b"GGUF")))
+        reader = open_gguf(model_file(path, "GGUF", magic=b"GGUF"))
     config = config_from_gguf_gemma3(reader, dtype=dtype, name=name)
     params = load_gguf_gemma3_params(reader, config)
     tokenizer, control, _ = load_gguf_spm_tokenizer(reader)

@@ -31,6 +31,7 @@ from kvsched.engine.loaders.gguf_file import (
     encode_chat,
     encode_text,
     gguf_model,
+    open_gguf,
     read_metadata,
     render_chat_template,
 )
@@ -210,9 +211,7 @@ def load_gguf_tokenizer(reader: Any) -> tuple[Any, dict[str, int]]:
 def load_gguf(path: str | Path, *, dtype: str = "float32", name: str | None = None) -> GGUFModel:
     """Config, params, tokenizer and chat template from one GGUF file: a Llama
     one, or a Gemma 3 one (kvsched.engine.loaders.gguf_gemma3)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(model_file(path, "GGUF", magic=b"GGUF")))
+    reader = open_gguf(model_file(path, "GGUF", magic=b"GGUF"))
     if _field(reader, "general.architecture") == "gemma3":
         from kvsched.engine.loaders.gguf_gemma3 import load_gguf_gemma3
 
