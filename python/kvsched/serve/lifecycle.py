@@ -70,6 +70,7 @@ class ServerLifecycle:
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
         self._loop = asyncio.get_running_loop()
+        log.info("event loop: %s", type(self._loop).__module__.partition(".")[0])
         self.drained = asyncio.Event()
         if getattr(self.engine, "_error", None) is not None and self._uvicorn is not None:
             log.error("the engine process died before the server started: exiting")
