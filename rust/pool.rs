@@ -26,10 +26,13 @@ use crate::prefix::Scope;
 use crate::tenant::TenantId;
 
 mod cache;
+mod events;
 mod index;
 
 pub use cache::PrefixCache;
 use cache::{List, PREFIX_CACHE_BYTES_PER_PAGE, SHARED_LIST};
+pub(crate) use events::BlockOrigin;
+pub use events::{KvEventLog, NamespaceTag};
 pub use index::CacheKey;
 
 #[derive(Clone, Debug)]
@@ -127,6 +130,35 @@ impl BlockPool {
 
     pub fn cache(&self) -> &PrefixCache {
         &self.cache
+    }
+
+    /// Record the prefix cache's changes from now on for routers (see
+    /// `events`); nothing when the pool caches nothing.
+    pub fn enable_kv_events(&mut self) {
+        if self.cache.log.is_none() && self.cache.capacity() > 0 {
+            let log = KvEventLog::new(self.num_blocks(), self.block_size());
+            self.cache.log = Some(Box::new(log));
+        }
+    }
+
+    /// The prefix cache's changes not yet drained (None: not recording).
+    pub fn kv_events(&self) -> Option<&KvEventLog> {
+        self.cache.log.as_deref()
+    }
+
+    pub fn kv_events_mut(&mut self) -> Option<&mut KvEventLog> {
+        self.cache.log.as_deref_mut()
+    }
+
+    /// Each cached block as the events name it: (group, wire hash), by page.
+    pub fn cached_blocks_on_wire(&self) -> Vec<(u8, u64)> {
+        let log = self.cache.log.as_deref();
+        (0..self.cache.capacity() as u32)
+            .filter_map(|p| {
+                let key = self.cache.key_of(p)?;
+                Some((log.map_or(0, |l| l.group_of(p)), key.wire()))
+            })
+            .collect()
     }
 
     /// Name a referenced page in the prefix cache (see `PrefixCache::register`).

@@ -437,6 +437,11 @@ impl Tenants {
         self.slots[id].as_ref().expect("live tenant id")
     }
 
+    /// The tenant `id`, if it is still there.
+    pub fn try_get(&self, id: TenantId) -> Option<&Tenant> {
+        self.slots.get(id)?.as_ref()
+    }
+
     pub fn get_mut(&mut self, id: TenantId) -> &mut Tenant {
         self.slots[id].as_mut().expect("live tenant id")
     }

@@ -773,6 +773,19 @@ class Scheduler:
         """Events since the last call, oldest first: ladder rungs engaged and
         released, requests admitted with max_tokens capped. At most 4096 wait;
         older ones are dropped and counted in stats()["events_dropped"]."""
+    def enable_kv_events(self) -> None:
+        """Record the prefix cache's changes from now on for routers (KV events);
+        nothing when prefix caching is off. Drain them with `drain_kv_events`
+        (once a step: what is not drained accumulates, up to a bound)."""
+    def drain_kv_events(self, timestamp: float, /, data_parallel_rank: int = 0) -> bytes | None:
+        """The prefix cache's changes since the last call, as one batch in vLLM's
+        KV-event wire format (msgpack `[timestamp, events, data_parallel_rank]`;
+        docs/fleet.md), or None when nothing changed or events are off."""
+    def kv_events_pending(self) -> tuple[int, int]:
+        """(events waiting to be drained, events lost to the bound since start)."""
+    def cached_blocks_on_wire(self) -> list[tuple[int, int]]:
+        """The blocks the prefix cache holds, as KV events name them: a list of
+        (group, block hash), one per cached page."""
     def pressure(self, *, now: float | None = None) -> Pressure:
         """The ladder's signals now: reserved_share, queue_depth, oldest_wait_s."""
     @property

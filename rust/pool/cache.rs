@@ -16,6 +16,7 @@
 //! scheduler keeps each list within the tenant's quota (see
 //! `Scheduler::cache_quota`).
 
+use super::events::KvEventLog;
 use super::index::{CacheKey, PageIndex};
 use crate::page::{resident, PageId};
 use crate::prefix::Scope;
@@ -57,6 +58,8 @@ pub struct PrefixCache {
     home: Vec<u32>,
     /// Partitioned: evictable pages on each tenant's list.
     parked_by: Vec<usize>,
+    /// The changes routers are told of (`BlockPool::enable_kv_events`).
+    pub(super) log: Option<Box<KvEventLog>>,
 }
 
 /// The LRU list a page is parked on: the shared one (END) or a tenant's.
@@ -82,6 +85,7 @@ impl PrefixCache {
             evictions: 0,
             home: Vec::new(),
             parked_by: Vec::new(),
+            log: None,
         })
     }
 
@@ -157,6 +161,11 @@ impl PrefixCache {
     #[inline]
     pub fn is_parked(&self, page: u32) -> bool {
         self.parked.get(page as usize).copied().unwrap_or(false)
+    }
+
+    /// Pages the cache can name (0: caching off).
+    pub fn capacity(&self) -> usize {
+        self.key.len()
     }
 
     /// Pages cached (referenced or evictable).
@@ -354,6 +363,9 @@ impl PrefixCache {
 
     fn forget(&mut self, page: u32) {
         let p = page as usize;
+        if let Some(log) = &mut self.log {
+            log.removed(page, self.key[p].wire());
+        }
         self.map.remove(self.key[p], page);
         self.scope[p] = NOT_CACHED;
     }

@@ -60,6 +60,12 @@ impl CacheKey {
     pub fn name(self) -> BlockKey {
         self.0
     }
+
+    /// The block's id in KV events (`pool::events`): the key's low 64 bits.
+    #[inline]
+    pub fn wire(self) -> u64 {
+        self.0 as u64
+    }
 }
 
 /// Slots per bucket: 12 one-byte tags, a 4-byte count and 12 4-byte page ids

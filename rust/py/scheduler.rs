@@ -7,7 +7,7 @@ use std::sync::Mutex;
 
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyDict, PyList};
+use pyo3::types::{PyBytes, PyDict, PyList};
 
 use super::checkpoint;
 use super::config::{PySchedulerConfig, PyTenantConfig};
@@ -418,6 +418,40 @@ impl PyScheduler {
             out.append(event_dict(py, e)?)?;
         }
         Ok(out)
+    }
+
+    /// Record the prefix cache's changes from now on for routers (KV events);
+    /// nothing when prefix caching is off. Drain them with `drain_kv_events`
+    /// (once a step: what is not drained accumulates, up to a bound).
+    fn enable_kv_events(&self) -> PyResult<()> {
+        locked(&self.inner, |s| s.enable_kv_events())
+    }
+
+    /// The prefix cache's changes since the last call, as one batch in vLLM's
+    /// KV-event wire format (msgpack `[timestamp, events, data_parallel_rank]`;
+    /// docs/fleet.md), or None when nothing changed or events are off.
+    #[pyo3(signature = (timestamp, /, data_parallel_rank=0))]
+    fn drain_kv_events<'py>(
+        &self,
+        py: Python<'py>,
+        timestamp: f64,
+        data_parallel_rank: i64,
+    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let batch = locked(&self.inner, |s| {
+            s.drain_kv_events(timestamp, data_parallel_rank)
+        })?;
+        Ok(batch.map(|b| PyBytes::new(py, &b)))
+    }
+
+    /// (events waiting to be drained, events lost to the bound since start).
+    fn kv_events_pending(&self) -> PyResult<(usize, u64)> {
+        locked(&self.inner, |s| s.kv_events_pending())
+    }
+
+    /// The blocks the prefix cache holds, as KV events name them: a list of
+    /// (group, block hash), one per cached page.
+    fn cached_blocks_on_wire(&self) -> PyResult<Vec<(u8, u64)>> {
+        locked(&self.inner, |s| s.cached_blocks_on_wire())
     }
 
     /// The ladder's signals now: reserved_share, queue_depth, oldest_wait_s.

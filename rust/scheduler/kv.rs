@@ -19,7 +19,7 @@ use super::*;
 use std::cell::RefCell;
 
 use crate::page::NULL_PAGE;
-use crate::pool::CacheKey;
+use crate::pool::{BlockOrigin, CacheKey, NamespaceTag};
 use crate::prefix::{BlockChain, NameMemo, TokenWidth};
 
 pub(super) struct KvManager {
@@ -33,6 +33,10 @@ pub(super) struct KvManager {
     /// Scratch: the blocks a commit filled, named, to cache together
     /// (page, key, namespace scope), in plan order.
     named: Vec<(u32, CacheKey, Scope)>,
+    /// With KV events on: what routers are told of each of `named` (same
+    /// order), its tokens in `named_tokens`.
+    named_events: Vec<NamedForEvents>,
+    named_tokens: Vec<i32>,
     /// Each tenant's evictable blocks are its own (`CachePartition::Tenant`).
     partitioned: bool,
     /// The names of recently looked-up prompts by their tokens: a prompt
@@ -41,6 +45,14 @@ pub(super) struct KvManager {
     /// The model's KV-cache groups; group 0's pages are `Request::pages`,
     /// the others' `Request::groups` (see crate::groups).
     groups: KvGroups,
+}
+
+/// What a KV event says of a block named this step besides its key.
+#[derive(Clone, Copy, Debug)]
+struct NamedForEvents {
+    origin: BlockOrigin,
+    /// Its tokens' start in `named_tokens`.
+    at: usize,
 }
 
 /// A prefix lookup's hits beyond group 0's pages: the other groups' tables.
@@ -87,6 +99,8 @@ impl KvManager {
             block_size: config.block_size,
             block: BlockSize::new(config.block_size),
             named: Vec::new(),
+            named_events: Vec::new(),
+            named_tokens: Vec::new(),
             partitioned,
             memo: RefCell::default(),
             groups: config.kv_cache_groups.clone(),
@@ -468,19 +482,45 @@ impl KvManager {
         }
         let (full, _) = self.block.split(r.num_computed);
         let (mut named, _) = self.block.split(r.chain.tokens());
+        let events = self.pool.kv_events().is_some();
+        // The chain stands at a block's end: its name is the last block's.
+        let mut parent = (events && named > 0).then(|| r.chain.name());
         while named < full {
             let start = named * self.block_size;
             let key = r.chain.push(&r.tokens[start..start + self.block_size]);
             self.named
                 .push((r.pages[named], CacheKey::new(key), r.namespace.scope));
+            let at = self.named_tokens.len();
+            let note = |group: usize, named_events: &mut Vec<NamedForEvents>| {
+                named_events.push(NamedForEvents {
+                    origin: BlockOrigin {
+                        parent: parent.map(|p| CacheKey::of_group(p, group).wire()),
+                        group: group as u8,
+                        tenant: r.tenant,
+                        root: r.namespace.root,
+                    },
+                    at,
+                })
+            };
+            if events {
+                note(0, &mut self.named_events);
+            }
             if let Some(g) = &r.groups {
                 for (i, t) in g.tables.iter().enumerate() {
                     if named >= g.live_from[i] {
                         let k = CacheKey::of_group(key, i + 1);
                         self.named.push((t[named], k, r.namespace.scope));
+                        if events {
+                            note(i + 1, &mut self.named_events);
+                        }
                     }
                 }
             }
+            if events {
+                self.named_tokens
+                    .extend_from_slice(&r.tokens[start..start + self.block_size]);
+            }
+            parent = events.then_some(key);
             named += 1;
         }
     }
@@ -549,16 +589,74 @@ impl KvManager {
         self.pool
             .cache()
             .prefetch(self.named.iter().map(|&(_, key, _)| key));
-        for &(page, key, scope) in &self.named {
-            if !self.pool.cache().is_cached(page) {
-                self.pool.register(page, key, scope);
+        for (i, &(page, key, scope)) in self.named.iter().enumerate() {
+            if !self.pool.cache().is_cached(page) && self.pool.register(page, key, scope) {
+                if let (Some(n), Some(log)) = (self.named_events.get(i), self.pool.kv_events_mut())
+                {
+                    let tokens = &self.named_tokens[n.at..n.at + self.block_size];
+                    log.stored(page, key.wire(), n.origin, tokens);
+                }
             }
         }
         self.named.clear();
+        self.named_events.clear();
+        self.named_tokens.clear();
     }
 }
 
 impl Scheduler {
+    /// Record the prefix cache's changes from now on for routers (KV events,
+    /// see `pool::events`); nothing when prefix caching is off. The first
+    /// batch drained starts with `AllBlocksCleared`.
+    pub fn enable_kv_events(&mut self) {
+        self.kv.pool.enable_kv_events();
+    }
+
+    /// The prefix cache's changes since the last drain as one msgpack batch
+    /// in vLLM's KV-event format (None: nothing happened, or events are off).
+    pub fn drain_kv_events(&mut self, timestamp: f64, data_parallel_rank: i64) -> Option<Vec<u8>> {
+        let (kv, tenants) = (&mut self.kv, &self.tenants);
+        let names = kv.names.as_ref()?;
+        let log = kv.pool.kv_events_mut()?;
+        log.drain(timestamp, data_parallel_rank, &kv.groups, |tid, root| {
+            let Some(t) = tenants.try_get(tid) else {
+                // Removed since: an opaque id of the namespace.
+                return NamespaceTag::Salted(String::new(), root as u64);
+            };
+            let name = t
+                .config
+                .prefix_namespace
+                .as_deref()
+                .unwrap_or(&t.config.name);
+            let plain = names.namespace(
+                tid,
+                &t.config.name,
+                t.config.prefix_namespace.as_deref(),
+                None,
+            );
+            if plain.root == root {
+                NamespaceTag::Name(name.to_owned())
+            } else {
+                NamespaceTag::Salted(name.to_owned(), root as u64)
+            }
+        })
+    }
+
+    /// Events waiting to be drained (0 when off) and events lost because
+    /// nobody drained them (see `pool::events`).
+    pub fn kv_events_pending(&self) -> (usize, u64) {
+        self.kv
+            .pool
+            .kv_events()
+            .map_or((0, 0), |l| (l.len(), l.dropped()))
+    }
+
+    /// The blocks the prefix cache holds as KV events name them: (group,
+    /// hash), one per cached page, in page order.
+    pub fn cached_blocks_on_wire(&self) -> Vec<(u8, u64)> {
+        self.kv.pool.cached_blocks_on_wire()
+    }
+
     /// Partitioned (`CachePartition::Tenant`): the evictable blocks `tid` may
     /// keep, its unused floor: kv_floor_blocks less what its live requests
     /// reserve (pages its own requests share counted once). The reserve
