@@ -111,6 +111,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_connections < 0:
         raise ValueError("--max-connections must be >= 0 (0: no limit)")
     _check_simulated(args)
+    _check_kv_events(args)
     # Only where asked: the file holds every tenant's prompts and nothing here
     # reads it back (each client was told at the drain what it got).
     checkpoint = Path(args.checkpoint) if args.checkpoint else None
@@ -245,6 +246,7 @@ def _load_model(args: argparse.Namespace, log: Any) -> tuple[Any, list[str], Any
         loader_encode: Any = encode_chat  # the loaders' encode_chat takes content_as_text
         encode_chat = functools.partial(loader_encode, content_as_text=False)
     log.info("loaded %s in %.1f s", m.model_name, time.perf_counter() - t0)
+    _start_kv_events(args, m.engine, log)
     defaults = m.sampling_defaults
     log.info("sampling defaults: %s (%s)",
              ", ".join(f"{k} {v}" for k, v in {**OPENAI_SAMPLING, **defaults}.items()),
@@ -305,6 +307,35 @@ def load_engine_process(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     for collector in _engine_collectors(args, engine):
         registry.register(collector)
     return engine, card, registry
+
+
+def _check_kv_events(args: argparse.Namespace) -> None:
+    """The KV-event endpoints, normalized (a bad one fails before the model loads)."""
+    from kvsched.serve.kv_events import endpoint
+
+    if args.kv_events_replay and not args.kv_events:
+        raise ValueError("--kv-events-replay needs --kv-events")
+    if args.kv_events:
+        args.kv_events = endpoint(args.kv_events)
+    if args.kv_events_replay:
+        args.kv_events_replay = endpoint(args.kv_events_replay)
+
+
+def _start_kv_events(args: argparse.Namespace, engine: Any, log: Any) -> None:
+    """--kv-events: the engine hands its prefix cache's changes to a publisher
+    each step (in whichever process runs the step loop)."""
+    if not args.kv_events:
+        return
+    from kvsched.serve.kv_events import KvEventPublisher
+
+    if not engine.scheduler.config.prefix_caching:
+        log.warning("--kv-events: prefix caching is off, so no block is ever cached: "
+                    "only AllBlocksCleared is published")  # fmt: skip
+    pub = KvEventPublisher(args.kv_events, replay_address=args.kv_events_replay,
+                           topic=args.kv_events_topic)  # fmt: skip
+    engine.publish_kv_events(pub.publish)
+    log.info("KV events: published on %s (topic %r)%s", pub.address, args.kv_events_topic,
+             f", replay on {pub.replay_address}" if pub.replay_address else "")  # fmt: skip
 
 
 def _check_simulated(args: argparse.Namespace) -> None:
@@ -465,6 +496,17 @@ def add_parsers(sub: Any) -> None:
     v.add_argument("--no-vllm-metrics", action="store_true",
                    help="leave out of /metrics the vllm:* gauges: what routers read from "
                    "vLLM, under vLLM's names (default: exported)")  # fmt: skip
+    v.add_argument("--kv-events", metavar="ENDPOINT",
+                   help="publish the prefix cache's changes for KV-aware routers, in vLLM's "
+                   "KV-event format (ZMQ PUB): PORT (on 127.0.0.1), HOST:PORT or a ZMQ "
+                   "endpoint (tcp://*:5557 for every interface; the events carry prompt token "
+                   "ids). Default: off")  # fmt: skip
+    v.add_argument("--kv-events-replay", metavar="ENDPOINT",
+                   help="--kv-events: where a subscriber that missed batches asks for them "
+                   "again (ZMQ ROUTER; the last 10000 are kept)")  # fmt: skip
+    v.add_argument("--kv-events-topic", default="", metavar="TOPIC",
+                   help="--kv-events: the topic each message starts with (default: empty; "
+                   "llm-d reads kv@POD@MODEL)")  # fmt: skip
     v.add_argument("--access-log-probes", action="store_true",
                    help="access-log /health, /ready and /metrics too (default: not)")  # fmt: skip
     v.add_argument("--log-level", default="info",

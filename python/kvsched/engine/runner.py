@@ -396,6 +396,7 @@ class Engine:
         # The plan dispatched and not resolved yet (overlap); the stand-in for
         # a previous step's sampled tokens when there is none is set apart.
         self._inflight: _Launched | None = None
+        self._kv_event_sink: Callable[[bytes], None] | None = None
         # Each live request's sampling row, made once (see `_sampling_batch`),
         # and how many may be kept (see `_ended`).
         self._sampling_rows = SamplingTable(self.scheduler.plan_shape["max_seqs"] + 64)
@@ -506,8 +507,25 @@ class Engine:
         the core (`Scheduler.fail`, reason "error"), a stop string the output
         processor matched too (`Scheduler.stop`); the outputs follow the core's
         terminal events."""
-        if not self.overlap:
-            return self._step_serial(now)
+        result = self._step_overlapped(now) if self.overlap else self._step_serial(now)
+        if self._kv_event_sink is not None:
+            batch = self.scheduler.drain_kv_events(time.time())
+            if batch is not None:
+                self._kv_event_sink(batch)
+        return result
+
+    def publish_kv_events(self, sink: Callable[[bytes], None] | None) -> None:
+        """Hand the prefix cache's changes to `sink` once a step, as one
+        batch in vLLM's KV-event format (`Scheduler.drain_kv_events`; a
+        `kvsched.serve.kv_events.KvEventPublisher`'s `publish` sends them to
+        routers). None stops handing them over (the core keeps recording,
+        up to its bound)."""
+        if sink is not None:
+            self.scheduler.enable_kv_events()
+        self._kv_event_sink = sink
+
+    def _step_overlapped(self, now: float | None) -> StepResult | None:
+        """`step` with overlap: dispatch the next plan, then resolve the previous one."""
         t0 = time.perf_counter()
         plan = self.scheduler.step(now=now)
         launched = None
