@@ -234,6 +234,14 @@ def test_kvsched_serve_publishes_kv_events(tmp_path):
                                 json={"model": "simulated", "max_tokens": 8,
                                       "messages": messages})  # fmt: skip
                 assert r.status_code == 200, r.text
+                prompt_tokens = r.json()["usage"]["prompt_tokens"]
+            # What a KV-aware router asks before it routes: the prompt's tokens.
+            rendered = client.post("/chat/completions/render",
+                                   headers={"Authorization": f"Bearer {key}"},
+                                   json={"model": "simulated", "messages": messages})  # fmt: skip
+            assert rendered.status_code == 200, rendered.text
+            assert client.post("/chat/completions/render", json={"model": "simulated",
+                               "messages": messages}).status_code == 401  # fmt: skip
         time.sleep(0.5)  # the last steps' batches go out
         live: list[tuple[int, bytes]] = []
         while sub.poll(200):
@@ -270,6 +278,11 @@ def test_kvsched_serve_publishes_kv_events(tmp_path):
         assert len(replica.blocks) == cached > 0
         assert replica.removed > 0  # 96 pages: the four system prompts do not all fit
         assert {k[0] for _, k in replica.extra_keys} == {"red", "blue"}
+        # The rendered ids are the ones the server cached: their whole blocks
+        # are a chain the events published (the last request's, still cached).
+        ids = rendered.json()["token_ids"]
+        assert len(ids) == prompt_tokens
+        assert tuple(ids[: len(ids) // 16 * 16]) in set(replica.blocks.values())
         assert replica.cleared == 1
     finally:
         ctx.destroy(linger=0)

@@ -129,6 +129,34 @@ def test_models_health_ready_and_metrics(tiny):
     assert "kvsched_engine_model_seconds_total" in text
 
 
+def test_render_says_the_prompt_tokens_and_admits_nothing(tiny):
+    """/v1/completions/render and /v1/chat/completions/render (vLLM's, which
+    KV-aware routers call on each replica): the prompt's token ids, checked as
+    the request itself would be, with nothing admitted or charged."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    before = tiny.server.scheduler.stats()["tenants"]["gold"]
+    r = httpx.post(f"{tiny.url}/v1/completions/render", headers=auth,
+                   json={"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 3})  # fmt: skip
+    assert r.status_code == 200 and r.json() == {"token_ids": PROMPT}
+    after = tiny.server.scheduler.stats()["tenants"]["gold"]
+    assert (after["admitted"], after["tokens_in"]) == (before["admitted"], before["tokens_in"])
+    bad = [
+        ({}, {"model": "tiny-llama", "prompt": PROMPT}, 401),
+        (auth, {"model": "nope", "prompt": PROMPT}, 404),
+        (auth, {"model": "tiny-llama", "prompt": [5, 10**9]}, 400),
+        (auth, {"model": "tiny-llama", "prompt": "text, but no tokenizer"}, 400),
+        (auth, {"model": "tiny-llama"}, 400),
+    ]  # fmt: skip
+    for headers, body, status in bad:
+        got = httpx.post(f"{tiny.url}/v1/completions/render", headers=headers, json=body)
+        assert got.status_code == status, (body, got.text)
+        assert "error" in got.json()
+    chat = httpx.post(f"{tiny.url}/v1/chat/completions/render", headers=auth,
+                      json={"model": "tiny-llama", "messages": [{"role": "user",
+                                                                  "content": "hi"}]})  # fmt: skip
+    assert chat.status_code == 400 and chat.json()["error"]["code"] == "no_tokenizer"
+
+
 def test_completions_by_token_ids_with_usage(tiny):
     c = tiny.client()
     r = c.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=7, temperature=0)

@@ -337,6 +337,17 @@ class OpenAIServer(ServerLifecycle):
         async def chat_completions(request: Request) -> Response:
             return await self._handle(request, "chat")
 
+        # What a request's prompt is in tokens, as vLLM's render endpoints say:
+        # KV-aware routers (vllm-router's kv_aware) ask each replica before
+        # choosing one, and match the ids against the replicas' KV events.
+        @app.post("/v1/completions/render")
+        async def completions_render(request: Request) -> JSONResponse:
+            return await self._render(request, "completion")
+
+        @app.post("/v1/chat/completions/render")
+        async def chat_render(request: Request) -> JSONResponse:
+            return await self._render(request, "chat")
+
         requests = Counter("kvsched_http_requests", "HTTP requests answered.",
                            ["route", "method", "status"], registry=self.registry)  # fmt: skip
         latency = Histogram(
@@ -575,6 +586,21 @@ class OpenAIServer(ServerLifecycle):
         if got.final is not None and got.final.finish_reason == "shed":
             raise displaced(got.final)
         return JSONResponse(response_body(job, got, self.token_text))
+
+    async def _render(self, request: Request, kind: str) -> JSONResponse:
+        """`{"token_ids": [...]}`: the prompt's tokens as the request would be
+        served (chat template, BOS), nothing admitted or charged. The same
+        checks as the request itself up to its tokens: an API key, the body's
+        size and schema, the model, and a text too long for the context."""
+        tenant = self._authenticate(request)
+        body = await self._read_body(request)
+        model_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
+        req = validate_body(model_cls, body)
+        self._check_model(req.model)
+        check_unsupported(req)
+        self._refuse_before_tokenizing(tenant, req, kind)
+        ids, _ = await asyncio.to_thread(self._prompt_ids, req, kind)
+        return JSONResponse({"token_ids": ids})
 
     def _rejected(self, e: kvsched.Rejected, kind: str) -> APIError:
         if isinstance(e, kvsched.InvalidRequest) or e.reason in ("invalid", "too_long"):
