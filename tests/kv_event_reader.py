@@ -9,7 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
+import pytest
+
+msgpack = pytest.importorskip("msgpack")
 
 STORED_KEYS = {"type", "block_hashes", "parent_block_hash", "token_ids", "block_size",
                "lora_id", "medium", "lora_name"}  # fmt: skip

@@ -41,3 +41,16 @@ def start_serve(args: list[str], *, cwd=None, timeout: float = 120.0, env_extra=
         except OSError:
             pass
         time.sleep(0.2)
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct free localhost ports (free when asked: another process may
+    take one before it is bound)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from serve_helpers import ROOT
+from serve_helpers import ROOT, free_ports
 
 
 @pytest.mark.slow
@@ -72,7 +72,7 @@ def test_a_single_servers_promises_hold_behind_the_router(tmp_path):
     args = ["--model", "simulated", "--tenants", str(toml), "--sim-step-ms", "20",
             "--drain-seconds", "20"]  # fmt: skip
     replicas = [start_serve(args, cwd=tmp_path) for _ in range(2)]
-    port, metrics_port = _free_ports(2)
+    port, metrics_port = free_ports(2)
     router = subprocess.Popen(
         [shutil.which("vllm-router") or "vllm-router", "--host", "127.0.0.1", "--port", str(port),
          "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
@@ -161,16 +161,3 @@ def test_a_single_servers_promises_hold_behind_the_router(tmp_path):
             if proc.poll() is None:
                 proc.terminate()
                 proc.wait(timeout=60)
-
-
-def _free_ports(n: int) -> list[int]:
-    import socket
-
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()

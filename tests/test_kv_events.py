@@ -14,7 +14,7 @@ from kv_event_reader import Replica
 
 import kvsched
 
-pytest.importorskip("msgpack")
+from serve_helpers import free_ports
 
 BLOCK = 4
 SHARED_PREFIX = list(range(100, 100 + 3 * BLOCK + 1))  # a system prompt many requests start with
@@ -177,19 +177,6 @@ def test_an_undrained_log_is_bounded() -> None:
     assert set(replica.blocks) <= set(s.cached_blocks_on_wire())
 
 
-def _free_ports(n: int) -> list[int]:
-    import socket
-
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 @pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.model
@@ -208,7 +195,7 @@ def test_kvsched_serve_publishes_kv_events(tmp_path):
     from smollm2_helpers import smollm2_file
 
     smollm2_file()  # the stand-in serves SmolLM2's tokenizer
-    pub_port, replay_port = _free_ports(2)
+    pub_port, replay_port = free_ports(2)
     toml = tmp_path / "t.toml"
     toml.write_text('[[tenant]]\nname = "red"\napi_key = "sk-red"\n'
                     '[[tenant]]\nname = "blue"\napi_key = "sk-blue"\n')  # fmt: skip
@@ -306,7 +293,7 @@ def test_engine_publishes_over_zmq(overlap: bool) -> None:
     eng.warmup(progress=False)
     for name in ("a", "b"):
         eng.scheduler.add_tenant(kvsched.TenantConfig(name))
-    (port,) = _free_ports(1)
+    (port,) = free_ports(1)
     pub = KvEventPublisher(str(port), topic="kv")
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
