@@ -42,6 +42,8 @@ class Replica:
     cleared: int = 0
     extra_keys: list[Any] = field(default_factory=list)  # (hash, key) per stored block
     groups_seen: set[int] = field(default_factory=set)
+    ever: set[tuple[int, int]] = field(default_factory=set)  # every block ever stored
+    orphans: dict[int, int] = field(default_factory=dict)  # group -> parents never stored
 
     def apply(self, payload: bytes) -> None:
         batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
@@ -78,11 +80,14 @@ class Replica:
             prefix: tuple[int, ...] | None = ()
             if parent is not None:
                 prefix = self.blocks.get((group, _hash(parent)))
+                if (group, parent) not in self.ever:
+                    self.orphans[group] = self.orphans.get(group, 0) + 1
             for i, h in enumerate(hashes):
                 block = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
                 prefix = None if prefix is None else prefix + block
                 assert (group, h) not in self.blocks, f"block {h} of group {group} stored twice"
                 self.blocks[(group, h)] = prefix
+                self.ever.add((group, h))
                 self.stored += 1
         elif kind == "BlockRemoved":
             assert REMOVED_KEYS <= set(e) <= REMOVED_KEYS | REMOVED_OPTIONAL, set(e)

@@ -89,6 +89,8 @@ def test_kvsched_pods_serve_drain_and_publish_as_their_arguments_say(tmp_path: P
 def test_the_router_addresses_every_pod_and_its_events():
     from vllm_router.launch_router import parse_router_args
 
+    from kvsched.cli import build_parser
+
     sts = docs("kvsched.yaml")["StatefulSet"]
     serve = container(sts)
     ports = {p["name"]: p["containerPort"] for p in serve["ports"]}
@@ -104,7 +106,7 @@ def test_the_router_addresses_every_pod_and_its_events():
     assert r.kv_event_replay_source == [
         f"http://{p}:{ports['http']}=tcp://{p}:{ports['kv-replay']}" for p in pods
     ]
-    assert r.kv_event_block_size == 16  # kvsched serve's default --block-size
+    assert r.kv_event_block_size == build_parser().parse_args(serve["args"]).block_size
 
 
 def test_the_inference_pool_selects_the_pods_on_their_port():

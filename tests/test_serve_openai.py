@@ -146,6 +146,7 @@ def test_render_says_the_prompt_tokens_and_admits_nothing(tiny):
         (auth, {"model": "tiny-llama", "prompt": [5, 10**9]}, 400),
         (auth, {"model": "tiny-llama", "prompt": "text, but no tokenizer"}, 400),
         (auth, {"model": "tiny-llama"}, 400),
+        (auth, {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": CONTEXT}, 400),
     ]  # fmt: skip
     for headers, body, status in bad:
         got = httpx.post(f"{tiny.url}/v1/completions/render", headers=headers, json=body)

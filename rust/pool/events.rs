@@ -171,6 +171,7 @@ impl KvEventLog {
             return None;
         }
         let mut tags: HashMap<(TenantId, u128), NamespaceTag> = HashMap::new();
+        self.group_stores();
         let runs = self.runs();
         let mut out = Vec::with_capacity(64 + 8 * self.tokens.len() + 48 * self.events.len());
         let w = &mut out;
@@ -186,20 +187,16 @@ impl KvEventLog {
                     tenant,
                     root,
                     parent,
-                    block,
                     ..
                 } => {
-                    let n = to - from;
                     let t = tags
                         .entry((tenant, root))
                         .or_insert_with(|| tag(tenant, root));
-                    let tokens =
-                        &self.tokens[block as usize * self.block_size..][..n * self.block_size];
                     ok(write_stored(
                         w,
                         &self.events[from..to],
                         parent,
-                        tokens,
+                        &self.tokens,
                         self.block_size,
                         t,
                         groups,
@@ -222,6 +219,29 @@ impl KvEventLog {
         Some(out)
     }
 
+    /// Within each stretch of stores with no removal or clear between them,
+    /// the stores of one group come together, in their order (a stable sort:
+    /// a block still follows its parent). A hybrid model names a block's
+    /// groups one after the other, and its runs would never merge otherwise.
+    /// Nothing a router keeps changes: stores of different blocks commute.
+    fn group_stores(&mut self) {
+        let key = |e: &Event| match *e {
+            Event::Stored { group, .. } => group,
+            _ => 0,
+        };
+        let mut from = 0;
+        while from < self.events.len() {
+            let stores = self.events[from..]
+                .iter()
+                .take_while(|e| matches!(e, Event::Stored { .. }))
+                .count();
+            if stores > 1 {
+                self.events[from..from + stores].sort_by_key(key);
+            }
+            from += stores.max(1);
+        }
+    }
+
     /// The events as runs `[from, to)` that are one event on the wire: blocks
     /// stored one after the other, each the next one's parent, in one group
     /// and namespace; removals of one group.
@@ -235,7 +255,6 @@ impl KvEventLog {
                         group,
                         tenant,
                         root,
-                        block,
                         ..
                     }),
                     &Event::Stored {
@@ -243,10 +262,9 @@ impl KvEventLog {
                         group: g,
                         tenant: t,
                         root: r,
-                        block: b,
                         ..
                     },
-                ) => p == hash && g == group && t == tenant && r == root && b == block + 1,
+                ) => p == hash && g == group && t == tenant && r == root,
                 (Some(&Event::Removed { group, .. }), &Event::Removed { group: g, .. }) => {
                     g == group
                 }
@@ -295,6 +313,7 @@ fn write_group(w: &mut Vec<u8>, groups: &KvGroups, group: u8) -> Written {
     Ok(())
 }
 
+/// A run's `BlockStored`; each block's tokens are its `block`-th of `tokens`.
 #[allow(clippy::too_many_arguments)]
 fn write_stored(
     w: &mut Vec<u8>,
@@ -318,9 +337,14 @@ fn write_stored(
         None => write_nil(w).map_err(ValueWriteError::InvalidMarkerWrite)?,
     }
     write_str(w, "token_ids")?;
-    write_array_len(w, tokens.len() as u32)?;
-    for &t in tokens {
-        write_uint(w, t as u64)?;
+    write_array_len(w, (run.len() * block_size) as u32)?;
+    for e in run {
+        let Event::Stored { block, .. } = *e else {
+            unreachable!("a stored run holds stored blocks")
+        };
+        for &t in &tokens[block as usize * block_size..][..block_size] {
+            write_uint(w, t as u64)?;
+        }
     }
     write_str(w, "block_size")?;
     write_uint(w, block_size as u64)?;

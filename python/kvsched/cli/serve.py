@@ -326,14 +326,20 @@ def _start_kv_events(args: argparse.Namespace, engine: Any, log: Any) -> None:
     each step (in whichever process runs the step loop)."""
     if not args.kv_events:
         return
+    import atexit
+
     from kvsched.serve.kv_events import KvEventPublisher
 
     if not engine.scheduler.config.prefix_caching:
-        log.warning("--kv-events: prefix caching is off, so no block is ever cached: "
-                    "only AllBlocksCleared is published")  # fmt: skip
+        log.warning("--kv-events: prefix caching is off, so no block is ever cached and "
+                    "nothing is published")  # fmt: skip
     pub = KvEventPublisher(args.kv_events, replay_address=args.kv_events_replay,
                            topic=args.kv_events_topic)  # fmt: skip
     engine.publish_kv_events(pub.publish)
+    # Closed when the engine stops (the engine process, before it exits) or
+    # at this interpreter's exit (the engine on a thread of the server's).
+    engine.kv_event_publisher = pub
+    atexit.register(pub.close)
     log.info("KV events: published on %s (topic %r)%s", pub.address, args.kv_events_topic,
              f", replay on {pub.replay_address}" if pub.replay_address else "")  # fmt: skip
 

@@ -438,6 +438,9 @@ def run_engine_process(conn: Any, load: Callable[[], Any], *, log_level: str = "
     core.serve()
     with contextlib.suppress(OSError):
         core.send(("stopped",))
+    publisher = getattr(engine, "kv_event_publisher", None)
+    if publisher is not None:  # the last steps' KV events go out (a second at most)
+        publisher.close()
     # Nothing is left to do (the checkpoint, if any, is written): skip the
     # interpreter's teardown of JAX, which the front end would wait for.
     logging.shutdown()

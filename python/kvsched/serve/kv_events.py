@@ -15,9 +15,16 @@ order; the engine drains them once a step as one msgpack batch
   `[seq -1 (0xFF x 8), b""]`. The last `buffer_steps` batches are kept.
 
 The publisher runs on a thread of its own: the step loop hands a batch over
-and goes on (an inproc socket; ZMQ sockets stay on the thread that uses them).
-Events carry prompt token ids: an endpoint given as a port alone binds to
-127.0.0.1 (see `endpoint`).
+and goes on (an inproc socket; ZMQ sockets stay on the thread that uses them;
+a handover never blocks the step loop). Events carry prompt token ids: an
+endpoint given as a port alone binds to 127.0.0.1 (see `endpoint`).
+
+Bounded: the replay keeps the last `buffer_steps` batches and at most
+`buffer_bytes`; at most `hwm` batches wait for the thread. A batch that
+cannot be handed over (the thread fell that far behind, or stopped: its error
+is logged) is dropped and counted (`dropped`): subscribers see the gap in the
+sequence numbers, and the batches after it build on blocks they never heard
+of, which routers skip.
 """
 
 from __future__ import annotations
@@ -77,6 +84,7 @@ class KvEventPublisher:
         replay_address: str | None = None,
         topic: str = "",
         buffer_steps: int = 10_000,
+        buffer_bytes: int = 256 << 20,
         hwm: int = 100_000,
     ) -> None:
         try:
@@ -89,6 +97,10 @@ class KvEventPublisher:
         self.replay_address = None if replay_address is None else endpoint(replay_address)
         self.topic = topic.encode()
         self.published = 0
+        self.dropped = 0
+        self._hwm = hwm
+        self._closed = False
+        self._buffer_bytes = buffer_bytes
         self._zmq = zmq
         self._ctx = zmq.Context()
         self._inbox = f"inproc://kvsched-kv-events-{next(_ids)}"
@@ -105,35 +117,53 @@ class KvEventPublisher:
             if self.replay_address is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                # A whole replay may be queued for a reader that reads late:
+                # past its high-water mark ROUTER drops silently (no end marker).
+                self._replay.setsockopt(zmq.SNDHWM, buffer_steps + 2)
                 self._replay.bind(self.replay_address)
         except zmq.ZMQError as e:
             self._close_sockets()
             raise kvsched.InvalidConfig(f"KV events: cannot open {self.address}: {e}") from e
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._held = 0  # bytes in the buffer
         self._push: Any = None  # the caller's end of the inbox, made on first use
         self._push_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="kvsched-kv-events", daemon=True)
         self._thread.start()
 
     def publish(self, batch: bytes) -> None:
-        """Hand one batch (`Scheduler.drain_kv_events`) to the publishing thread."""
+        """Hand one batch (`Scheduler.drain_kv_events`) to the publishing thread;
+        never blocks (see the module's doc for what is dropped)."""
         if not batch:
             return  # an empty message is the thread's stop signal
         with self._push_lock:
+            if self._closed or not self._thread.is_alive():
+                self.dropped += 1
+                return
             if self._push is None:
                 self._push = self._ctx.socket(self._zmq.PAIR)
-                self._push.setsockopt(self._zmq.SNDHWM, 0)
+                self._push.setsockopt(self._zmq.SNDHWM, self._hwm)
                 self._push.connect(self._inbox)
-            self._push.send(batch, copy=False)
+            try:
+                self._push.send(batch, copy=False, flags=self._zmq.NOBLOCK)
+            except self._zmq.Again:
+                self.dropped += 1
+                if self.dropped == 1 or self.dropped % 1000 == 0:
+                    log.warning("KV events: %d batch(es) dropped so far (the publisher "
+                                "thread is behind)", self.dropped)  # fmt: skip
 
     def close(self) -> None:
-        """Publish what was handed over, then stop and close the sockets."""
+        """Publish what was handed over, then stop and close the sockets; later
+        batches are dropped. Idempotent."""
         with self._push_lock:
+            if self._closed:
+                return
+            self._closed = True
             if self._thread.is_alive():
                 if self._push is None:
                     self._push = self._ctx.socket(self._zmq.PAIR)
                     self._push.connect(self._inbox)
-                self._push.send(b"")
+                self._push.send(b"")  # the queue holds at most hwm: this waits for room
         self._thread.join(timeout=10)
         with self._push_lock:
             if self._push is not None:
@@ -162,13 +192,18 @@ class KvEventPublisher:
                         if not batch:
                             return
                         self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), batch))
+                        if len(self._buffer) == self._buffer.maxlen:
+                            self._held -= len(self._buffer[0][1])
                         self._buffer.append((seq, batch))
+                        self._held += len(batch)
+                        while self._held > self._buffer_bytes and len(self._buffer) > 1:
+                            self._held -= len(self._buffer.popleft()[1])
                         seq += 1
                         self.published = seq
                     else:
                         self._answer_replay()
         except Exception:  # noqa: BLE001 - the thread's end must be logged, not lost
-            log.exception("KV events: the publisher stopped")
+            log.exception("KV events: the publisher stopped; batches from now on are dropped")
         finally:
             # What is queued for subscribers goes out first (for a second at most).
             self._pub.close(linger=1000)

@@ -153,6 +153,10 @@ OPENAI_SAMPLING: dict[str, float] = {"temperature": 1.0, "top_p": 1.0, "top_k": 
 # -- per-request bookkeeping -----------------------------------------------------------------
 
 
+# Renders (the render endpoints) tokenizing at once, at most.
+RENDER_SLOTS = 4
+
+
 @dataclass
 class _Active:
     max_tokens: int
@@ -248,6 +252,7 @@ class OpenAIServer(ServerLifecycle):
             self.registry.register(SchedulerCollector(self.scheduler, model=info,
                                                       vllm_model_name=vllm_name))  # fmt: skip
             self.registry.register(EngineLoopCollector(engine))
+        self._render_slots = asyncio.Semaphore(RENDER_SLOTS)
         self.tenants.apply(self.scheduler)  # the file's tenants, before any request
         self.app = self._build_app()
 
@@ -590,8 +595,12 @@ class OpenAIServer(ServerLifecycle):
     async def _render(self, request: Request, kind: str) -> JSONResponse:
         """`{"token_ids": [...]}`: the prompt's tokens as the request would be
         served (chat template, BOS), nothing admitted or charged. The same
-        checks as the request itself up to its tokens: an API key, the body's
-        size and schema, the model, and a text too long for the context."""
+        checks as the request itself before admission: an API key, the body's
+        size and schema, the model, the prompt and max_tokens against the
+        context, a tenant over its rate (429). At most RENDER_SLOTS run at
+        once (the others wait their turn): a router renders each request on
+        every replica, and a tenant must not spend the tokenizer's time
+        without bound."""
         tenant = self._authenticate(request)
         body = await self._read_body(request)
         model_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
@@ -599,7 +608,9 @@ class OpenAIServer(ServerLifecycle):
         self._check_model(req.model)
         check_unsupported(req)
         self._refuse_before_tokenizing(tenant, req, kind)
-        ids, _ = await asyncio.to_thread(self._prompt_ids, req, kind)
+        async with self._render_slots:
+            ids, prompt_param = await asyncio.to_thread(self._prompt_ids, req, kind)
+        self._sampling(req, kind, len(ids), prompt_param)
         return JSONResponse({"token_ids": ids})
 
     def _rejected(self, e: kvsched.Rejected, kind: str) -> APIError:
