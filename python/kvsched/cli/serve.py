@@ -101,6 +101,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvsched.serve.tenants import TenantRegistry
 
     tenants = TenantRegistry.from_file(args.tenants)  # a bad file fails before the model loads
+    from kvsched.serve.fleet_budget import load_fleet_table
+
+    fleet = load_fleet_table(args.tenants)
     end_at = parse_end_at(args.end_at) if args.end_at else None
     if end_at is not None and end_at <= time.time():
         raise ValueError(f"--end-at {args.end_at} is in the past")
@@ -154,6 +157,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         with process.LoadingResponder(sock):  # answers "loading" until uvicorn takes over
             server = _load(args, tenants, end_at, checkpoint, log, spawned)
+            if fleet is not None:
+                from kvsched.serve.fleet_budget import FleetBudget
+
+                server.fleet = FleetBudget(fleet)
+                log.info("fleet: rate limits are fleet-wide over %d replicas (peers %s), "
+                         "rebalanced every %g s", 1 + len(fleet.peers), ", ".join(fleet.peers),
+                         fleet.interval_s)  # fmt: skip
         serving[0] = True
         try:
             return int(server.run(args.host, args.port, sock=sock, log_level=args.log_level))

@@ -15,7 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 HTTP_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 ROUTES = ("/v1/models", "/v1/models/{model_id}", "/v1/completions", "/v1/chat/completions",
-          "/v1/completions/render", "/v1/chat/completions/render",
+          "/v1/completions/render", "/v1/chat/completions/render", "/fleet/demand",
           "/health", "/ready", "/metrics")  # fmt: skip
 # Label values come from closed sets whatever a client sends (a method is any
 # token HTTP allows, a path anything): anything else is "other".

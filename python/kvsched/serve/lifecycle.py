@@ -82,10 +82,14 @@ class ServerLifecycle:
                                                  daemon=True)  # fmt: skip
             self._warm_thread.start()
         housekeeping = asyncio.ensure_future(self._housekeeping())
+        fleet = getattr(self, "fleet", None)
+        fleet_task = None if fleet is None else asyncio.ensure_future(fleet.run(self))
         try:
             yield
         finally:
             housekeeping.cancel()
+            if fleet_task is not None:
+                fleet_task.cancel()
             if self._warm_thread is not None and self._warm_thread.is_alive():
                 # Stopped before warm (a signal before the app ran): the warmup stops
                 # after the program it compiles; the process must not exit under XLA.

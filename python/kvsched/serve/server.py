@@ -117,6 +117,7 @@ from kvsched.serve.asgi import (
 from kvsched.serve.async_engine import AsyncEngine
 from kvsched.serve.engine_process import EngineGone
 from kvsched.serve.engine_setup import LoadedModel, load_model, parse_end_at
+from kvsched.serve.fleet_budget import FleetBudget
 from kvsched.serve.lifecycle import ServerLifecycle
 from kvsched.serve.logprob_tokens import TokenText
 from kvsched.serve.openai_schema import (
@@ -254,6 +255,8 @@ class OpenAIServer(ServerLifecycle):
             self.registry.register(EngineLoopCollector(engine))
         self._render_slots = asyncio.Semaphore(RENDER_SLOTS)
         self.tenants.apply(self.scheduler)  # the file's tenants, before any request
+        # Fleet-wide rates (a [fleet] table; set by `kvsched serve` before it runs).
+        self.fleet: FleetBudget | None = None
         self.app = self._build_app()
 
     # -- the app ---------------------------------------------------------------------------------
@@ -341,6 +344,17 @@ class OpenAIServer(ServerLifecycle):
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request) -> Response:
             return await self._handle(request, "chat")
+
+        @app.get("/fleet/demand")
+        async def fleet_demand(request: Request) -> JSONResponse:
+            # The tokens each tenant asked of this replica, for its peers'
+            # fleet-wide rates (kvsched.serve.fleet_budget); 404 without [fleet].
+            if self.fleet is None:
+                raise APIError(404, "no [fleet] table: this replica keeps its own budgets",
+                               code="not_found")  # fmt: skip
+            if not self.fleet.authorized(request.headers.get("authorization", "")):
+                raise APIError(401, "the fleet key is required", code="invalid_api_key")
+            return JSONResponse({"demand": self.fleet.demand})
 
         # What a request's prompt is in tokens, as vLLM's render endpoints say:
         # KV-aware routers (vllm-router's kv_aware) ask each replica before
@@ -449,6 +463,8 @@ class OpenAIServer(ServerLifecycle):
                 param=param, code="context_length_exceeded",
             )  # fmt: skip
         fewest = -(-text_len // self.max_token_chars)
+        if self.fleet is not None:
+            self.fleet.note(tenant, fewest)  # asked, whether or not it passes
         try:
             wait = self.scheduler.rate_wait(tenant, fewest)
         except kvsched.UnknownTenant:  # removed by a reload since: submit says so
@@ -565,6 +581,12 @@ class OpenAIServer(ServerLifecycle):
             with contextlib.suppress(kvsched.UnknownTenant):  # a reload removed it
                 self.scheduler.charge_rate(tenant, len(ids))
             raise
+        if self.fleet is not None:
+            # What the bucket charges (less what the text's length counted).
+            chars = self.max_token_chars
+            text = self._text_len(req, kind) if chars is not None else None
+            counted = 0 if text is None or chars is None else -(-text[0] // chars)
+            self.fleet.note(tenant, max(0, len(ids) + params.max_tokens - counted))
         try:
             stream = await self.engine.generate(tenant, ids, params)
         except kvsched.Rejected as e:

@@ -113,7 +113,8 @@ def _entry(i: int, table: Any) -> TenantEntry:
     if not name:
         raise TenantsError(f"{where}: name must not be empty")
     where = f"tenant {name!r}"
-    allowed = {"name", "api_key", "api_keys", *FIELDS}
+    # fleet_unreachable: the [fleet] table's (kvsched.serve.fleet_budget), read there.
+    allowed = {"name", "api_key", "api_keys", "fleet_unreachable", *FIELDS}
     for key in table:
         if key not in allowed:
             known = ", ".join(sorted(allowed))
@@ -205,7 +206,7 @@ def parse_tenants(data: Mapping[str, Any]) -> list[TenantEntry]:
     """The tenants of a parsed TOML document (`{"tenant": [...]}`; a
     `[scheduler]` table beside them is `parse_scheduler_table`'s)."""
     for key in data:
-        if key not in ("tenant", "scheduler"):
+        if key not in ("tenant", "scheduler", "fleet"):
             raise TenantsError(f"unknown top-level key {key!r}: tenants are [[tenant]] tables")
     tables = data.get("tenant")
     if not isinstance(tables, list) or not tables:
@@ -299,6 +300,11 @@ class TenantRegistry:
     @property
     def names(self) -> list[str]:
         return list(self._entries)
+
+    def entries(self) -> list[TenantEntry]:
+        """The tenants applied, as the file gave them."""
+        with self._lock:
+            return list(self._entries.values())
 
     def authenticate(self, api_key: str | None) -> str | None:
         """The tenant whose key this is, or None. Compares against every key,
