@@ -203,7 +203,10 @@ class FleetBudget:
                             self._peers[peer].update(totals, time.monotonic())
 
                 await asyncio.gather(*(read(p) for p in self._peers))
-                await self.apply(server, time.monotonic())
+                try:
+                    await self.apply(server, time.monotonic())
+                except Exception:  # noqa: BLE001 - logged; the next interval tries again
+                    log.exception("fleet budget: the shares were not applied")
                 await asyncio.sleep(max(0.0, self.config.interval_s - (time.monotonic() - t0)))
 
     async def apply(self, server: Any, now: float) -> None:
