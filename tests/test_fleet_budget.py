@@ -129,3 +129,36 @@ def test_fleet_budget_behind_vllm_router(tmp_path):
         assert r["light_tokens_per_s"] > 0.8 * 600 / 4, r
     assert rows["replica"]["capped_tokens_per_s"] > 1.6 * 600, rows  # each replica gave R
     assert 0.85 * 600 < rows["fleet"]["capped_tokens_per_s"] < 1.15 * 600, rows
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.model
+def test_fleet_demand_answers_the_fleet_key_only(tmp_path):
+    """GET /fleet/demand: 401 without the fleet key (a tenant's key is not it),
+    the tokens each tenant asked with it (prompt + max_tokens); a peer that
+    never answers does not stop the server serving."""
+    httpx = pytest.importorskip("httpx")
+    from serve_helpers import free_ports, start_serve
+    from smollm2_helpers import smollm2_file
+
+    smollm2_file()
+    (dead,) = free_ports(1)
+    toml = tmp_path / "t.toml"
+    toml.write_text('[[tenant]]\nname = "a"\napi_key = "sk-a"\nrate_tokens_per_s = 1000\n'
+                    f'[fleet]\npeers = ["http://127.0.0.1:{dead}"]\nkey = "{KEY}"\n'
+                    "interval_s = 0.2\n")  # fmt: skip
+    proc, url = start_serve(["--model", "simulated", "--tenants", str(toml), "--sim-step-ms", "2"],
+                            cwd=tmp_path)  # fmt: skip
+    try:
+        assert httpx.get(f"{url}/fleet/demand").status_code == 401
+        tenant_key = {"Authorization": "Bearer sk-a"}
+        assert httpx.get(f"{url}/fleet/demand", headers=tenant_key).status_code == 401
+        body = {"model": "simulated", "prompt": [5, 6, 7, 8], "max_tokens": 6}
+        r = httpx.post(f"{url}/v1/completions", headers=tenant_key, timeout=60, json=body)
+        assert r.status_code == 200, r.text
+        got = httpx.get(f"{url}/fleet/demand", headers={"Authorization": f"Bearer {KEY}"})
+        assert got.status_code == 200 and got.json() == {"demand": {"a": 10.0}}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
