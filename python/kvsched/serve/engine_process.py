@@ -61,6 +61,7 @@ import kvsched
 from kvsched.engine.outputs import RequestOutput, StepOutputs
 from kvsched.engine.sampling import SamplingParams
 from kvsched.serve.async_engine import RequestStream, deliver
+from kvsched.serve.tenants import config_fields
 
 log = logging.getLogger("kvsched.serve")
 
@@ -85,9 +86,7 @@ def _tenant_config(name: str, fields: dict[str, Any]) -> kvsched.TenantConfig:
 
 
 def _reduce_tenant_config(t: kvsched.TenantConfig) -> tuple[Any, ...]:
-    fields = {a: v for a in dir(t) if not a.startswith("_") and a != "name"
-              and not callable(v := getattr(t, a))}  # fmt: skip
-    return _tenant_config, (t.name, fields)
+    return _tenant_config, (t.name, config_fields(t))
 
 
 # A tenant's config goes to the engine (add_tenant, update_tenant) and back (tenant).

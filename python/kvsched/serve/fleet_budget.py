@@ -113,8 +113,9 @@ def load_fleet_table(path: str | Path) -> FleetConfig | None:
 def with_rate(config: kvsched.TenantConfig, rate: float) -> kvsched.TenantConfig:
     """`config` with its bucket's rate `rate` (its size as configured: the
     file's burst, or one second of the file's rate)."""
-    names = [a for a in dir(config) if not a.startswith("_") and a != "name"]
-    fields = {a: getattr(config, a) for a in names if not callable(getattr(config, a))}
+    from kvsched.serve.tenants import config_fields
+
+    fields = config_fields(config)
     base = config.rate_tokens_per_s
     assert base is not None
     fields["burst_tokens"] = config.burst_tokens or max(1.0, base)

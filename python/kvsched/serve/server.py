@@ -446,7 +446,9 @@ class OpenAIServer(ServerLifecycle):
             prompt = prompt[0]
         return (len(prompt), "prompt") if isinstance(prompt, str) else None
 
-    def _refuse_before_tokenizing(self, tenant: str, req: Any, kind: str) -> None:
+    def _refuse_before_tokenizing(
+        self, tenant: str, req: Any, kind: str, *, demand: bool = True
+    ) -> None:
         """What can be refused from a text's length alone is, untokenized: a text
         longer than the context could hold at the vocabulary's longest token (it
         cannot fit, whatever its tokens: each covers at most `max_token_chars`
@@ -463,7 +465,7 @@ class OpenAIServer(ServerLifecycle):
                 param=param, code="context_length_exceeded",
             )  # fmt: skip
         fewest = -(-text_len // self.max_token_chars)
-        if self.fleet is not None:
+        if self.fleet is not None and demand:
             self.fleet.note(tenant, fewest)  # asked, whether or not it passes
         try:
             wait = self.scheduler.rate_wait(tenant, fewest)
@@ -560,13 +562,19 @@ class OpenAIServer(ServerLifecycle):
         except kvsched.InvalidRequest as e:
             raise invalid(e, kind) from None
 
-    async def _handle(self, request: Request, kind: str) -> Response:
+    async def _read_request(self, request: Request, kind: str) -> tuple[str, Any]:
+        """(tenant, request) of a completion or chat body: the API key, the
+        body's size and schema, the model, what is not supported."""
         tenant = self._authenticate(request)
         body = await self._read_body(request)
         model_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
         req = validate_body(model_cls, body)
         self._check_model(req.model)
         check_unsupported(req)
+        return tenant, req
+
+    async def _handle(self, request: Request, kind: str) -> Response:
+        tenant, req = await self._read_request(request, kind)
         self._refuse_if_draining()
         self._refuse_before_tokenizing(tenant, req, kind)
         # Templates and tokenizers run off the event loop: a long prompt must not
@@ -623,13 +631,9 @@ class OpenAIServer(ServerLifecycle):
         once (the others wait their turn): a router renders each request on
         every replica, and a tenant must not spend the tokenizer's time
         without bound."""
-        tenant = self._authenticate(request)
-        body = await self._read_body(request)
-        model_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
-        req = validate_body(model_cls, body)
-        self._check_model(req.model)
-        check_unsupported(req)
-        self._refuse_before_tokenizing(tenant, req, kind)
+        tenant, req = await self._read_request(request, kind)
+        # A router renders each request on every replica: no demand is counted.
+        self._refuse_before_tokenizing(tenant, req, kind, demand=False)
         async with self._render_slots:
             ids, prompt_param = await asyncio.to_thread(self._prompt_ids, req, kind)
         self._sampling(req, kind, len(ids), prompt_param)

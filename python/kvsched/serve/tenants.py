@@ -74,6 +74,13 @@ FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
 _FLOATS = {"rate_tokens_per_s", "burst_tokens", "weight"}
 
 
+def config_fields(config: kvsched.TenantConfig) -> dict[str, Any]:
+    """A TenantConfig's keyword arguments but its name: `TenantConfig(name,
+    **config_fields(c))` remakes it."""
+    names = [a for a in dir(config) if not a.startswith("_") and a != "name"]
+    return {a: v for a in names if not callable(v := getattr(config, a))}
+
+
 class TenantsError(ValueError):
     """The tenants file is not usable; the message names the tenant and field."""
 
